@@ -1,0 +1,50 @@
+"""The `kubetrain` command: parse arguments, call the library, print. No logic of its own."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import typer
+
+from kubetrain.errors import EXIT_BAD_INPUT, KubetrainError
+
+app = typer.Typer(
+    name="kubetrain",
+    help="Train and fine-tune decoder-only language models from one YAML config.",
+    no_args_is_help=False,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _register() -> None:
+    from kubetrain.cli import config_cmd, data_cmd, generate_cmd, runs_cmd, train_cmd
+
+    train_cmd.register(app)
+    data_cmd.register(app)
+    generate_cmd.register(app)
+    app.add_typer(config_cmd.app, name="config")
+    app.add_typer(runs_cmd.app, name="runs")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: user errors become one line on stderr and an exit code; --debug shows the traceback."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("KUBETRAIN_DEBUG") == "1"
+    args = [a for a in args if a != "--debug"]
+    _register()
+    try:
+        app(args=args, prog_name="kubetrain", standalone_mode=True)
+    except KubetrainError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {e.strerror}: {e.filename}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_INPUT)

@@ -1,0 +1,40 @@
+"""`kubetrain generate`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kubetrain.errors import UserInputError
+
+
+def generate(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory or a checkpoint folder.")],
+    prompt: Annotated[str, typer.Option("--prompt", help="Text to continue.")] = "\n",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 200,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 is greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="0 keeps every token.")] = 50,
+    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    checkpoint: Annotated[str, typer.Option("--checkpoint", help="best or latest (for a run directory).")] = "best",
+) -> None:
+    """Continue a prompt with a trained model."""
+    import torch
+
+    from kubetrain.models.load import load_trained
+    from kubetrain.models.sampling import generate as sample
+
+    if checkpoint not in ("best", "latest"):
+        raise UserInputError("--checkpoint must be 'best' or 'latest'")
+    model, tokenizer, cfg, _ = load_trained(run_dir, checkpoint)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    ids = tokenizer.encode(prompt)
+    block = cfg.model.block_size
+    out = sample(model, ids, max_new_tokens, block, temperature, top_k or None, tokenizer.eos_id, seed)
+    typer.echo(prompt + tokenizer.decode(out))
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(generate)

@@ -1,0 +1,187 @@
+"""Load a config: preset or YAML file, then --set overrides, validated into one `Config`."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from kubetrain.config.schema import Config
+from kubetrain.errors import ConfigError
+
+DEFAULT_PRESET = "tiny"
+
+
+def preset_names() -> list[str]:
+    """Names of the presets shipped inside the package."""
+    folder = resources.files("kubetrain") / "presets"
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def read_preset(name: str) -> dict[str, Any]:
+    names = preset_names()
+    if name not in names:
+        raise ConfigError(f"unknown preset '{name}'{_suggest(name, names)}; presets: {', '.join(names)}")
+    text = (resources.files("kubetrain") / "presets" / f"{name}.yaml").read_text(encoding="utf-8")
+    return yaml.safe_load(text) or {}
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{p}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not UTF-8 text") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_config(
+    path: str | Path | None = None, preset: str | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
+    """Build the config from a file or a preset (the embedded default when neither), then apply --set."""
+    if path is not None and preset is not None:
+        raise ConfigError("give either a CONFIG file or --preset, not both")
+    raw = read_yaml(path) if path is not None else read_preset(preset or DEFAULT_PRESET)
+    for item in overrides:
+        apply_override(raw, item)
+    return validate(raw, source=str(path) if path else f"preset '{preset or DEFAULT_PRESET}'")
+
+
+def validate(raw: dict[str, Any], source: str = "config") -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"{source}: {describe_error(e)}") from None
+
+
+def describe_error(e: ValidationError) -> str:
+    """The first validation problem as one line, with a 'did you mean' for unknown keys."""
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"])
+    if err["type"] == "extra_forbidden":
+        parent, key = err["loc"][:-1], str(err["loc"][-1])
+        fields = _fields_at(Config, parent)
+        return f"unknown key '{loc}'{_suggest(key, fields)}"
+    msg = err["msg"]
+    if err["type"] in ("value_error", "assertion_error"):
+        msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        return f"{loc}: {msg}" if loc else msg
+    got = err.get("input")
+    shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
+    more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+    return f"{loc}: {msg}{shown}{more}"
+
+
+def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    current: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = current.model_fields.get(str(part)) if _is_model(current) else None
+        if field is None:
+            return []
+        current = _model_in(field.annotation)
+    return list(current.model_fields) if _is_model(current) else []
+
+
+def _is_model(t: Any) -> bool:
+    return isinstance(t, type) and issubclass(t, BaseModel)
+
+
+def _model_in(annotation: Any) -> Any:
+    """The BaseModel inside `X`, `X | None` or `list[X]`, if any."""
+    if _is_model(annotation):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _suggest(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one `a.b.c=VALUE` to the raw mapping; VALUE is parsed as YAML, then typed by the model."""
+    if "=" not in item:
+        raise ConfigError(f"--set needs KEY=VALUE, got '{item}'")
+    key, text = item.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"--set needs KEY=VALUE, got '{item}'")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    node: Any = raw
+    model: Any = Config
+    defaults: Any = Config().model_dump(mode="json")
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"--set {key}: '{part}' is not an index of a list of {len(node)}")
+            child_key: Any = int(part)
+            defaults = None
+        else:
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: '{'.'.join(parts[:i])}' is not a section")
+            if model is not None:
+                fields = list(model.model_fields)
+                if part not in fields:
+                    raise ConfigError(f"--set: unknown key '{'.'.join(parts[: i + 1])}'{_suggest(part, fields)}")
+                model = _model_in(model.model_fields[part].annotation)
+            child_key = part
+            defaults = defaults.get(part) if isinstance(defaults, dict) else None
+        if last:
+            node[child_key] = value
+        else:
+            if isinstance(node, dict) and node.get(child_key) is None:
+                node[child_key] = copy.deepcopy(defaults) if defaults is not None else {}
+            node = node[child_key]
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def config_hash(cfg: Config) -> str:
+    """A short digest of the resolved config (which checkpoints record)."""
+    blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def with_overrides(cfg: Config, sections: dict[str, dict[str, Any] | None]) -> Config:
+    """A copy of `cfg` whose named sections are deep-merged with the given mappings (used by phases)."""
+    raw = cfg.model_dump(mode="json")
+    for name, patch in sections.items():
+        if patch:
+            raw[name] = _deep_merge(raw.get(name) or {}, patch)
+    return validate(raw, source="phase")
+
+
+def _deep_merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in patch.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out

@@ -1,0 +1,171 @@
+"""Pydantic models of the whole config. Every default lives here and is written resolved into the run."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kubetrain.config.k8s import K8sConfig
+from kubetrain.config.track import TrackConfig
+
+
+class Section(BaseModel):
+    """A config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = Field("default", description="Run name; the run directory is <output_dir>/<name>.")
+    output_dir: str = Field("runs", description="Folder that holds run directories.")
+    seed: int = Field(1337, description="Seed for weights, data order and dropout.")
+    device: Literal["auto", "cpu", "cuda", "mps"] = Field("auto", description="auto picks cuda, then mps, then cpu.")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's).")
+
+
+class SourceConfig(Section):
+    kind: Literal["builtin", "text", "jsonl", "chat", "hf"] = Field(
+        "builtin", description="builtin: the corpus shipped with kubetrain; text: files/globs; jsonl: a text field; "
+        "chat: messages or prompt/response JSONL; hf: a Hugging Face dataset (hub id or local)."
+    )
+    path: str | None = Field(None, description="File, folder or glob (text/jsonl/chat), or dataset id/folder (hf).")
+    text_field: str = Field("text", description="JSONL / dataset field that holds the text.")
+    split: str = Field("train", description="Dataset split (hf).")
+    name: str | None = Field(None, description="Dataset config name (hf).")
+    weight: float = Field(1.0, gt=0, description="Relative share of this source (repeats whole documents).")
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> SourceConfig:
+        if self.kind != "builtin" and not self.path:
+            raise ValueError(f"a data source of kind '{self.kind}' needs a path")
+        return self
+
+
+class TokenizerConfig(Section):
+    kind: Literal["byte", "bpe", "hf", "tiktoken"] = Field(
+        "byte", description="byte: 256 byte ids, no files; bpe: trained on the corpus; hf: a tokenizer folder/id; "
+        "tiktoken: a named encoding whose files are present."
+    )
+    path: str | None = Field(None, description="Tokenizer folder or hub id (hf); encoding name (tiktoken).")
+    vocab_size: int = Field(4096, ge=260, description="Vocabulary size when training a BPE tokenizer.")
+    local_files_only: bool = Field(True, description="Never reach a model hub for the tokenizer.")
+
+
+class ChatConfig(Section):
+    template: str | None = Field(None, description="Jinja chat template to use instead of the tokenizer's own.")
+    mask_prompt: bool = Field(True, description="Leave prompt tokens out of the loss.")
+    add_special_tokens: bool = Field(False, description="Let the tokenizer add BOS/EOS around the rendered text.")
+    packing: bool = Field(False, description="Pack several conversations into one window.")
+    skip_bad_rows: bool = Field(False, description="Skip and count malformed rows instead of failing.")
+
+
+class DataConfig(Section):
+    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig()])
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    chat: ChatConfig = Field(default_factory=ChatConfig)
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of tokens held out for validation.")
+    cache_dir: str | None = Field(None, description="Where prepared shards go (default <output_dir>/.data).")
+
+
+class LoraConfig(Section):
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | str = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    modules_to_save: list[str] | None = None
+
+
+class ModelConfig(Section):
+    kind: Literal["gpt", "hf"] = Field("gpt", description="gpt: kubetrain's own decoder; hf: AutoModelForCausalLM.")
+    n_layer: int = Field(4, ge=1)
+    n_head: int = Field(4, ge=1)
+    n_embd: int = Field(128, ge=8)
+    block_size: int = Field(128, ge=2, description="Context length in tokens.")
+    vocab_size: int | None = Field(None, description="Default: the tokenizer's vocabulary (rounded up to 64).")
+    mlp_hidden: int | None = Field(None, description="SwiGLU hidden width (default ~8/3 * n_embd, multiple of 64).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-5, gt=0)
+    tie_embeddings: bool = True
+    # Hugging Face models (kind: hf)
+    name_or_path: str | None = Field(None, description="Local folder or hub id (kind: hf).")
+    revision: str | None = None
+    local_files_only: bool = Field(True, description="Never reach a model hub (offline).")
+    trust_remote_code: bool = False
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    gradient_checkpointing: bool = False
+    lora: LoraConfig | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ModelConfig:
+        if self.kind == "gpt" and self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
+        if self.kind == "gpt" and (self.n_embd // self.n_head) % 2:
+            raise ValueError("model.n_embd / model.n_head must be even for rotary embeddings")
+        if self.kind == "hf" and not self.name_or_path:
+            raise ValueError("model.kind 'hf' needs model.name_or_path")
+        return self
+
+
+class TrainConfig(Section):
+    max_steps: int = Field(200, ge=1, description="Optimizer steps.")
+    max_tokens: int | None = Field(None, ge=1, description="Stop once this many tokens were trained on.")
+    micro_batch_size: int = Field(16, ge=1, description="Sequences per forward pass per process.")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    lr: float = Field(3e-3, gt=0)
+    min_lr: float | None = Field(None, ge=0, description="Cosine floor (default lr / 10).")
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global grad norm (0 = off).")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="auto: bf16 autocast on GPUs that support it, fp32 on CPU."
+    )
+    compile: bool = Field(False, description="torch.compile the model.")
+    log_every_steps: int = Field(10, ge=1)
+    deterministic: bool = Field(True, description="Deterministic kernels (bitwise-repeatable runs on CPU).")
+
+
+class EvalConfig(Section):
+    every_steps: int = Field(50, ge=1)
+    batches: int = Field(8, ge=1, description="Validation batches per evaluation.")
+    sample_prompt: str | None = Field("And God said", description="Prompt for a sample at each eval (None: off).")
+    sample_tokens: int = Field(64, ge=1)
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(100, ge=1)
+    keep_last: int = Field(3, ge=1, description="Periodic checkpoints kept (best is always kept).")
+    grace_seconds: float = Field(60.0, gt=0, description="Time allowed to save after SIGTERM.")
+
+
+class DistConfig(Section):
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    timeout_seconds: int = Field(600, ge=10, description="Collective timeout; a hung rank fails the job.")
+
+
+class PhaseConfig(Section):
+    """One stage of a multi-phase run; its sections override the top-level ones."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    init_from: Literal["best", "final"] = "best"
+    reset_optimizer: bool = True
+    data: dict[str, Any] | None = None
+    train: dict[str, Any] | None = None
+    eval: dict[str, Any] | None = None
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    dist: DistConfig = Field(default_factory=DistConfig)
+    track: TrackConfig = Field(default_factory=TrackConfig)
+    k8s: K8sConfig = Field(default_factory=K8sConfig)
+    phases: list[PhaseConfig] = Field(default_factory=list)

@@ -1,0 +1,1 @@
+"""Data: tokenizers, sources, `prepare` into token shards, and the resumable loader."""

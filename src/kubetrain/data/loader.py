@@ -1,0 +1,116 @@
+"""Fixed windows read by position. The loader's whole state is one cursor, so resume never replays or skips.
+
+Sample s of the run (counted over all ranks) is window perm_e[s mod W] of epoch e = s // W, where W is the
+number of windows and perm_e a permutation seeded by (seed, e). A global micro-batch is the next
+world * batch samples; rank r takes its own contiguous slice. The order of samples therefore does not
+depend on the world size, and a resume with another world size simply continues from the cursor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kubetrain.data.shards import MASK_FILE, TOKENS_FILE, Prepared
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (B, T) int64
+    labels: torch.Tensor  # (B, T) int64, IGNORE_INDEX where no loss
+
+    def to(self, device: torch.device) -> Batch:
+        nb = device.type == "cuda"
+        return Batch(self.input_ids.to(device, non_blocking=nb), self.labels.to(device, non_blocking=nb))
+
+    def n_loss_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+class TokenWindows:
+    """The windows of one split (train or val) of a prepared shard."""
+
+    def __init__(self, prepared: Prepared, split: str, block_size: int) -> None:
+        tokens = np.memmap(prepared.folder / TOKENS_FILE, dtype=prepared.dtype, mode="r")
+        start, end = (0, prepared.n_train) if split == "train" else (prepared.n_train, prepared.meta["tokens"])
+        self.tokens = tokens[start:end]
+        self.mask = None
+        if prepared.has_mask:
+            self.mask = np.memmap(prepared.folder / MASK_FILE, dtype=np.uint8, mode="r")[start:end]
+        self.block_size = block_size
+        self.n_windows = max(0, (len(self.tokens) - 1) // block_size)
+
+    def window(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
+        a = i * self.block_size
+        seq = self.tokens[a : a + self.block_size + 1]
+        return seq, (self.mask[a : a + self.block_size + 1] if self.mask is not None else None)
+
+    def batch(self, indices: list[int]) -> Batch:
+        seqs, masks = zip(*(self.window(i) for i in indices), strict=True)
+        x = torch.from_numpy(np.stack(seqs).astype(np.int64))
+        inputs, labels = x[:, :-1], x[:, 1:].clone()
+        if self.mask is not None:
+            m = torch.from_numpy(np.stack(masks).astype(np.bool_))[:, 1:]
+            labels[~m] = IGNORE_INDEX
+        return Batch(inputs.contiguous(), labels.contiguous())
+
+
+class TrainLoader:
+    """Shuffled windows, epoch after epoch, addressed by a global sample cursor."""
+
+    def __init__(self, windows: TokenWindows, batch_size: int, seed: int, rank: int = 0, world: int = 1) -> None:
+        if windows.n_windows == 0:
+            raise ValueError("no training windows")
+        self.windows = windows
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world = world
+        self.cursor = 0  # samples consumed by all ranks together
+        self._perm_epoch = -1
+        self._perm = np.empty(0, dtype=np.int64)
+
+    def _perm_for(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = torch.randperm(self.windows.n_windows, generator=g).numpy()
+            self._perm_epoch = epoch
+        return self._perm
+
+    def sample_index(self, s: int) -> int:
+        epoch, pos = divmod(s, self.windows.n_windows)
+        return int(self._perm_for(epoch)[pos])
+
+    @property
+    def epoch(self) -> float:
+        return self.cursor / self.windows.n_windows
+
+    def next_batch(self) -> Batch:
+        first = self.cursor + self.rank * self.batch_size
+        indices = [self.sample_index(s) for s in range(first, first + self.batch_size)]
+        self.cursor += self.world * self.batch_size
+        return self.windows.batch(indices)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"cursor": self.cursor, "seed": self.seed, "n_windows": self.windows.n_windows,
+                "block_size": self.windows.block_size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["n_windows"] != self.windows.n_windows or state["block_size"] != self.windows.block_size:
+            raise ValueError(
+                f"the data changed since the checkpoint ({state['n_windows']} windows of {state['block_size']} "
+                f"then, {self.windows.n_windows} of {self.windows.block_size} now)"
+            )
+        self.cursor = int(state["cursor"])
+
+
+def val_batches(windows: TokenWindows, batch_size: int, n_batches: int, rank: int = 0, world: int = 1):  # type: ignore[no-untyped-def]
+    """The same first validation windows every time, split over ranks."""
+    total = min(windows.n_windows, batch_size * n_batches * world)
+    mine = list(range(rank, total, world))
+    for i in range(0, len(mine), batch_size):
+        yield windows.batch(mine[i : i + batch_size])

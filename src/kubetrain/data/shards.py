@@ -1,0 +1,187 @@
+"""`prepare`: turn the configured sources into one token shard (memmap) + meta.json, cached by content hash."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kubetrain.config.schema import Config, SourceConfig
+from kubetrain.data import sources
+from kubetrain.data.tokenizers import Tokenizer, build_tokenizer, load_saved_tokenizer
+from kubetrain.errors import DataError
+
+FORMAT_VERSION = 1
+TOKENS_FILE = "tokens.bin"
+MASK_FILE = "mask.bin"  # uint8, 1 where the token counts in the loss (chat data); absent means all count
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A prepared dataset: where its shard lives and what its meta.json says."""
+
+    folder: Path
+    meta: dict[str, Any]
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return np.dtype(self.meta["dtype"])
+
+    @property
+    def n_train(self) -> int:
+        return int(self.meta["train_tokens"])
+
+    @property
+    def n_val(self) -> int:
+        return int(self.meta["val_tokens"])
+
+    @property
+    def has_mask(self) -> bool:
+        return bool(self.meta.get("masked"))
+
+    def tokenizer(self) -> Tokenizer:
+        return load_saved_tokenizer(self.folder / "tokenizer")
+
+
+def cache_root(cfg: Config) -> Path:
+    return Path(cfg.data.cache_dir or Path(cfg.run.output_dir) / ".data").expanduser()
+
+
+def data_key(cfg: Config) -> str:
+    """Content hash of everything that decides the tokens: sources' bytes, tokenizer, split."""
+    h = hashlib.sha256(f"v{FORMAT_VERSION}".encode())
+    h.update(json.dumps(cfg.data.tokenizer.model_dump(mode="json"), sort_keys=True).encode())
+    h.update(json.dumps(cfg.data.chat.model_dump(mode="json"), sort_keys=True).encode())
+    h.update(f"{cfg.data.val_fraction}".encode())
+    if cfg.data.tokenizer.kind == "hf" and cfg.data.tokenizer.path and Path(cfg.data.tokenizer.path).exists():
+        for f in sorted(Path(cfg.data.tokenizer.path).glob("*")):
+            if f.is_file():
+                h.update(f.name.encode() + f.read_bytes())
+    for src in cfg.data.sources:
+        h.update(sources.fingerprint(src).encode())
+    return h.hexdigest()[:20]
+
+
+def prepare(cfg: Config, min_tokens: int | None = None, log: Any = None) -> Prepared:
+    """Tokenize the sources once; later calls with the same content return the cached shard at once."""
+    key = data_key(cfg)
+    folder = cache_root(cfg) / key
+    if (folder / "meta.json").is_file():
+        prepared = Prepared(folder, json.loads((folder / "meta.json").read_text()))
+        _check_size(prepared, min_tokens)
+        return prepared
+    if log:
+        log(f"preparing data into {folder}")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes may prepare at once (ranks, pods on one volume): each writes its own temporary
+    # folder and renames it into place; the first rename wins and the others discard theirs.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=folder.parent))
+    try:
+        meta = _write_shard(cfg, tmp)
+        meta["key"] = key
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        _fsync_tree(tmp)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not (folder / "meta.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    prepared = Prepared(folder, json.loads((folder / "meta.json").read_text()))
+    _check_size(prepared, min_tokens)
+    return prepared
+
+
+def _check_size(prepared: Prepared, min_tokens: int | None) -> None:
+    if min_tokens is None:
+        return
+    if prepared.n_train < min_tokens:
+        raise DataError(
+            f"the training data has {prepared.n_train} tokens, fewer than one window of block_size + 1 "
+            f"({min_tokens}); lower model.block_size or add data"
+        )
+    if prepared.meta["val_fraction"] > 0 and prepared.n_val < min_tokens:
+        raise DataError(
+            f"the validation split has {prepared.n_val} tokens, fewer than block_size + 1 ({min_tokens}); "
+            "raise data.val_fraction, lower model.block_size or add data"
+        )
+
+
+def encoded(cfg: Config, tok: Tokenizer, src: SourceConfig) -> Iterator[tuple[list[int], list[int] | None]]:
+    """(token ids, loss mask or None) for each document or conversation of a source."""
+    if src.kind == "chat":
+        from kubetrain.data.chat import encode_conversations
+
+        yield from encode_conversations(src, tok, cfg.data.chat)
+        return
+    sep = [tok.eos_id] if tok.eos_id is not None else tok.encode("\n\n")
+    whole, frac = divmod(src.weight, 1.0)
+    for copy in range(int(whole) + (1 if frac else 0)):
+        docs = list(sources.iter_documents(src)) if copy == int(whole) else sources.iter_documents(src)
+        if copy == int(whole):
+            docs = docs[: int(len(docs) * frac)]
+        for doc in docs:
+            if doc:
+                yield tok.encode(doc) + sep, None
+
+
+def _write_shard(cfg: Config, out: Path) -> dict[str, Any]:
+    corpus = (doc for src in cfg.data.sources if src.kind != "chat" for doc in sources.iter_documents(src))
+    tok = build_tokenizer(cfg.data.tokenizer, corpus if cfg.data.tokenizer.kind == "bpe" else None)
+    tok.save(out / "tokenizer")
+    dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
+    n_tokens = 0
+    masked = any(src.kind == "chat" for src in cfg.data.sources)
+    with open(out / TOKENS_FILE, "wb") as ft, open(out / MASK_FILE, "wb") as fm:
+        for src in cfg.data.sources:
+            for ids, mask in encoded(cfg, tok, src):
+                ft.write(np.asarray(ids, dtype=dtype).tobytes())
+                if masked:
+                    fm.write(np.asarray(mask if mask is not None else [1] * len(ids), dtype=np.uint8).tobytes())
+                n_tokens += len(ids)
+    if not masked:
+        (out / MASK_FILE).unlink()
+    if n_tokens == 0:
+        names = ", ".join(s.path or "builtin corpus" for s in cfg.data.sources)
+        raise DataError(f"the corpus is empty: no tokens in {names}")
+    n_val = int(n_tokens * cfg.data.val_fraction)
+    return {
+        "format": FORMAT_VERSION,
+        "tokenizer": tok.fingerprint(),
+        "tokenizer_kind": tok.kind,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "dtype": np.dtype(dtype).name,
+        "tokens": n_tokens,
+        "train_tokens": n_tokens - n_val,
+        "val_tokens": n_val,
+        "val_fraction": cfg.data.val_fraction,
+        "masked": masked,
+        "sources": [s.model_dump(mode="json") for s in cfg.data.sources],
+        "sha256": _sha256(out / TOKENS_FILE),
+    }
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_tree(folder: Path) -> None:
+    for f in folder.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())

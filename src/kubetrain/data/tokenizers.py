@@ -1,0 +1,216 @@
+"""Tokenizers behind one small interface: byte-level, BPE trained on the corpus, Hugging Face, tiktoken."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from kubetrain.config.schema import TokenizerConfig
+from kubetrain.errors import DataError
+
+TOKENIZER_FILE = "kubetrain_tokenizer.json"  # records which kind of tokenizer a folder holds
+
+
+class Tokenizer(Protocol):
+    kind: str
+    vocab_size: int
+    eos_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def save(self, folder: Path) -> None: ...
+    def fingerprint(self) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255: no files, no training, every text round-trips."""
+
+    kind = "byte"
+    vocab_size = 256
+    eos_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / TOKENIZER_FILE).write_text(json.dumps({"kind": "byte"}))
+
+    def fingerprint(self) -> str:
+        return "byte"
+
+
+class FastTokenizer:
+    """A `tokenizers` tokenizer.json (our trained BPE, or the fast file of a Hugging Face folder)."""
+
+    def __init__(self, tok: Any, kind: str = "bpe", eos_token: str | None = "<|endoftext|>") -> None:
+        self.tok = tok
+        self.kind = kind
+        self.vocab_size = int(tok.get_vocab_size())
+        self.eos_id = tok.token_to_id(eos_token) if eos_token else None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tok.decode(ids))
+
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.tok.save(str(folder / "tokenizer.json"))
+        (folder / TOKENIZER_FILE).write_text(json.dumps({"kind": self.kind}))
+
+    def fingerprint(self) -> str:
+        return f"{self.kind}:" + hashlib.sha256(self.tok.to_str().encode()).hexdigest()[:16]
+
+
+class HFTokenizer:
+    """Any Hugging Face tokenizer folder (or hub id when the config allows it), chat template included."""
+
+    kind = "hf"
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+        self.vocab_size = len(tok)
+        self.eos_id = tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tok.decode(ids, skip_special_tokens=False))
+
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.tok.save_pretrained(str(folder))
+        (folder / TOKENIZER_FILE).write_text(json.dumps({"kind": "hf"}))
+
+    def fingerprint(self) -> str:
+        vocab = json.dumps(sorted(self.tok.get_vocab().items())).encode()
+        return "hf:" + hashlib.sha256(vocab).hexdigest()[:16]
+
+
+class TiktokenTokenizer:
+    """A tiktoken encoding; its files must already be in TIKTOKEN_CACHE_DIR (nothing is fetched)."""
+
+    kind = "tiktoken"
+
+    def __init__(self, name: str) -> None:
+        try:
+            import tiktoken
+        except ImportError:
+            raise DataError("tokenizer kind 'tiktoken' needs the tiktoken package: pip install tiktoken") from None
+        try:
+            self.enc = tiktoken.get_encoding(name)
+        except Exception as e:
+            raise DataError(f"tiktoken encoding '{name}' could not be loaded from its local files: {e}") from None
+        self.name = name
+        self.vocab_size = int(self.enc.n_vocab)
+        self.eos_id = self.enc.eot_token
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.enc.encode_ordinary(text))
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.enc.decode(ids))
+
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / TOKENIZER_FILE).write_text(json.dumps({"kind": "tiktoken", "name": self.name}))
+
+    def fingerprint(self) -> str:
+        return f"tiktoken:{self.name}"
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> FastTokenizer:
+    """Train a byte-level BPE on the corpus (GPT-2 style pre-tokenizer, one <|endoftext|> special)."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = RawTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return FastTokenizer(tok, kind="bpe")
+
+
+def load_hf_tokenizer(path: str, local_files_only: bool = True) -> HFTokenizer | FastTokenizer:
+    """A Hugging Face tokenizer: via transformers when installed (chat templates), else its tokenizer.json."""
+    offline = local_files_only or os.environ.get("HF_HUB_OFFLINE") == "1"
+    local = Path(path).expanduser()
+    if offline and not local.exists():
+        raise DataError(f"tokenizer folder not found: {path} (offline: no hub download)")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        file = local / "tokenizer.json"
+        if not file.is_file():
+            raise DataError(f"{path}: no tokenizer.json (install kubetrain[hf] for other tokenizer formats)") from None
+        from tokenizers import Tokenizer as RawTokenizer
+
+        return FastTokenizer(RawTokenizer.from_file(str(file)), kind="hf", eos_token=None)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(local) if local.exists() else path, local_files_only=offline)
+    except Exception as e:
+        raise DataError(f"tokenizer '{path}' could not be loaded: {str(e).splitlines()[0]}") from None
+    return HFTokenizer(tok)
+
+
+def build_tokenizer(cfg: TokenizerConfig, corpus: Iterable[str] | None = None) -> Tokenizer:
+    """The tokenizer a config asks for; BPE is trained on `corpus`."""
+    if cfg.kind == "byte":
+        return ByteTokenizer()
+    if cfg.kind == "bpe":
+        if corpus is None:
+            raise DataError("a BPE tokenizer is trained during prepare; no corpus was given")
+        return train_bpe(corpus, cfg.vocab_size)
+    if cfg.kind == "tiktoken":
+        return TiktokenTokenizer(cfg.path or "gpt2")
+    if not cfg.path:
+        raise DataError("data.tokenizer.kind 'hf' needs data.tokenizer.path (a folder or hub id)")
+    return load_hf_tokenizer(cfg.path, cfg.local_files_only)
+
+
+def load_saved_tokenizer(folder: Path) -> Tokenizer:
+    """The tokenizer that `save` wrote into a folder (a run directory or a shard cache)."""
+    marker = folder / TOKENIZER_FILE
+    if not marker.is_file():
+        raise DataError(f"no tokenizer saved in {folder}")
+    info = json.loads(marker.read_text())
+    kind = info.get("kind")
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "tiktoken":
+        return TiktokenTokenizer(info["name"])
+    if kind == "bpe":
+        from tokenizers import Tokenizer as RawTokenizer
+
+        return FastTokenizer(RawTokenizer.from_file(str(folder / "tokenizer.json")), kind="bpe")
+    return load_hf_tokenizer(str(folder), local_files_only=True)
+
+
+def chunks(it: Iterable[str], n: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for x in it:
+        batch.append(x)
+        if len(batch) == n:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

@@ -1,0 +1,86 @@
+"""Start and stop the process group, and apply data parallelism to a single-device model from outside."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as td
+from torch import nn
+
+from kubetrain.config.schema import DistConfig
+from kubetrain.dist.env import ProcessEnv, process_env
+
+
+def init(cfg: DistConfig, device: torch.device) -> ProcessEnv:
+    """Join the process group when launched as one of several workers; a no-op for one process."""
+    penv = process_env()
+    if not penv.distributed or td.is_initialized():
+        return penv
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    td.init_process_group(
+        backend=backend,
+        timeout=datetime.timedelta(seconds=cfg.timeout_seconds),
+        device_id=device if device.type == "cuda" else None,
+    )
+    return penv
+
+
+def teardown() -> None:
+    if td.is_initialized():
+        td.destroy_process_group()
+
+
+def barrier() -> None:
+    if td.is_initialized():
+        td.barrier()
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    """Average of a tensor over ranks (itself for one process)."""
+    if td.is_initialized():
+        value = value.clone()
+        td.all_reduce(value, op=td.ReduceOp.SUM)
+        value /= td.get_world_size()
+    return value
+
+
+def broadcast_flag(flag: bool, device: torch.device) -> bool:
+    """True on every rank if it is true on any rank (a stop request seen by one rank stops all)."""
+    if not td.is_initialized():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    td.all_reduce(t, op=td.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def wrap(model: nn.Module, cfg: DistConfig, penv: ProcessEnv, device: torch.device) -> nn.Module:
+    """DDP or FSDP2 around the model when there are several processes; the model itself otherwise."""
+    if not penv.distributed:
+        return model
+    if cfg.strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in getattr(model, "blocks", []):
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [device.index] if device.type == "cuda" else None
+    return DDP(model, device_ids=ids)
+
+
+def local_device(requested: str) -> torch.device:
+    """The device for this process: cuda:LOCAL_RANK under a launcher, else the first one available."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    if requested == "mps" or (requested == "auto" and torch.backends.mps.is_available()):
+        return torch.device("mps")
+    return torch.device("cpu")

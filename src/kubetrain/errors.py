@@ -1,0 +1,43 @@
+"""User-facing errors: one message, an exit code, no traceback unless --debug."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_BAD_INPUT = 2
+# The run was asked to stop (SIGTERM/SIGINT), saved a checkpoint, and can be resumed.
+EXIT_STOPPED_RESUMABLE = 75  # EX_TEMPFAIL from sysexits.h: "try again later"
+
+
+class KubetrainError(Exception):
+    """Base of every error meant for the user; `exit_code` says what kind it is."""
+
+    exit_code = EXIT_FAILURE
+
+
+class UserInputError(KubetrainError):
+    """Bad input: a config, a path, a flag, data that cannot be used. Exit code 2."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class ConfigError(UserInputError):
+    """The config cannot be loaded or does not validate."""
+
+
+class DataError(UserInputError):
+    """A data source is missing, empty, undecodable or too small."""
+
+
+class CheckpointError(KubetrainError):
+    """A checkpoint cannot be written or does not fit the config."""
+
+
+class IncompatibleCheckpointError(UserInputError):
+    """A checkpoint whose model shape or tokenizer differs from the config."""
+
+
+class TrainingStopped(KubetrainError):
+    """Training stopped on a signal after saving a checkpoint; resumable."""
+
+    exit_code = EXIT_STOPPED_RESUMABLE

@@ -1,0 +1,147 @@
+"""kubetrain's own GPT decoder: RoPE, RMSNorm, SwiGLU, tied embeddings, causal SDPA, scaled init.
+
+Single-device code: DDP/FSDP, compile and mixed precision are applied from outside (dist/, train/).
+It is the Llama architecture, so export/ maps it onto a Llama config for Hugging Face and GGUF.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    mlp_hidden: int | None = None
+    dropout: float = 0.0
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def hidden(self) -> int:
+        # SwiGLU keeps the parameter count of a 4x MLP with 2/3 of the width; round up for fast matmuls.
+        return self.mlp_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)
+
+
+def rope_cache(cfg: GPTConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (block_size, head_dim / 2)."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim))
+    freqs = torch.outer(torch.arange(cfg.block_size, device=device).float(), inv)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves (the Llama / Hugging Face convention, so exported weights need no permutation)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos = torch.cat([cos, cos], dim=-1).to(x.dtype)
+    sin = torch.cat([sin, sin], dim=-1).to(x.dtype)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, cfg.hidden, bias=False)
+        self.down_proj = nn.Linear(cfg.hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_cache(cfg)
+        # Buffers are recomputed, not saved: checkpoints hold learned weights only.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init; the projections that write into the residual stream are scaled by 1/sqrt(2 * n_layer)."""
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue
+            std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids (B, T)."""
+        T = input_ids.shape[1]
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size {self.config.block_size}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.drop(self.embed(input_ids))
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters, counting tied weights once; non_embedding leaves out the token embedding."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if non_embedding else n
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward): 6 x matmul weights + attention (PaLM, appendix B)."""
+        c = self.config
+        matmul_params = self.num_params(non_embedding=True) + c.vocab_size * c.n_embd  # blocks + lm_head
+        return 6.0 * matmul_params + 12.0 * c.n_layer * c.n_embd * c.block_size

@@ -1,0 +1,59 @@
+"""Load a trained model back from a run directory or a checkpoint folder (generate, export)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from torch import nn
+
+from kubetrain.config.loading import validate
+from kubetrain.config.schema import Config
+from kubetrain.data.tokenizers import Tokenizer, load_saved_tokenizer
+from kubetrain.errors import UserInputError
+from kubetrain.models import build_model
+from kubetrain.runs import CHECKPOINTS, CONFIG_FILE
+from kubetrain.train import checkpoint
+
+
+def locate(target: Path, which: str = "best") -> tuple[Path, checkpoint.Checkpoint]:
+    """(run directory, checkpoint) for a run directory (its best, else latest) or a checkpoint folder."""
+    if not target.exists():
+        raise UserInputError(f"no such run directory or checkpoint: {target}")
+    if (target / checkpoint.META_FILE).is_file() and (target / checkpoint.MODEL_FILE).exists():
+        return target.parent.parent, checkpoint.verify(target)
+    root = target / CHECKPOINTS
+    if not (target / CONFIG_FILE).is_file():
+        raise UserInputError(f"{target} is not a run directory (no {CONFIG_FILE})")
+    for name in (checkpoint.pointer(root, which), checkpoint.pointer(root, checkpoint.LATEST)):
+        if name and (root / name).is_dir():
+            try:
+                return target, checkpoint.verify(root / name)
+            except Exception:
+                continue
+    found = checkpoint.find_resumable(root)
+    if found is None:
+        raise UserInputError(f"{target} has no complete checkpoint yet")
+    return target, found
+
+
+def run_config(run: Path) -> Config:
+    try:
+        raw = yaml.safe_load((run / CONFIG_FILE).read_text())
+    except OSError:
+        raise UserInputError(f"{run} is not a run directory (no {CONFIG_FILE})") from None
+    return validate(raw, source=str(run / CONFIG_FILE))
+
+
+def load_trained(target: Path, which: str = "best") -> tuple[nn.Module, Tokenizer, Config, checkpoint.Checkpoint]:
+    """The model with its trained weights, its tokenizer and config, and the checkpoint they came from."""
+    run, ckpt = locate(target, which)
+    cfg = run_config(run)
+    tokenizer = load_saved_tokenizer(run / "tokenizer")
+    model = build_model(cfg.model, tokenizer.vocab_size)
+    missing, unexpected = model.load_state_dict(ckpt.model_state(), strict=False)
+    tied = {n for n in missing if n.endswith("lm_head.weight") and cfg.model.tie_embeddings}
+    if unexpected or set(missing) - tied:
+        raise UserInputError(f"checkpoint {ckpt.path} does not fit the model in {run / CONFIG_FILE}")
+    model.eval()
+    return model, tokenizer, cfg, ckpt

@@ -1,0 +1,44 @@
+"""Autoregressive sampling for any model whose forward maps token ids to logits."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    ids: list[int],
+    max_new_tokens: int,
+    block_size: int,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    eos_id: int | None = None,
+    seed: int | None = None,
+) -> list[int]:
+    """Continue `ids` by up to `max_new_tokens` tokens; temperature 0 is greedy."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
+    was_training = model.training
+    model.eval()
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(x[:, -block_size:])[:, -1, :].float()
+        if temperature <= 0:
+            nxt = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1, None]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
+        token = int(nxt)
+        if eos_id is not None and token == eos_id:
+            break
+        out.append(token)
+        x = torch.cat([x, nxt], dim=1)
+    model.train(was_training)
+    return out

@@ -1,0 +1,91 @@
+"""Progress on stdout: a rich progress line on a terminal, plain lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from kubetrain.track import Sink
+
+
+def format_record(rec: dict[str, Any], total: int) -> str:
+    if rec["kind"] == "eval":
+        return f"eval step {rec['step']}: val_loss {rec['val_loss']:.4f} ppl {rec['val_ppl']:.2f}"
+    parts = [
+        f"step {rec['step']}/{total}",
+        f"loss {rec['loss']:.4f}",
+        f"lr {rec['lr']:.2e}",
+        f"tok/s {rec['tokens_per_second']:,.0f}",
+    ]
+    if rec.get("mfu") is not None:
+        parts.append(f"mfu {100 * rec['mfu']:.1f}%")
+    parts.append(f"mem {rec['memory_gib']:.2f}GiB")
+    if rec.get("eta_seconds") is not None:
+        parts.append(f"eta {_duration(rec['eta_seconds'])}")
+    return " | ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class ConsoleSink(Sink):
+    name = "console"
+
+    def __init__(self, total_steps: int, stream: Any = None, rich_progress: bool | None = None) -> None:
+        self.total = total_steps
+        self.stream = stream or sys.stdout
+        self.rich = self.stream.isatty() if rich_progress is None else rich_progress
+        self.progress: Any = None
+        self.task: Any = None
+
+    def start(self, info: dict[str, Any]) -> None:
+        if self.rich:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[line]}"),
+                TimeRemainingColumn(),
+                console=Console(file=self.stream),
+                transient=False,
+            )
+            self.progress.start()
+            self.task = self.progress.add_task("train", total=self.total, completed=info.get("start_step", 0), line="")
+
+    def log(self, record: dict[str, Any]) -> None:
+        line = format_record(record, self.total)
+        if self.progress is not None:
+            if record["kind"] == "eval":
+                self.progress.console.print(line)
+            else:
+                self.progress.update(self.task, completed=record["step"], line=line.split(" | ", 1)[1])
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def finish(self, status: str) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+class Throughput:
+    """Tokens per second over the last logging window, and ETA from it."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.tokens0 = 0
+
+    def window(self, tokens: int) -> tuple[float, float]:
+        now = time.perf_counter()
+        dt = max(now - self.t0, 1e-9)
+        rate = (tokens - self.tokens0) / dt
+        self.t0, self.tokens0 = now, tokens
+        return rate, dt

@@ -1,0 +1,246 @@
+"""Checkpoints that never lose work: written to a temporary folder, fsynced, renamed; verified on load.
+
+checkpoints/
+  step-000200/ model.safetensors  trainer.pt  meta.json (step, tokens, losses, config hash, checksums)
+  latest       name of the newest complete checkpoint
+  best         name of the checkpoint with the lowest val loss
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kubetrain.errors import CheckpointError, IncompatibleCheckpointError
+from kubetrain.runs import write_atomic
+
+MODEL_FILE = "model.safetensors"
+TRAINER_FILE = "trainer.pt"
+META_FILE = "meta.json"
+LATEST = "latest"
+BEST = "best"
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    meta: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return load_file(self.path / MODEL_FILE)
+
+    def trainer_state(self) -> dict[str, Any]:
+        # weights_only: a checkpoint from elsewhere cannot run code when it is loaded.
+        state: dict[str, Any] = torch.load(self.path / TRAINER_FILE, map_location="cpu", weights_only=True)
+        return state
+
+
+def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies, each storage once (tied weights are saved under their first name)."""
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.detach().to("cpu").contiguous()
+    return out
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync_file(path)
+    except OSError:  # some filesystems do not fsync directories
+        pass
+
+
+def save(
+    root: Path,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    trainer_state: dict[str, Any],
+    meta: dict[str, Any],
+    *,
+    keep_last: int,
+    is_best: bool = False,
+) -> Checkpoint:
+    """Write one checkpoint atomically, move `latest` (and `best`) to it, prune old ones.
+
+    A failure at any point (full disk, no permission, a kill) leaves the previous checkpoint and the
+    `latest` pointer as they were.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    name = step_name(step)
+    final = root / name
+    tmp = root / f"{name}.tmp"
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        tensors = unique_tensors(model_state)
+        save_file(tensors, str(tmp / MODEL_FILE))
+        torch.save(trainer_state, tmp / TRAINER_FILE)
+        files = [tmp / MODEL_FILE, tmp / TRAINER_FILE]
+        # Hash and fsync both files at once: hashlib and fsync release the GIL.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            digests = list(pool.map(_digest_and_sync, files))
+        full_meta = {
+            **meta,
+            "step": step,
+            "files": {f.name: {"sha256": d, "bytes": f.stat().st_size} for f, d in zip(files, digests, strict=True)},
+            "shapes": {k: list(v.shape) for k, v in tensors.items()},
+        }
+        write_atomic(tmp / META_FILE, json.dumps(full_meta, indent=2))
+        _fsync_dir(tmp)
+        if final.exists():  # an earlier save of the same step (a resumed run re-saving): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        write_atomic(root / LATEST, name + "\n")
+        if is_best:
+            write_atomic(root / BEST, name + "\n")
+        _fsync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise CheckpointError(f"could not save checkpoint {name} in {root}: {why}; the previous checkpoint is intact")
+    prune(root, keep_last)
+    return Checkpoint(final, full_meta)
+
+
+def _digest_and_sync(path: Path) -> str:
+    digest = file_digest(path)
+    _fsync_file(path)
+    return digest
+
+
+def pointer(root: Path, which: str) -> str | None:
+    try:
+        name = (root / which).read_text().strip()
+    except OSError:
+        return None
+    return name or None
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Finished checkpoint folders (not .tmp), oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))  # type: ignore[union-attr]
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` checkpoints, plus the ones `latest` and `best` name."""
+    keep = {pointer(root, LATEST), pointer(root, BEST)}
+    ckpts = complete_checkpoints(root)
+    for p in ckpts[: max(0, len(ckpts) - keep_last)]:
+        if p.name not in keep:
+            shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob("*.tmp"):  # leftovers of a save that was killed
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def verify(path: Path, deep: bool = True) -> Checkpoint:
+    """The checkpoint in `path` if its meta and files are whole and match their checksums."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path.name}: unreadable meta.json ({e})") from None
+    for fname, info in meta.get("files", {}).items():
+        f = path / fname
+        if not f.is_file():
+            raise CheckpointError(f"{path.name}: {fname} is missing")
+        if f.stat().st_size != info["bytes"]:
+            raise CheckpointError(f"{path.name}: {fname} has {f.stat().st_size} bytes, expected {info['bytes']}")
+        if deep and file_digest(f) != info["sha256"]:
+            raise CheckpointError(f"{path.name}: {fname} fails its checksum")
+    if not meta.get("files"):
+        raise CheckpointError(f"{path.name}: meta.json lists no files")
+    return Checkpoint(path, meta)
+
+
+def find_resumable(root: Path, warn: Callable[[str], None] | None = None) -> Checkpoint | None:
+    """The newest checkpoint that verifies: `latest` first, then older ones; broken ones are skipped."""
+    warn = warn or (lambda m: warnings.warn(m, stacklevel=2))
+    candidates = list(reversed(complete_checkpoints(root)))
+    latest = pointer(root, LATEST)
+    if latest and (root / latest) in candidates:
+        candidates.remove(root / latest)
+        candidates.insert(0, root / latest)
+    for path in candidates:
+        try:
+            return verify(path)
+        except CheckpointError as e:
+            warn(f"skipping checkpoint {e}")
+    return None
+
+
+def resolve(path: Path) -> Checkpoint:
+    """A checkpoint named by the user: a checkpoint folder, or a run/checkpoints folder (its newest good one)."""
+    if (path / META_FILE).is_file() and (path / MODEL_FILE).exists():
+        return verify(path)
+    for root in (path / "checkpoints", path):
+        if root.is_dir() and complete_checkpoints(root):
+            found = find_resumable(root)
+            if found:
+                return found
+    raise IncompatibleCheckpointError(f"no usable checkpoint at {path}")
+
+
+def check_compatible(ckpt: Checkpoint, shapes: dict[str, list[int]], tokenizer: str | None) -> None:
+    """Refuse a checkpoint whose model shape or tokenizer differs from the config's."""
+    theirs = ckpt.meta.get("shapes", {})
+    for name, shape in theirs.items():
+        if name in shapes and shapes[name] != shape:
+            raise IncompatibleCheckpointError(
+                f"checkpoint {ckpt.path} does not fit the model: {name} is {shape} there, {shapes[name]} in the config"
+            )
+    if set(theirs) != set(shapes):
+        differ = sorted(set(theirs) ^ set(shapes))
+        raise IncompatibleCheckpointError(
+            f"checkpoint {ckpt.path} does not fit the model: weights differ ({', '.join(differ[:3])})"
+        )
+    old_tok = ckpt.meta.get("tokenizer")
+    if tokenizer and old_tok and old_tok != tokenizer:
+        raise IncompatibleCheckpointError(
+            f"checkpoint {ckpt.path} was trained with tokenizer {old_tok}, the config gives {tokenizer}"
+        )

@@ -1,0 +1,61 @@
+"""Device facts the loop needs: mixed precision, peak FLOPS for MFU, memory in use."""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+from collections.abc import Callable
+
+import torch
+
+# Dense bf16/fp16 tensor-core peak per GPU (FLOP/s), from the vendors' data sheets; MFU is shown only when known.
+PEAK_FLOPS: dict[str, float] = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "A10": 125e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "V100": 125e12,
+    "T4": 65e12,
+    "MI300X": 1307e12,
+    "MI250X": 383e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_FLOPS.items():
+        if key in name:
+            return flops
+    return None
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """'auto' is bf16 on GPUs that support it and fp32 elsewhere."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
+def autocast(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A factory of the autocast context for one forward pass."""
+    if precision == "fp32":
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)  # type: ignore[return-value]
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak on a GPU, max resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**30 if sys.platform == "darwin" else rss / 2**20

@@ -1,0 +1,71 @@
+"""Phases: named stages (pretrain -> code -> instruct ...) that override data/train/eval and chain weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kubetrain import runs
+from kubetrain.config.loading import with_overrides
+from kubetrain.config.schema import Config
+from kubetrain.errors import UserInputError
+from kubetrain.train import checkpoint
+from kubetrain.train.loop import TrainResult, train
+
+
+def phase_config(cfg: Config, index: int) -> Config:
+    ph = cfg.phases[index]
+    sub = with_overrides(cfg, {"data": ph.data, "train": ph.train, "eval": ph.eval})
+    return sub.model_copy(update={"phases": []})
+
+
+def train_all(
+    cfg: Config, *, argv: list[str], resume: str = "auto", dry_run: bool = False, only_phase: str | None = None,
+    log: Any = None,
+) -> TrainResult:
+    """Train the config; with `phases:`, run the remaining phases in order (or only `only_phase`)."""
+    if not cfg.phases:
+        if only_phase:
+            raise UserInputError(f"--phase {only_phase}: the config has no phases")
+        return train(cfg, argv=argv, resume=resume, dry_run=dry_run, log=log)
+    names = [p.name for p in cfg.phases]
+    if len(set(names)) != len(names):
+        raise UserInputError(f"phase names must be unique: {', '.join(names)}")
+    if only_phase and only_phase not in names:
+        raise UserInputError(f"--phase {only_phase}: no such phase (phases: {', '.join(names)})")
+    root = runs.run_dir(cfg)
+    result: TrainResult | None = None
+    previous: Path | None = None
+    for i, ph in enumerate(cfg.phases):
+        sub = phase_config(cfg, i)
+        path = root / "phases" / ph.name
+        if only_phase and ph.name != only_phase:
+            previous = path
+            continue
+        if runs.read_meta(path).get("status") == "finished" and not only_phase:
+            previous = path
+            continue
+        init = None
+        if previous is not None and not checkpoint.complete_checkpoints(path / runs.CHECKPOINTS):
+            init = _phase_weights(previous, ph.init_from)
+        result = train(sub, argv=argv, resume=resume, dry_run=dry_run, log=log, run_path=path,
+                       init_weights=init, phase=ph.name)
+        previous = path
+        if dry_run:
+            break
+    if result is None:
+        last = root / "phases" / names[-1]
+        meta = runs.read_meta(last)
+        return TrainResult(str(last.resolve()), int(meta.get("step", 0)), int(meta.get("tokens", 0)),
+                           meta.get("final_train_loss"), meta.get("final_val_loss"), meta.get("best_val_loss"),
+                           0.0, "finished")
+    return result
+
+
+def _phase_weights(previous: Path, which: str) -> Path:
+    root = previous / runs.CHECKPOINTS
+    name = checkpoint.pointer(root, checkpoint.BEST if which == "best" else checkpoint.LATEST)
+    name = name or checkpoint.pointer(root, checkpoint.LATEST)
+    if not name:
+        raise UserInputError(f"phase {previous.name} has no checkpoint to start the next phase from")
+    return root / name

@@ -1,0 +1,64 @@
+"""Graceful stop: the first SIGTERM/SIGINT asks the loop to finish its step and checkpoint; a second exits at once.
+
+Exiting at once is safe because every file a checkpoint writes is renamed into place: `latest` always names
+a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+
+from kubetrain.errors import EXIT_FAILURE
+
+
+class GracefulStop:
+    def __init__(self, grace_seconds: float) -> None:
+        self.grace_seconds = grace_seconds
+        self.requested = False
+        self.signal_name: str | None = None
+        self.requested_at: float | None = None
+        self._previous: dict[int, object] = {}
+        self._watchdog: threading.Timer | None = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.requested:
+            print(f"\n{name} again: exiting now (the last complete checkpoint stays 'latest')", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        self.requested, self.signal_name, self.requested_at = True, name, time.monotonic()
+        print(
+            f"\n{name}: finishing this step and saving a checkpoint (up to {self.grace_seconds:.0f}s); "
+            "send it again to exit at once",
+            file=sys.stderr,
+            flush=True,
+        )
+        # If the save cannot finish within the grace period, leave rather than be killed mid-way by the caller.
+        self._watchdog = threading.Timer(self.grace_seconds, self._expire)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _expire(self) -> None:
+        print(f"grace period of {self.grace_seconds:.0f}s passed before the checkpoint was saved; exiting",
+              file=sys.stderr, flush=True)
+        os._exit(EXIT_FAILURE)
+
+    def done(self) -> None:
+        """The stop checkpoint is saved: the watchdog is no longer needed."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
