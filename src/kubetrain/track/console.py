@@ -61,6 +61,8 @@ class ConsoleSink(Sink):
             self.task = self.progress.add_task("train", total=self.total, completed=info.get("start_step", 0), line="")
 
     def log(self, record: dict[str, Any]) -> None:
+        if record["kind"] not in ("train", "eval"):
+            return
         line = format_record(record, self.total)
         if self.progress is not None:
             if record["kind"] == "eval":

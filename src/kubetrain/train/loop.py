@@ -172,7 +172,7 @@ def train(
     loader = TrainLoader(train_windows, cfg.train.micro_batch_size, cfg.run.seed, penv.rank, penv.world_size)
     optimizer = build_optimizer(model, cfg.train, device)
     state = TrainState()
-    shapes = {k: list(v.shape) for k, v in checkpoint.unique_tensors(base.state_dict()).items()}
+    shapes = {k: list(v.shape) for k, v in checkpoint.unique_tensors(model_state(base)).items()}
     resumed = _resume(resume, ckpt_root, path, cfg, say) if resume != "never" else None
     if resume == "never" and checkpoint.complete_checkpoints(ckpt_root):
         raise UserInputError(
@@ -180,7 +180,7 @@ def train(
         )
     if resumed is not None:
         checkpoint.check_compatible(resumed, shapes, tokenizer_fingerprint(prepared))
-        base.load_state_dict(resumed.model_state(), strict=False)
+        load_model_state(base, resumed.model_state())
         trainer = resumed.trainer_state()
         optimizer.load_state_dict(trainer["optimizer"])
         try:
@@ -197,7 +197,7 @@ def train(
     elif init_weights is not None:
         init = checkpoint.resolve(init_weights)
         checkpoint.check_compatible(init, shapes, tokenizer_fingerprint(prepared))
-        base.load_state_dict(init.model_state(), strict=False)
+        load_model_state(base, init.model_state())
         say(f"starting from the weights of {init.path}")
 
     model = dist.wrap(model, cfg.dist, penv, device)
@@ -210,8 +210,9 @@ def train(
         tokenizer.save(path / "tokenizer")
     sinks = build_sinks(cfg, path, max_steps) if main else None
     if sinks:
-        sinks.start({"run_dir": str(path), "start_step": state.step, "params": n_params, "phase": phase,
-                     "config": cfg, "max_steps": max_steps})
+        sinks.start({"run_dir": str(path), "run": cfg.run.name, "start_step": state.step, "params": n_params,
+                     "phase": phase, "config": cfg, "max_steps": max_steps, "restarts": penv.restart_count,
+                     "world_size": penv.world_size})
 
     def save_checkpoint(is_best: bool = False) -> checkpoint.Checkpoint | None:
         rngs = gather_rng(penv.world_size)
@@ -220,7 +221,7 @@ def train(
             saved = checkpoint.save(
                 ckpt_root,
                 state.step,
-                base.state_dict(),
+                model_state(base),
                 {"optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
                  "state": {**asdict(state), "rng": []}, "rng": rngs},
                 {"tokens": state.tokens, "train_loss": state.last_train_loss, "val_loss": state.last_val_loss,
@@ -231,6 +232,9 @@ def train(
             )
             runs.update_meta(path, step=state.step, tokens=state.tokens, last_checkpoint=saved.path.name,
                              best_val_loss=state.best_val_loss)
+            if sinks:
+                sinks.log({"kind": "checkpoint", "step": state.step, "path": str(saved.path), "best": is_best,
+                           "phase": phase, "time": time.time()})
         dist.barrier()
         return saved
 
@@ -342,6 +346,19 @@ def train(
         sample=sample,
         checkpoint=str(last_ckpt.path) if last_ckpt else None,
     )
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint stores: every weight, or only the trainable ones when some are frozen (LoRA adapters)."""
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    if len(trainable) == len(list(model.parameters())):
+        return model.state_dict()
+    return {n: t for n, t in model.state_dict().items() if n in trainable}
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load checkpointed weights; shapes and names were checked by checkpoint.check_compatible."""
+    model.load_state_dict(state, strict=False)
 
 
 def tokenizer_fingerprint(prepared: Any) -> str:
