@@ -100,12 +100,37 @@ def read_meta(path: Path) -> dict[str, Any]:
         return {}
 
 
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """{"train.lr": 0.001, ...} for a nested mapping (lists stay whole)."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def config_changes(path: Path, cfg: Config) -> list[str]:
+    """What differs between the config a run was last started with and this one ("train.lr: 0.003 -> 0.001")."""
+    import yaml
+
+    try:
+        old = yaml.safe_load((path / CONFIG_FILE).read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    before, after = flatten(old or {}), flatten(cfg.model_dump(mode="json"))
+    keys = sorted(set(before) | set(after))
+    changed = [k for k in keys if before.get(k) != after.get(k)]
+    return [f"{k}: {redact(before.get(k), k)!r} -> {redact(after.get(k), k)!r}" for k in changed]
+
+
 def start(path: Path, cfg: Config, argv: list[str], world_size: int, phase: str | None = None) -> dict[str, Any]:
-    """Create (or reopen) a run directory and record who started it, with what."""
+    """Create (or reopen) a run directory and record who started it, with what (and what changed since)."""
     import torch
 
     path.mkdir(parents=True, exist_ok=True)
     previous = read_meta(path)
+    changes = config_changes(path, cfg)
     write_atomic(path / CONFIG_FILE, to_yaml(cfg))
     meta = {
         "run": cfg.run.name,
@@ -123,6 +148,8 @@ def start(path: Path, cfg: Config, argv: list[str], world_size: int, phase: str 
         "status": "running",
         "phase": phase,
         "pid": os.getpid(),
+        "config_changes": changes,
+        "history": [*previous.get("history", []), *([{"at": time.time(), "changes": changes}] if changes else [])],
     }
     write_atomic(path / META_FILE, json.dumps(redact(meta), indent=2))
     return meta

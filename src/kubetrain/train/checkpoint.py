@@ -8,6 +8,7 @@ checkpoints/
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kubetrain.errors import CheckpointError, IncompatibleCheckpointError
@@ -86,10 +88,8 @@ def _fsync_file(path: Path) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # some filesystems do not fsync directories
         _fsync_file(path)
-    except OSError:  # some filesystems do not fsync directories
-        pass
 
 
 def save(
@@ -138,10 +138,13 @@ def save(
         if is_best:
             write_atomic(root / BEST, name + "\n")
         _fsync_dir(root)
-    except OSError as e:
+    except (OSError, RuntimeError, SafetensorError) as e:
+        # torch.save reports a full disk as RuntimeError and safetensors as SafetensorError.
         shutil.rmtree(tmp, ignore_errors=True)
-        why = os.strerror(e.errno) if e.errno else str(e)
-        raise CheckpointError(f"could not save checkpoint {name} in {root}: {why}; the previous checkpoint is intact")
+        why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e).splitlines()[0]
+        raise CheckpointError(
+            f"could not save checkpoint {name} in {root}: {why}; the previous checkpoint is intact"
+        ) from None
     prune(root, keep_last)
     return Checkpoint(final, full_meta)
 
@@ -199,14 +202,13 @@ def verify(path: Path, deep: bool = True) -> Checkpoint:
 
 
 def find_resumable(root: Path, warn: Callable[[str], None] | None = None) -> Checkpoint | None:
-    """The newest checkpoint that verifies: `latest` first, then older ones; broken ones are skipped."""
+    """The newest checkpoint that verifies; broken or half-written ones are skipped with a warning.
+
+    Newest by step, not by the `latest` pointer: a kill between the rename and the pointer update leaves
+    a complete checkpoint that `latest` does not name yet.
+    """
     warn = warn or (lambda m: warnings.warn(m, stacklevel=2))
-    candidates = list(reversed(complete_checkpoints(root)))
-    latest = pointer(root, LATEST)
-    if latest and (root / latest) in candidates:
-        candidates.remove(root / latest)
-        candidates.insert(0, root / latest)
-    for path in candidates:
+    for path in reversed(complete_checkpoints(root)):
         try:
             return verify(path)
         except CheckpointError as e:

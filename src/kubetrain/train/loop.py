@@ -8,7 +8,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,9 @@ class TrainState:
     best_val_loss: float | None = None
     last_train_loss: float | None = None
     last_val_loss: float | None = None
-    rng: list[Any] = field(default_factory=list)
+    # The running sum of the current logging window, so a resumed run logs the same averages.
+    window_loss_sum: float = 0.0
+    window_steps: int = 0
 
 
 def configure_torch(cfg: Config) -> None:
@@ -113,6 +115,7 @@ def train(
     log: Log | None = None,
     run_path: Path | None = None,
     init_weights: Path | None = None,
+    init_optimizer: bool = False,
     phase: str | None = None,
 ) -> TrainResult:
     """Train `cfg` to the end (or until stopped), resuming from the run's checkpoints when there are some."""
@@ -131,6 +134,8 @@ def train(
     dist.barrier()
     if not main:
         prepared = prepare(cfg, min_tokens=need)
+    if penv.distributed:
+        rank_say(f"process {penv.rank}/{penv.world_size} on {device} (local rank {penv.local_rank})")
     tokenizer = prepared.tokenizer()
     train_windows = TokenWindows(prepared, "train", cfg.model.block_size)
     val_windows = TokenWindows(prepared, "val", cfg.model.block_size) if prepared.n_val > need else None
@@ -187,7 +192,7 @@ def train(
             loader.load_state_dict(trainer["loader"])
         except ValueError as e:
             raise IncompatibleCheckpointError(f"cannot resume {resumed.path}: {e}") from None
-        state = TrainState(**{**trainer["state"], "rng": []})
+        state = TrainState(**trainer["state"])
         rngs = trainer["rng"]
         if len(rngs) == penv.world_size:
             set_rng_state(rngs[penv.rank])
@@ -198,15 +203,20 @@ def train(
         init = checkpoint.resolve(init_weights)
         checkpoint.check_compatible(init, shapes, tokenizer_fingerprint(prepared))
         load_model_state(base, init.model_state())
-        say(f"starting from the weights of {init.path}")
+        if init_optimizer:
+            optimizer.load_state_dict(init.trainer_state()["optimizer"])
+        say(f"starting from the weights{' and optimizer state' if init_optimizer else ''} of {init.path}")
 
     model = dist.wrap(model, cfg.dist, penv, device)
     if cfg.train.compile:
         model = torch.compile(model)  # type: ignore[assignment]
 
     if main:
-        runs.start(path, cfg, argv if argv is not None else sys.argv[1:], penv.world_size, phase=phase)
+        meta = runs.start(path, cfg, argv if argv is not None else sys.argv[1:], penv.world_size, phase=phase)
+        for change in meta["config_changes"]:
+            say(f"config changed since the last start: {change}")
         truncate_after(path / runs.METRICS_FILE, state.step)
+        truncate_after(path / runs.SAMPLES_FILE, state.step)
         tokenizer.save(path / "tokenizer")
     sinks = build_sinks(cfg, path, max_steps) if main else None
     if sinks:
@@ -215,6 +225,7 @@ def train(
                      "world_size": penv.world_size})
 
     def save_checkpoint(is_best: bool = False) -> checkpoint.Checkpoint | None:
+        state.window_loss_sum, state.window_steps = float(loss_sum), loss_count
         rngs = gather_rng(penv.world_size)
         saved = None
         if main:
@@ -223,7 +234,7 @@ def train(
                 state.step,
                 model_state(base),
                 {"optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
-                 "state": {**asdict(state), "rng": []}, "rng": rngs},
+                 "state": asdict(state), "rng": rngs},
                 {"tokens": state.tokens, "train_loss": state.last_train_loss, "val_loss": state.last_val_loss,
                  "best_val_loss": state.best_val_loss, "config_hash": config_hash(cfg), "phase": phase,
                  "tokenizer": tokenizer_fingerprint(prepared), "world_size": penv.world_size},
@@ -262,8 +273,8 @@ def train(
     t_start = time.perf_counter()
     meter = Throughput()
     meter.tokens0 = state.tokens
-    loss_sum = torch.zeros((), device=device)
-    loss_count = 0
+    loss_sum = torch.tensor(state.window_loss_sum, device=device)
+    loss_count = state.window_steps
     sample: str | None = None
     last_ckpt: checkpoint.Checkpoint | None = None
     try:

@@ -49,7 +49,7 @@ def train_all(
         if previous is not None and not checkpoint.complete_checkpoints(path / runs.CHECKPOINTS):
             init = _phase_weights(previous, ph.init_from)
         result = train(sub, argv=argv, resume=resume, dry_run=dry_run, log=log, run_path=path,
-                       init_weights=init, phase=ph.name)
+                       init_weights=init, init_optimizer=not ph.reset_optimizer, phase=ph.name)
         previous = path
         if dry_run:
             break

@@ -28,7 +28,8 @@ class GracefulStop:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.requested:
-            print(f"\n{name} again: exiting now (the last complete checkpoint stays 'latest')", file=sys.stderr, flush=True)
+            print(f"\n{name} again: exiting now (the last complete checkpoint stays 'latest')",
+                  file=sys.stderr, flush=True)
             os._exit(128 + signum)
         self.requested, self.signal_name, self.requested_at = True, name, time.monotonic()
         print(

@@ -1,0 +1,61 @@
+"""Fixtures for training tests: a tiny config as --set overrides, and a way to run the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY = [
+    "run.threads=1",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "train.micro_batch_size=4",
+    "train.warmup_steps=2",
+    "train.log_every_steps=1",
+    "eval.batches=2",
+    "eval.sample_tokens=8",
+]
+
+
+def sets(*items: str) -> list[str]:
+    out: list[str] = []
+    for item in (*TINY, *items):
+        out += ["--set", item]
+    return out
+
+
+def cli_env() -> dict[str, str]:
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("KUBETRAIN_DEBUG", None)
+    return env
+
+
+def kubetrain(*args: str, cwd: Path, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kubetrain", *args], cwd=cwd, env=cli_env(), capture_output=True, text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kubetrain {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def start(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kubetrain", *args], cwd=cwd, env=cli_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
