@@ -8,7 +8,7 @@ from kubetrain.config.loading import (
     preset_names,
     to_yaml,
     validate,
-    with_overrides,
+    phase_config,
 )
 from kubetrain.config.schema import (
     Config,
@@ -35,5 +35,5 @@ __all__ = [
     "preset_names",
     "to_yaml",
     "validate",
-    "with_overrides",
+    "phase_config",
 ]

@@ -61,7 +61,21 @@ def load_config(
     raw = read_yaml(path) if path is not None else read_preset(preset or DEFAULT_PRESET)
     for item in overrides:
         apply_override(raw, item)
-    return validate(raw, source=str(path) if path else f"preset '{preset or DEFAULT_PRESET}'")
+    cfg = validate(raw, source=str(path) if path else f"preset '{preset or DEFAULT_PRESET}'")
+    for i in range(len(cfg.phases)):
+        phase_config(cfg, i)  # a bad phase is refused now, not after the phases before it have trained
+    return cfg
+
+
+def phase_config(cfg: Config, index: int) -> Config:
+    """The config of phase `index`: its data/train/eval sections merged over the top-level ones."""
+    ph = cfg.phases[index]
+    raw = cfg.model_dump(mode="json")
+    raw["phases"] = []
+    for name, patch in (("data", ph.data), ("train", ph.train), ("eval", ph.eval)):
+        if patch:
+            raw[name] = _deep_merge(raw.get(name) or {}, patch)
+    return validate(raw, source=f"phase '{ph.name}'")
 
 
 def validate(raw: dict[str, Any], source: str = "config") -> Config:
@@ -169,15 +183,6 @@ def config_hash(cfg: Config) -> str:
     """A short digest of the resolved config (which checkpoints record)."""
     blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def with_overrides(cfg: Config, sections: dict[str, dict[str, Any] | None]) -> Config:
-    """A copy of `cfg` whose named sections are deep-merged with the given mappings (used by phases)."""
-    raw = cfg.model_dump(mode="json")
-    for name, patch in sections.items():
-        if patch:
-            raw[name] = _deep_merge(raw.get(name) or {}, patch)
-    return validate(raw, source="phase")
 
 
 def _deep_merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:

@@ -6,17 +6,11 @@ from pathlib import Path
 from typing import Any
 
 from kubetrain import runs
-from kubetrain.config.loading import with_overrides
+from kubetrain.config.loading import phase_config
 from kubetrain.config.schema import Config
 from kubetrain.errors import UserInputError
 from kubetrain.train import checkpoint
 from kubetrain.train.loop import TrainResult, train
-
-
-def phase_config(cfg: Config, index: int) -> Config:
-    ph = cfg.phases[index]
-    sub = with_overrides(cfg, {"data": ph.data, "train": ph.train, "eval": ph.eval})
-    return sub.model_copy(update={"phases": []})
 
 
 def train_all(

@@ -1,0 +1,73 @@
+"""Phases: run in order, each from the previous phase's weights, completed ones skipped, --phase runs one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from tests.train.conftest import kubetrain, sets
+
+pytestmark = pytest.mark.slow
+
+
+def _config(tmp: Path) -> Path:
+    (tmp / "code.txt").write_text("def add(a, b):\n    return a + b\n" * 200)
+    cfg = {
+        "run": {"name": "staged"},
+        "phases": [
+            {"name": "pretrain", "train": {"max_steps": 6}},
+            {"name": "code", "init_from": "final", "data": {"sources": [{"kind": "text", "path": str(tmp / "code.txt")}]},
+             "train": {"max_steps": 4, "lr": 1e-3}},
+            {"name": "instruct", "reset_optimizer": False, "train": {"max_steps": 3}},
+        ],
+    }
+    path = tmp / "phased.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_phases_run_in_order_chain_weights_and_skip_completed(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    extra = sets("eval.every_steps=2", "checkpoint.every_steps=2")
+    proc = kubetrain("train", str(cfg), *extra, "--json", cwd=tmp_path)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    root = tmp_path / "runs" / "staged" / "phases"
+    assert sorted(p.name for p in root.iterdir()) == ["code", "instruct", "pretrain"]
+    assert result["run_dir"].endswith("instruct") and result["steps"] == 3
+    assert "starting from the weights of" in proc.stdout
+    assert "weights and optimizer state of" in proc.stdout  # instruct keeps the optimizer
+    for name, steps in (("pretrain", 6), ("code", 4), ("instruct", 3)):
+        meta = json.loads((root / name / "meta.json").read_text())
+        assert meta["status"] == "finished" and meta["step"] == steps and meta["phase"] == name
+    code_cfg = yaml.safe_load((root / "code" / "config.yaml").read_text())
+    assert code_cfg["train"]["lr"] == 1e-3 and code_cfg["data"]["sources"][0]["kind"] == "text"
+    # a second call skips every completed phase and trains nothing
+    before = load_file(root / "instruct" / "checkpoints" / "step-000003" / "model.safetensors")
+    again = kubetrain("train", str(cfg), *extra, "--json", cwd=tmp_path)
+    assert "tokens per step" not in again.stdout
+    after = load_file(root / "instruct" / "checkpoints" / "step-000003" / "model.safetensors")
+    assert all(before[k].equal(after[k]) for k in before)
+
+
+def test_single_phase_and_unknown_phase(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    kubetrain("train", str(cfg), *sets(), "--phase", "pretrain", cwd=tmp_path)
+    root = tmp_path / "runs" / "staged" / "phases"
+    assert [p.name for p in root.iterdir()] == ["pretrain"]
+    bad = kubetrain("train", str(cfg), *sets(), "--phase", "pretrian", cwd=tmp_path, check=False)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: --phase pretrian: no such phase (phases: pretrain, code, instruct)"
+
+
+def test_phase_with_a_bad_override_is_refused_before_training(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"phases": [{"name": "a", "train": {"max_steps": 3}}, {"name": "b", "train": {"max_step": 3}}]}))
+    bad = kubetrain("train", str(path), *sets(), cwd=tmp_path, check=False)
+    assert bad.returncode == 2
+    assert "phase 'b'" in bad.stderr and "did you mean 'max_steps'" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert not (tmp_path / "runs" / "default").exists()
