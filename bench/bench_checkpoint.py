@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
+from kubetrain.config.schema import TrainConfig
 from kubetrain.models.gpt import GPT, GPTConfig
 from kubetrain.train import checkpoint
 from kubetrain.train.optim import build_optimizer
-from kubetrain.config.schema import TrainConfig
 
 
 def gpt2_small() -> tuple[dict[str, torch.Tensor], dict[str, object]]:

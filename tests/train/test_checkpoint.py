@@ -51,7 +51,7 @@ def test_trainer_state_loads_without_pickle_execution(tmp_path: Path) -> None:
             return (os.system, ("true",))
 
     torch.save({"x": Evil()}, ck.path / "trainer.pt")
-    with pytest.raises(Exception, match="[Ww]eights only"):
+    with pytest.raises(Exception, match=r"[Ww]eights only"):
         ck.trainer_state()
 
 
@@ -165,7 +165,7 @@ def test_write_failure_midway_keeps_the_previous_checkpoint(tmp_path: Path, monk
         raise OSError(28, os.strerror(28))
 
     monkeypatch.setattr(checkpoint.torch, "save", failing_save)
-    with pytest.raises(CheckpointError, match="No space left"):
+    with pytest.raises(CheckpointError, match=r"No space left"):
         checkpoint.save(tmp_path, 2, _state(), {"x": 1}, {}, keep_last=2)
     assert checkpoint.pointer(tmp_path, "latest") == "step-000001"
     assert not (tmp_path / "step-000002.tmp").exists()

@@ -20,7 +20,8 @@ def _config(tmp: Path) -> Path:
         "run": {"name": "staged"},
         "phases": [
             {"name": "pretrain", "train": {"max_steps": 6}},
-            {"name": "code", "init_from": "final", "data": {"sources": [{"kind": "text", "path": str(tmp / "code.txt")}]},
+            {"name": "code", "init_from": "final",
+             "data": {"sources": [{"kind": "text", "path": str(tmp / "code.txt")}]},
              "train": {"max_steps": 4, "lr": 1e-3}},
             {"name": "instruct", "reset_optimizer": False, "train": {"max_steps": 3}},
         ],
@@ -65,7 +66,8 @@ def test_single_phase_and_unknown_phase(tmp_path: Path) -> None:
 
 def test_phase_with_a_bad_override_is_refused_before_training(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump({"phases": [{"name": "a", "train": {"max_steps": 3}}, {"name": "b", "train": {"max_step": 3}}]}))
+    phases = [{"name": "a", "train": {"max_steps": 3}}, {"name": "b", "train": {"max_step": 3}}]
+    path.write_text(yaml.safe_dump({"phases": phases}))
     bad = kubetrain("train", str(path), *sets(), cwd=tmp_path, check=False)
     assert bad.returncode == 2
     assert "phase 'b'" in bad.stderr and "did you mean 'max_steps'" in bad.stderr

@@ -3,6 +3,7 @@ ends with weights and a loss sequence bitwise identical to the same run never in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import signal
@@ -23,7 +24,8 @@ STEPS = 40
 def _args(name: str, cache: Path, *extra: str) -> list[str]:
     return ["train", *sets(
         f"run.name={name}", f"train.max_steps={STEPS}", "checkpoint.every_steps=3", "checkpoint.keep_last=2",
-        "eval.every_steps=6", "train.log_every_steps=4", "model.n_embd=64", "model.n_layer=3", f"data.cache_dir={cache}", *extra,
+        "eval.every_steps=6", "train.log_every_steps=4", "model.n_embd=64", "model.n_layer=3",
+        f"data.cache_dir={cache}", *extra,
     )]
 
 
@@ -73,10 +75,8 @@ def _last_step(run: Path) -> int:
         return 0
     steps = [0]
     for line in lines:
-        try:
+        with contextlib.suppress(ValueError, KeyError):  # a line being written
             steps.append(int(json.loads(line)["step"]))
-        except (ValueError, KeyError):
-            pass  # a line being written
     return max(steps)
 
 
@@ -133,7 +133,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_resumable(reference: tuple[Path, P
         assert proc.poll() is None
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_STOPPED_RESUMABLE, err
     assert "SIGTERM" in err and "Traceback" not in err
     stopped_at = json.loads((run / "meta.json").read_text())

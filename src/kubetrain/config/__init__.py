@@ -5,10 +5,10 @@ from kubetrain.config.loading import (
     apply_override,
     config_hash,
     load_config,
+    phase_config,
     preset_names,
     to_yaml,
     validate,
-    phase_config,
 )
 from kubetrain.config.schema import (
     Config,
@@ -32,8 +32,8 @@ __all__ = [
     "apply_override",
     "config_hash",
     "load_config",
+    "phase_config",
     "preset_names",
     "to_yaml",
     "validate",
-    "phase_config",
 ]
