@@ -107,7 +107,7 @@ def test_incompatible_shapes_and_tokenizer_are_refused(tmp_path: Path) -> None:
     ck = _save(tmp_path, 1)
     shapes = {k: list(v.shape) for k, v in checkpoint.unique_tensors(_state()).items()}
     checkpoint.check_compatible(ck, shapes, None)
-    with pytest.raises(IncompatibleCheckpointError, match="embed.weight"):
+    with pytest.raises(IncompatibleCheckpointError, match=r"embed\.weight"):
         checkpoint.check_compatible(ck, {**shapes, "embed.weight": [32, 8]}, None)
     with pytest.raises(IncompatibleCheckpointError, match="weights differ"):
         checkpoint.check_compatible(ck, {**shapes, "extra.weight": [1]}, None)
