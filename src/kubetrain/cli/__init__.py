@@ -9,6 +9,7 @@ import traceback
 import typer
 
 from kubetrain.errors import EXIT_BAD_INPUT, KubetrainError
+from kubetrain.launch.elastic import record_worker_error
 
 app = typer.Typer(
     name="kubetrain",
@@ -41,8 +42,12 @@ def main(argv: list[str] | None = None) -> None:
     except KubetrainError as e:
         if debug:
             traceback.print_exc()
+        record_worker_error(e)
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
+    except Exception as e:  # a bug: keep the traceback, and tell the elastic launcher which rank failed
+        record_worker_error(e)
+        raise
     except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
         if debug:
             traceback.print_exc()

@@ -22,11 +22,37 @@ def train(
         str, typer.Option("--resume", help="auto: continue from the run's latest good checkpoint; never; or a PATH.")
     ] = "auto",
     phase: Annotated[str | None, typer.Option("--phase", help="Run only this phase of `phases:`.")] = None,
+    nproc: Annotated[
+        int | None, typer.Option("--nproc", min=1, help="Processes per node, started by torch.distributed.run.")
+    ] = None,
+    nnodes: Annotated[str, typer.Option("--nnodes", help="Nodes: N, or MIN:MAX for an elastic job.")] = "1",
+    node_rank: Annotated[int | None, typer.Option("--node-rank", min=0, help="This node's rank.")] = None,
+    rdzv_endpoint: Annotated[
+        str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (several nodes).")
+    ] = None,
+    rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="Job id shared by all nodes.")] = "kubetrain",
+    max_restarts: Annotated[
+        int, typer.Option("--max-restarts", min=0, help="Times the agent restarts failed workers.")
+    ] = 0,
 ) -> None:
     """Train a model from a config (the embedded 'tiny' preset when none is given)."""
+    cfg = load(config, preset, set_)
+    if nproc is not None or nnodes != "1" or rdzv_endpoint is not None:
+        from kubetrain import runs
+        from kubetrain.launch.elastic import LaunchOptions, launch
+
+        forwarded = [str(config)] if config else (["--preset", preset] if preset else [])
+        for item in set_ or []:
+            forwarded += ["--set", item]
+        forwarded += ["--resume", resume, *(["--phase", phase] if phase else []), *(["--json"] if json_ else []),
+                      *(["--dry-run"] if dry_run else [])]
+        opts = LaunchOptions(nproc_per_node=nproc or 1, nnodes=nnodes, node_rank=node_rank,
+                             rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
+                             shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30)
+        raise typer.Exit(launch(opts, forwarded, runs.run_dir(cfg)))
+
     from kubetrain.train.phases import train_all
 
-    cfg = load(config, preset, set_)
     result = train_all(cfg, argv=sys.argv[1:], resume=resume, dry_run=dry_run, only_phase=phase)
     if json_:
         typer.echo(json.dumps(result.to_json()))

@@ -118,7 +118,10 @@ def train(
     init_optimizer: bool = False,
     phase: str | None = None,
 ) -> TrainResult:
-    """Train `cfg` to the end (or until stopped), resuming from the run's checkpoints when there are some."""
+    """Train `cfg` to the end (or until stopped), resuming from the run's checkpoints when there are some.
+
+    Under a launcher this joins the process group; the caller tears it down (phases share one group).
+    """
     configure_torch(cfg)
     device = dist.local_device(cfg.run.device)
     penv = dist.init(cfg.dist, device)
@@ -169,7 +172,6 @@ def train(
             loss = float(lm_loss(model(batch.input_ids), batch.labels))
         say(f"dry run: one forward pass, loss {loss:.4f} (ln(vocab) = {math.log(tokenizer.vocab_size):.4f}); "
             "nothing was written")
-        dist.teardown()
         return TrainResult("", 0, 0, loss, None, None, 0.0, "dry-run")
 
     path = run_path or runs.run_dir(cfg)
@@ -336,13 +338,11 @@ def train(
                 sample = _sample_text(base, tokenizer, cfg, cfg.eval.sample_prompt or "\n", cfg.eval.sample_tokens * 3)
     except TrainingStopped:
         _finish(path, sinks, "stopped", state, main)
-        dist.teardown()
         raise
     except BaseException:
         _finish(path, sinks, "failed", state, main)
         raise
     _finish(path, sinks, status, state, main)
-    dist.teardown()
     elapsed = time.perf_counter() - t_start
     return TrainResult(
         run_dir=str(path.resolve()),

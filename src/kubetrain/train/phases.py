@@ -8,6 +8,7 @@ from typing import Any
 from kubetrain import runs
 from kubetrain.config.loading import phase_config
 from kubetrain.config.schema import Config
+from kubetrain.dist import setup as dist
 from kubetrain.errors import UserInputError
 from kubetrain.train import checkpoint
 from kubetrain.train.loop import TrainResult, train
@@ -18,6 +19,15 @@ def train_all(
     log: Any = None,
 ) -> TrainResult:
     """Train the config; with `phases:`, run the remaining phases in order (or only `only_phase`)."""
+    try:
+        return _train_phases(cfg, argv=argv, resume=resume, dry_run=dry_run, only_phase=only_phase, log=log)
+    finally:
+        dist.teardown()
+
+
+def _train_phases(
+    cfg: Config, *, argv: list[str], resume: str, dry_run: bool, only_phase: str | None, log: Any
+) -> TrainResult:
     if not cfg.phases:
         if only_phase:
             raise UserInputError(f"--phase {only_phase}: the config has no phases")

@@ -1,0 +1,103 @@
+"""Run `kubetrain train` as several processes through torch.distributed.run (the elastic agent, c10d rendezvous).
+
+The agent restarts the workers when one dies (up to --max-restarts); each restart resumes from the latest
+checkpoint (`--resume auto`). SIGTERM/SIGINT to the launcher reach the workers, which finish their step,
+save a checkpoint and exit; the launcher then exits with EXIT_STOPPED_RESUMABLE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kubetrain.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_STOPPED_RESUMABLE, UserInputError
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    nproc_per_node: int = 1
+    nnodes: str = "1"  # "M" or "MIN:MAX" (elastic)
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "kubetrain"
+    max_restarts: int = 0
+    shutdown_timeout: int = 90  # how long workers get to save after SIGTERM
+    monitor_interval: float = 0.5
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition(":")
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        raise UserInputError(f"--nnodes must be N or MIN:MAX, got '{text}'") from None
+    if not 1 <= low <= high:
+        raise UserInputError(f"--nnodes must satisfy 1 <= MIN <= MAX, got '{text}'")
+    return low, high
+
+
+def torchrun_args(opts: LaunchOptions, train_args: list[str]) -> list[str]:
+    """The torch.distributed.run command line for these options and `kubetrain train` arguments."""
+    if opts.nproc_per_node < 1:
+        raise UserInputError("--nproc must be at least 1")
+    low, high = parse_nnodes(opts.nnodes)
+    args = [f"--nproc-per-node={opts.nproc_per_node}", f"--max-restarts={opts.max_restarts}",
+            f"--monitor-interval={opts.monitor_interval}", f"--shutdown-timeout={opts.shutdown_timeout}"]
+    if high == 1 and opts.rdzv_endpoint is None:
+        args.append("--standalone")  # c10d rendezvous on a free local port
+    else:
+        if not opts.rdzv_endpoint:
+            raise UserInputError("several nodes need --rdzv-endpoint HOST:PORT (the same on every node)")
+        host, _, port = opts.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise UserInputError(f"--rdzv-endpoint must be HOST:PORT, got '{opts.rdzv_endpoint}'")
+        args += [f"--nnodes={opts.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={opts.rdzv_endpoint}",
+                 f"--rdzv-id={opts.rdzv_id}"]
+        if opts.node_rank is not None:
+            args.append(f"--node-rank={opts.node_rank}")
+    return [*args, "--module", "kubetrain", "train", *train_args]
+
+
+def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
+    """Run the elastic agent in this process; the exit code says finished (0), stopped (75), bad input or failed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(torchrun_args(opts, train_args))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per worker unless told otherwise
+    try:
+        run(args)
+    except SignalException as e:
+        status = _run_status(run_dir)
+        print(f"launcher: {e.sigval.name}: workers stopped (run status: {status})", file=sys.stderr, flush=True)
+        return EXIT_STOPPED_RESUMABLE if status == "stopped" else EXIT_FAILURE
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode == EXIT_STOPPED_RESUMABLE:
+            return EXIT_STOPPED_RESUMABLE
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", json.dumps(message))
+        print(f"error: rank {rank} failed with exit code {failure.exitcode}: {message}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT if failure.exitcode == EXIT_BAD_INPUT else EXIT_FAILURE
+    return 0
+
+
+def _run_status(run_dir: Path) -> str:
+    from kubetrain.report import describe_run
+
+    return str(describe_run(run_dir)["status"]) if run_dir.is_dir() else "unknown"
+
+
+def record_worker_error(e: BaseException) -> None:
+    """Under the elastic agent, leave this rank's error where the launcher's failure summary reads it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"message": f"{e}", "timestamp": int(time.time())}, f)
