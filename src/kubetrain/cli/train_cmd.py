@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
+from kubetrain.dist.env import process_env
 
 
 def train(
@@ -54,6 +55,8 @@ def train(
     from kubetrain.train.phases import train_all
 
     result = train_all(cfg, argv=sys.argv[1:], resume=resume, dry_run=dry_run, only_phase=phase)
+    if not process_env().is_main:
+        return  # rank 0 reports for the job
     if json_:
         typer.echo(json.dumps(result.to_json()))
         return

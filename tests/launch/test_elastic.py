@@ -1,0 +1,144 @@
+"""Real multi-process training on gloo through torch.distributed.run: equivalence, two nodes, restarts, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from kubetrain.errors import EXIT_STOPPED_RESUMABLE, UserInputError
+from kubetrain.launch.elastic import LaunchOptions, torchrun_args
+from tests.train.conftest import kubetrain, sets, start
+
+
+def test_torchrun_command_lines() -> None:
+    single = torchrun_args(LaunchOptions(nproc_per_node=2), ["cfg.yaml"])
+    assert "--standalone" in single and single[-4:] == ["--module", "kubetrain", "train", "cfg.yaml"]
+    multi = torchrun_args(LaunchOptions(nproc_per_node=8, nnodes="2:4", rdzv_endpoint="head:29400", rdzv_id="j",
+                                        max_restarts=3), [])
+    assert {"--nnodes=2:4", "--rdzv-backend=c10d", "--rdzv-endpoint=head:29400", "--rdzv-id=j",
+            "--max-restarts=3", "--nproc-per-node=8"} <= set(multi)
+    for bad, message in ((LaunchOptions(nnodes="2"), "--rdzv-endpoint"), (LaunchOptions(nnodes="3:2"), "MIN <= MAX"),
+                         (LaunchOptions(nnodes="x"), "N or MIN:MAX"),
+                         (LaunchOptions(nnodes="2", rdzv_endpoint="nohost"), "HOST:PORT")):
+        with pytest.raises(UserInputError, match=message):
+            torchrun_args(bad, [])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _train_losses(run: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+
+
+def _weights(run: Path, step: int) -> dict:
+    return load_file(run / "checkpoints" / f"step-{step:06d}" / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path: Path) -> None:
+    common = ("train.max_steps=8", "eval.every_steps=100", "checkpoint.every_steps=100", f"data.cache_dir={tmp_path}/c")
+    kubetrain("train", *sets("run.name=one", "train.grad_accum_steps=2", *common), cwd=tmp_path)
+    kubetrain("train", *sets("run.name=two", *common), "--nproc", "2", cwd=tmp_path)
+    one, two = _train_losses(tmp_path / "runs" / "one"), _train_losses(tmp_path / "runs" / "two")
+    assert len(one) == len(two) == 8
+    assert one[-1] < one[0]
+    assert two == pytest.approx(one, rel=1e-4, abs=1e-5)
+    meta = json.loads((tmp_path / "runs" / "two" / "meta.json").read_text())
+    assert meta["world_size"] == 2
+    # only rank 0 writes run files: one metrics line per step, not one per rank
+    assert len((tmp_path / "runs" / "two" / "metrics.jsonl").read_text().splitlines()) == 8
+
+
+@pytest.mark.slow
+def test_two_launchers_rendezvous_over_loopback_as_two_nodes(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{_free_port()}"
+    args = ["train", *sets("run.name=nodes", "train.max_steps=4", "eval.every_steps=2"), "--nnodes", "2",
+            "--nproc", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes", "--json"]
+    node0 = start(*args, "--node-rank", "0", cwd=tmp_path)
+    node1 = start(*args, "--node-rank", "1", cwd=tmp_path)
+    out0, err0 = node0.communicate(timeout=300)
+    out1, err1 = node1.communicate(timeout=300)
+    assert node0.returncode == 0 and node1.returncode == 0, err0 + err1
+    results = [json.loads(line) for out in (out0, out1) for line in out.splitlines() if line.startswith('{"run_dir"')]
+    assert len(results) == 1 and results[0]["steps"] == 4  # one report, from global rank 0
+    assert json.loads((tmp_path / "runs" / "nodes" / "meta.json").read_text())["world_size"] == 2
+
+
+def _workers(launcher_pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == launcher_pid and b"kubetrain" in cmd:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_killed_worker_is_restarted_and_the_run_ends_like_an_uninterrupted_one(tmp_path: Path) -> None:
+    common = ("train.max_steps=30", "eval.every_steps=10", "checkpoint.every_steps=5", "model.n_embd=64",
+              f"data.cache_dir={tmp_path}/c")
+    kubetrain("train", *sets("run.name=ref", *common), "--nproc", "2", cwd=tmp_path)
+    proc = start("train", *sets("run.name=elastic", *common), "--nproc", "2", "--max-restarts", "2",
+                 cwd=tmp_path)
+    latest = tmp_path / "runs" / "elastic" / "checkpoints" / "latest"
+    while not latest.exists():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    workers = _workers(proc.pid)
+    assert len(workers) == 2
+    os.kill(max(workers), signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "resuming from" in out
+    mine, ref = _weights(tmp_path / "runs" / "elastic", 30), _weights(tmp_path / "runs" / "ref", 30)
+    assert all(mine[k].equal(ref[k]) for k in ref)
+    assert _train_losses(tmp_path / "runs" / "elastic") == _train_losses(tmp_path / "runs" / "ref")
+
+
+@pytest.mark.slow
+def test_failed_worker_without_restarts_fails_the_job_fast_with_its_error(tmp_path: Path) -> None:
+    proc = start("train", *sets("run.name=dies", "train.max_steps=10000", "checkpoint.every_steps=5"),
+                 "--nproc", "2", cwd=tmp_path)
+    latest = tmp_path / "runs" / "dies" / "checkpoints" / "latest"
+    while not latest.exists():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    os.kill(max(_workers(proc.pid)), signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)  # no hang: the agent tears the job down
+    assert proc.returncode == 1
+    assert "error: rank" in err and "Signal 9" in err
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_saves_and_exits_resumable(tmp_path: Path) -> None:
+    proc = start("train", *sets("run.name=term", "train.max_steps=10000", "checkpoint.every_steps=10000"),
+                 "--nproc", "2", cwd=tmp_path)
+    metrics = tmp_path / "runs" / "term" / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED_RESUMABLE, err
+    meta = json.loads((tmp_path / "runs" / "term" / "meta.json").read_text())
+    assert meta["status"] == "stopped"
+    step = meta["step"]
+    assert (tmp_path / "runs" / "term" / "checkpoints" / f"step-{step:06d}" / "meta.json").is_file()
