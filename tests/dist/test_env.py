@@ -81,5 +81,5 @@ def test_jobset_job_index_from_downward_api() -> None:
 def test_bad_values_are_clear() -> None:
     with pytest.raises(ValueError, match="WORLD_SIZE='two' is not an integer"):
         process_env({"WORLD_SIZE": "two"})
-    with pytest.raises(ValueError, match="outside 0..1"):
+    with pytest.raises(ValueError, match=r"outside 0\.\.1"):
         node_env({"JOB_COMPLETION_INDEX": "5", "KUBETRAIN_NNODES": "2"})

@@ -38,7 +38,8 @@ def _free_port() -> int:
 
 
 def _train_losses(run: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    return [r["loss"] for r in records if r["kind"] == "train"]
 
 
 def _weights(run: Path, step: int) -> dict:

@@ -44,7 +44,7 @@ def torchrun_args(opts: LaunchOptions, train_args: list[str]) -> list[str]:
     """The torch.distributed.run command line for these options and `kubetrain train` arguments."""
     if opts.nproc_per_node < 1:
         raise UserInputError("--nproc must be at least 1")
-    low, high = parse_nnodes(opts.nnodes)
+    _, high = parse_nnodes(opts.nnodes)
     args = [f"--nproc-per-node={opts.nproc_per_node}", f"--max-restarts={opts.max_restarts}",
             f"--monitor-interval={opts.monitor_interval}", f"--shutdown-timeout={opts.shutdown_timeout}"]
     if high == 1 and opts.rdzv_endpoint is None:
