@@ -108,31 +108,34 @@ def save(
     *,
     keep_last: int,
     is_best: bool = False,
+    prepared: bool = False,
 ) -> Checkpoint:
     """Write one checkpoint atomically, move `latest` (and `best`) to it, prune old ones.
 
     A failure at any point (full disk, no permission, a kill) leaves the previous checkpoint and the
-    `latest` pointer as they were.
+    `latest` pointer as they were. `prepared`: the caller made the temporary folder with `begin` and
+    wrote more into it (sharded optimizer state); those files are checksummed too.
     """
-    root.mkdir(parents=True, exist_ok=True)
     name = step_name(step)
     final = root / name
-    tmp = root / f"{name}.tmp"
+    tmp = tmp_dir(root, step)
     try:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        if not prepared:
+            begin(root, step)
         tensors = unique_tensors(model_state)
         save_file(tensors, str(tmp / MODEL_FILE))
         torch.save(trainer_state, tmp / TRAINER_FILE)
-        files = [tmp / MODEL_FILE, tmp / TRAINER_FILE]
-        # Hash and fsync both files at once: hashlib and fsync release the GIL.
-        with ThreadPoolExecutor(max_workers=2) as pool:
+        files = sorted(f for f in tmp.rglob("*") if f.is_file() and f.name != META_FILE)
+        # Hash and fsync the files at once: xxhash and fsync release the GIL.
+        with ThreadPoolExecutor(max_workers=4) as pool:
             digests = list(pool.map(_digest_and_sync, files))
         full_meta = {
             **meta,
             "step": step,
-            "files": {f.name: {CHECKSUM: d, "bytes": f.stat().st_size} for f, d in zip(files, digests, strict=True)},
+            "files": {
+                str(f.relative_to(tmp)): {CHECKSUM: d, "bytes": f.stat().st_size}
+                for f, d in zip(files, digests, strict=True)
+            },
             "shapes": {k: list(v.shape) for k, v in tensors.items()},
         }
         write_atomic(tmp / META_FILE, json.dumps(full_meta, indent=2))
@@ -154,6 +157,20 @@ def save(
         ) from None
     prune(root, keep_last)
     return Checkpoint(final, full_meta)
+
+
+def tmp_dir(root: Path, step: int) -> Path:
+    return root / f"{step_name(step)}.tmp"
+
+
+def begin(root: Path, step: int) -> Path:
+    """A fresh temporary folder for the checkpoint of `step` (what a killed save left there is discarded)."""
+    tmp = tmp_dir(root, step)
+    root.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
 
 
 def _digest_and_sync(path: Path) -> str:

@@ -40,6 +40,9 @@ def evaluate(
             total += lm_loss(model(batch.input_ids), batch.labels)
         count += 1
     model.train(was_training)
+    reshard = getattr(model, "reshard", None)
+    if reshard is not None:  # FSDP2 keeps the root's weights gathered after a forward with no backward
+        reshard()
     mean = total / max(count, 1)
     return float(all_reduce_mean(mean))
 

@@ -32,6 +32,9 @@ from kubetrain.train import checkpoint
 from kubetrain.train.device import autocast, memory_gib, peak_flops, resolve_precision
 from kubetrain.train.evaluate import evaluate, lm_loss, perplexity
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
+from kubetrain.train.sharded import full_model_state
+from kubetrain.train.sharded import load_optimizer as load_sharded_optimizer
+from kubetrain.train.sharded import save_optimizer as save_sharded_optimizer
 from kubetrain.train.stop import GracefulStop
 
 Log = Callable[[str], None]
@@ -177,7 +180,6 @@ def train(
     path = run_path or runs.run_dir(cfg)
     ckpt_root = path / runs.CHECKPOINTS
     loader = TrainLoader(train_windows, cfg.train.micro_batch_size, cfg.run.seed, penv.rank, penv.world_size)
-    optimizer = build_optimizer(model, cfg.train, device)
     state = TrainState()
     shapes = {k: list(v.shape) for k, v in checkpoint.unique_tensors(model_state(base)).items()}
     resumed = _resume(resume, ckpt_root, path, cfg, say) if resume != "never" else None
@@ -185,11 +187,18 @@ def train(
         raise UserInputError(
             f"{path} already has checkpoints; resume it (--resume auto), or choose another run.name"
         )
+    # Weights go into the single-device model before it is wrapped; the optimizer is built on the wrapped
+    # model's parameters (FSDP replaces them with shards) and its state loaded after.
+    source = resumed or (checkpoint.resolve(init_weights) if init_weights is not None else None)
+    if source is not None:
+        checkpoint.check_compatible(source, shapes, tokenizer_fingerprint(prepared))
+        load_model_state(base, source.model_state())
+    model = dist.wrap(model, cfg.dist, penv, device)
+    sharded = penv.distributed and cfg.dist.strategy == "fsdp"
+    optimizer = build_optimizer(model, cfg.train, device)
     if resumed is not None:
-        checkpoint.check_compatible(resumed, shapes, tokenizer_fingerprint(prepared))
-        load_model_state(base, resumed.model_state())
         trainer = resumed.trainer_state()
-        optimizer.load_state_dict(trainer["optimizer"])
+        _load_optimizer(model, optimizer, resumed, trainer, sharded)
         try:
             loader.load_state_dict(trainer["loader"])
         except ValueError as e:
@@ -201,15 +210,10 @@ def train(
         else:
             say(f"note: the checkpoint has RNG states of {len(rngs)} ranks, this run has {penv.world_size}")
         say(f"resuming from {resumed.path} (step {state.step}, {state.tokens:,} tokens)")
-    elif init_weights is not None:
-        init = checkpoint.resolve(init_weights)
-        checkpoint.check_compatible(init, shapes, tokenizer_fingerprint(prepared))
-        load_model_state(base, init.model_state())
+    elif source is not None:
         if init_optimizer:
-            optimizer.load_state_dict(init.trainer_state()["optimizer"])
-        say(f"starting from the weights{' and optimizer state' if init_optimizer else ''} of {init.path}")
-
-    model = dist.wrap(model, cfg.dist, penv, device)
+            _load_optimizer(model, optimizer, source, source.trainer_state(), sharded)
+        say(f"starting from the weights{' and optimizer state' if init_optimizer else ''} of {source.path}")
     if cfg.train.compile:
         model = torch.compile(model)  # type: ignore[assignment]
 
@@ -230,18 +234,28 @@ def train(
         state.window_loss_sum, state.window_steps = float(loss_sum), loss_count
         rngs = gather_rng(penv.world_size)
         saved = None
+        if sharded:  # every rank writes its optimizer shard into the temporary folder rank 0 made
+            if main:
+                checkpoint.begin(ckpt_root, state.step)
+            dist.barrier()
+            save_sharded_optimizer(model, optimizer, checkpoint.tmp_dir(ckpt_root, state.step))
+            # gathered tied weights come back as separate tensors: keep the names the model checkpoints
+            weights = {k: v for k, v in full_model_state(model).items() if k in shapes}
+        else:
+            weights = model_state(base) if main else {}
         if main:
             saved = checkpoint.save(
                 ckpt_root,
                 state.step,
-                model_state(base),
-                {"optimizer": optimizer.state_dict(), "loader": loader.state_dict(),
+                weights,
+                {"optimizer": None if sharded else optimizer.state_dict(), "loader": loader.state_dict(),
                  "state": asdict(state), "rng": rngs},
                 {"tokens": state.tokens, "train_loss": state.last_train_loss, "val_loss": state.last_val_loss,
                  "best_val_loss": state.best_val_loss, "config_hash": config_hash(cfg), "phase": phase,
                  "tokenizer": tokenizer_fingerprint(prepared), "world_size": penv.world_size},
                 keep_last=cfg.checkpoint.keep_last,
                 is_best=is_best,
+                prepared=sharded,
             )
             runs.update_meta(path, step=state.step, tokens=state.tokens, last_checkpoint=saved.path.name,
                              best_val_loss=state.best_val_loss)
@@ -365,6 +379,20 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     if len(trainable) == len(list(model.parameters())):
         return model.state_dict()
     return {n: t for n, t in model.state_dict().items() if n in trainable}
+
+
+def _load_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: checkpoint.Checkpoint, trainer: dict[str, Any],
+    sharded: bool,
+) -> None:
+    if trainer.get("optimizer") is not None:
+        if sharded:
+            raise IncompatibleCheckpointError(f"{ckpt.path} was saved without FSDP; resume it with dist.strategy ddp")
+        optimizer.load_state_dict(trainer["optimizer"])
+    elif sharded:
+        load_sharded_optimizer(model, optimizer, ckpt.path)
+    else:
+        raise IncompatibleCheckpointError(f"{ckpt.path} holds a sharded (FSDP) optimizer; resume it with FSDP")
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,37 @@
+"""FSDP2 state through torch.distributed.checkpoint: full weights for the portable model file, the optimizer
+sharded (each rank writes its own part; DCP reshards on load, so the world size may change)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+OPTIMIZER_DIR = "optimizer"
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight gathered to rank 0 on the CPU (collective: all ranks call it; the others get {})."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Collective: each rank writes its shard of the optimizer state into `folder`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(folder / OPTIMIZER_DIR))
+
+
+def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Collective: read the sharded optimizer state back, resharded to this world size."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    # get_optimizer_state_dict initialises empty AdamW state (a zero-lr step), giving DCP tensors to load into.
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(folder / OPTIMIZER_DIR))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
