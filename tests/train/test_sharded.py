@@ -11,17 +11,14 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from tests.launch.test_elastic import _train_losses as _losses
 from tests.launch.test_elastic import _workers
 from tests.train.conftest import kubetrain, sets, start
 
 pytestmark = pytest.mark.slow
 
-COMMON = ("train.max_steps=12", "checkpoint.every_steps=4", "checkpoint.keep_last=3", "eval.every_steps=4", "model.n_embd=64",
-          "train.log_every_steps=2")
-
-
-def _losses(run: Path) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+COMMON = ("train.max_steps=12", "checkpoint.every_steps=4", "checkpoint.keep_last=3", "eval.every_steps=4",
+          "model.n_embd=64", "train.log_every_steps=2")
 
 
 def test_fsdp_checkpoints_resume_exactly_and_match_ddp(tmp_path: Path) -> None:
