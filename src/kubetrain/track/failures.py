@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 from kubetrain.runs import redact_text
+
+# "[Errno 111] Connection refused" buried in a page of urllib3/requests wrapping is the part a user needs
+_ERRNO = re.compile(r"\[Errno -?\d+\] [^'\")\]\n]+")
 
 
 class TrackerUnavailable(Exception):
@@ -11,7 +16,9 @@ class TrackerUnavailable(Exception):
 
 def one_line(error: BaseException, limit: int = 240) -> str:
     """The first line of an error, secrets redacted and cut short: library errors can span pages."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    full = str(error).strip()
+    cause = _ERRNO.search(full)
+    text = cause.group(0).strip() if cause else full.splitlines()[0] if full else type(error).__name__
     text = redact_text(text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
