@@ -61,6 +61,7 @@ def check_tracked_run(client: MlflowClient, run_id: str, run_dir: Path, tmp_path
     assert meta["status"] == "finished"  # written before the sinks finish, so the artifact says how it ended
 
 
+@pytest.mark.slow
 def test_sqlite_by_default(train_tiny: TrainTiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     # a value shaped like a token, in a field that is not a secret: it must still not reach MLflow
@@ -107,6 +108,7 @@ def test_resumed_run_reuses_its_mlflow_run_and_status_follows(tmp_path: Path, sq
     assert "mfu" not in run.data.metrics  # None is no measurement (no known peak FLOPS), not a zero
 
 
+@pytest.mark.slow
 def test_dead_tracking_server_does_not_stop_training(train_tiny: TrainTiny,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     port = free_port()  # nothing listens there

@@ -101,6 +101,7 @@ def test_gauges_carry_values_and_labels(tmp_path: Path) -> None:
     assert set(GAUGES) <= set(m)  # every documented gauge is exported
 
 
+@pytest.mark.slow
 def test_port_taken_warns_once_and_training_goes_on(train_tiny: TrainTiny, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as taken:

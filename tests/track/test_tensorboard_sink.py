@@ -21,6 +21,7 @@ def events(folder: Path) -> EventAccumulator:
     return acc
 
 
+@pytest.mark.slow
 def test_training_writes_scalars_and_config(train_tiny: TrainTiny) -> None:
     result = train_tiny("track.tensorboard.enabled=true")
     run_dir = Path(result.run_dir)
