@@ -1,17 +1,17 @@
-"""`kubetrain runs list|show`."""
+"""`kubetrain runs list|show|compare|plot`."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from kubetrain.cli.options import JsonOpt
 from kubetrain.errors import UserInputError
 
-app = typer.Typer(help="List and inspect run directories.", no_args_is_help=True)
+app = typer.Typer(help="List, inspect, compare and plot run directories.", no_args_is_help=True)
 
 
 @app.command("list")
@@ -55,3 +55,70 @@ def show(run_dir: Annotated[Path, typer.Argument(help="A run directory.")], json
         if key != "checkpoints":
             typer.echo(f"{key:>16}: {value}")
     typer.echo(f"{'checkpoints':>16}: {', '.join(info['checkpoints']) or '-'}")
+
+
+RunDirsArg = Annotated[list[Path], typer.Argument(help="Run directories (a run with phases: each phase).")]
+XOpt = Annotated[str, typer.Option("--x", help="x axis: step, or tokens to compare different batch sizes.")]
+
+
+@app.command()
+def compare(run_dirs: RunDirsArg, json_: JsonOpt = False) -> None:
+    """Final and best losses, tokens, throughput and the config keys that differ, side by side."""
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from kubetrain.track.compare import compare as collect
+
+    result = collect(run_dirs)
+    if json_:
+        typer.echo(json.dumps(result))
+        return
+    console = Console(width=None if sys.stdout.isatty() else 200)  # a pipe gets whole rows, not 80 columns
+    columns = ("run", "status", "steps", "tokens", "final loss", "best loss", "final val", "best val (step)",
+               "tok/s", "mfu")
+    table = Table(*columns, title="runs")
+    for r in result["runs"]:
+        step = r["best_val_step"]
+        best_val = "-" if step is None else f"{_loss(r['best_val_loss'])} ({step})"
+        table.add_row(
+            r["run"], str(r["status"]), str(r["steps"]), f"{r['tokens']:,}", _loss(r["final_train_loss"]),
+            _loss(r["best_train_loss"]), _loss(r["final_val_loss"]), best_val,
+            "-" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:,.0f}",
+            "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+        )
+    console.print(table)
+    diff = result["config_diff"]
+    if not diff:
+        console.print("configs: identical")
+        return
+    changes = Table("config key", *[r["run"] for r in result["runs"]], title="config differences")
+    for key, values in diff.items():
+        changes.add_row(key, *[_value(v) for v in values])
+    console.print(changes)
+
+
+@app.command()
+def plot(
+    run_dirs: RunDirsArg,
+    output: Annotated[Path, typer.Option("--output", "-o", help="PNG file to write.")] = Path("loss.png"),
+    x: XOpt = "step",
+) -> None:
+    """Train and validation loss curves of one or several runs, as a PNG."""
+    from kubetrain.track.plots import plot_losses
+
+    if x not in ("step", "tokens"):
+        raise UserInputError(f"--x must be 'step' or 'tokens', not '{x}'")
+    written = plot_losses(run_dirs, output, "tokens" if x == "tokens" else "step")
+    typer.echo(f"wrote {written}")
+
+
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _value(value: Any) -> str:
+    if value is None:
+        return "-"
+    return value if isinstance(value, str) else json.dumps(value)

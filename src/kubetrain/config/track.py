@@ -1,11 +1,69 @@
-"""The `track:` section: which metric sinks are on."""
+"""The `track:` section: which metric sinks are on, and where they send metrics."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# scheme://user:password@host: a password in the config would land in config.yaml and the run's params.
+_URL_PASSWORD = re.compile(r"^[a-z][a-z0-9+.-]*://[^/@\s]*:[^/@\s]*@", re.IGNORECASE)
 
 
-class TrackConfig(BaseModel):
+class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    console: bool = Field(True, description="Progress on stdout (rich on a terminal, plain lines otherwise).")
+
+class MlflowConfig(_Section):
+    enabled: bool = Field(default=False, description="Log params, metrics, artifacts and status to MLflow.")
+    tracking_uri: str | None = Field(
+        default=None,
+        description="Any MLflow tracking URI (http://..., postgresql://user@host/db, sqlite:///...). "
+        "Default: $MLFLOW_TRACKING_URI, else sqlite:///<output_dir>/mlflow.db. Passwords go in the "
+        "environment (PGPASSWORD, MLFLOW_TRACKING_PASSWORD), never here.",
+    )
+    experiment: str = Field(default="kubetrain", min_length=1, description="Experiment (created if missing).")
+    artifact_location: str | None = Field(
+        default=None,
+        description="Where a new experiment keeps artifacts. Default: <output_dir>/mlartifacts for database "
+        "URIs; the server's choice for http(s) servers.",
+    )
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_password(cls, v: str | None) -> str | None:
+        if v and _URL_PASSWORD.match(v):
+            raise ValueError(
+                "must not contain a password (it would be written to config.yaml); put it in PGPASSWORD "
+                "or MLFLOW_TRACKING_PASSWORD, or the whole URI in MLFLOW_TRACKING_URI"
+            )
+        return v
+
+
+class TensorboardConfig(_Section):
+    enabled: bool = Field(default=False, description="Write TensorBoard event files.")
+    dir: str | None = Field(
+        default=None,
+        description="Root for event files, one folder per run: <dir>/<run name>[/<phase>] "
+        "(default: <run dir>/tensorboard).",
+    )
+
+
+class PrometheusConfig(_Section):
+    enabled: bool = Field(default=False, description="Serve /metrics and /healthz (liveness) on rank 0.")
+    port: int = Field(default=9400, ge=0, le=65535, description="Port of /metrics, /healthz (0: any).")
+    host: str = Field(default="0.0.0.0", description="Address to listen on (0.0.0.0: a pod can be scraped).")
+    health_timeout_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="/healthz answers 503 once no training step finished for this long (a hung collective "
+        "or data loader), so a liveness probe restarts the pod. Keep it above the slowest eval + "
+        "checkpoint save.",
+    )
+
+
+class TrackConfig(_Section):
+    console: bool = Field(default=True, description="Progress on stdout (rich on a terminal).")
+    mlflow: MlflowConfig = Field(default_factory=lambda: MlflowConfig())
+    tensorboard: TensorboardConfig = Field(default_factory=lambda: TensorboardConfig())
+    prometheus: PrometheusConfig = Field(default_factory=lambda: PrometheusConfig())

@@ -12,8 +12,29 @@ from kubetrain.track.console import ConsoleSink
 from kubetrain.track.jsonl import JsonlSink
 
 
-def build_sinks(cfg: Config, run_path: Path, total_steps: int, stream: Any = None, warn: Any = None) -> Fanout:
+def build_sinks(
+    cfg: Config, run_path: Path, total_steps: int, stream: Any = None, warn: Any = None
+) -> Fanout:
+    """metrics.jsonl always; MLflow, TensorBoard and Prometheus when switched on; the console last, so that
+    when a line is printed every other sink already holds the record."""
     sinks: list[Sink] = [JsonlSink(run_path / METRICS_FILE)]
-    if cfg.track.console:
+    track = cfg.track
+    if track.mlflow.enabled:
+        from kubetrain.track.mlflow_sink import MlflowSink, default_artifact_location, tracking_uri
+
+        uri = tracking_uri(track.mlflow.tracking_uri, cfg.run.output_dir)
+        location = track.mlflow.artifact_location or default_artifact_location(uri, cfg.run.output_dir)
+        sinks.append(MlflowSink(uri, track.mlflow.experiment, location, stream=stream))
+    if track.tensorboard.enabled:
+        from kubetrain.track.tensorboard_sink import TensorboardSink
+
+        root = Path(track.tensorboard.dir).expanduser() if track.tensorboard.dir else None
+        sinks.append(TensorboardSink(root, stream=stream))
+    if track.prometheus.enabled:
+        from kubetrain.track.prometheus import PrometheusSink
+
+        prom = track.prometheus
+        sinks.append(PrometheusSink(prom.port, prom.host, prom.health_timeout_seconds, stream=stream))
+    if track.console:
         sinks.append(ConsoleSink(total_steps, stream=stream))
     return Fanout(sinks, warn=warn)

@@ -414,12 +414,13 @@ def _resume(mode: str, ckpt_root: Path, path: Path, cfg: Config, say: Log) -> ch
 
 
 def _finish(path: Path, sinks: Any, status: str, state: TrainState, main: bool) -> None:
-    if sinks:
-        sinks.finish(status)
+    # meta.json first: sinks (MLflow) keep it as an artifact, and it should say how the run ended
     if main and path.exists():
         runs.update_meta(path, status=status, step=state.step, tokens=state.tokens,
                          best_val_loss=state.best_val_loss, final_val_loss=state.last_val_loss,
                          final_train_loss=state.last_train_loss, finished_at=time.time())
+    if sinks:
+        sinks.finish(status)
 
 
 def _sample_text(model: nn.Module, tokenizer: Any, cfg: Config, prompt: str, n: int) -> str:

@@ -1,0 +1,176 @@
+"""Prometheus exporter and liveness endpoint on one port: `/metrics` for scraping, `/healthz` for Kubernetes.
+
+`/healthz` answers 200 while the loop's heartbeat (one per finished step) is fresh and 503 once it has not
+advanced for `health_timeout_seconds`: a hung collective or a stuck data loader then gets the pod restarted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from kubetrain import runs
+from kubetrain.track import Sink
+from kubetrain.track.failures import TrackerUnavailable, missing_package
+
+LABELS = ("run", "phase")
+NO_PHASE = "none"  # label value for a run without phases (an empty label is the same as no label in PromQL)
+
+# name -> help; every gauge carries the run and phase labels.
+GAUGES = {
+    "kubetrain_step": "Optimizer steps finished.",
+    "kubetrain_max_steps": "Optimizer steps this run (phase) trains for.",
+    "kubetrain_tokens_seen": "Training tokens consumed so far.",
+    "kubetrain_train_loss": "Training loss, mean over the last logging window.",
+    "kubetrain_val_loss": "Validation loss at the last evaluation.",
+    "kubetrain_val_perplexity": "Validation perplexity at the last evaluation.",
+    "kubetrain_learning_rate": "Learning rate of the last step.",
+    "kubetrain_tokens_per_second": "Training throughput over the last logging window, all ranks.",
+    "kubetrain_mfu": "Model FLOPs utilisation (0-1) against the device's peak.",
+    "kubetrain_memory_bytes": "Peak accelerator (or process) memory in use on rank 0.",
+    "kubetrain_eta_seconds": "Estimated time left.",
+    "kubetrain_last_checkpoint_step": "Step of the newest saved checkpoint.",
+    "kubetrain_restarts": "Times torch.distributed.run restarted the workers (elastic restarts).",
+    "kubetrain_starts": "Times this run was started; above 1 the run resumed (pod restart, preemption).",
+    "kubetrain_world_size": "Training processes.",
+    "kubetrain_heartbeat_timestamp_seconds": "Unix time the last training step finished.",
+}
+
+Clock = Callable[[], float]
+
+
+class PrometheusSink(Sink):
+    """Gauges in a registry of their own (not the process-wide default), served with /healthz on one port."""
+
+    name = "prometheus"
+
+    def __init__(
+        self,
+        port: int,
+        host: str = "0.0.0.0",
+        health_timeout_seconds: float = 600.0,
+        clock: Clock = time.monotonic,
+        stream: Any = None,
+    ) -> None:
+        self.host = host
+        self.requested_port = port
+        self.timeout = health_timeout_seconds
+        self.clock = clock
+        self.stream = stream
+        self.server: ThreadingHTTPServer | None = None
+        self.step = 0
+        self.last_beat = clock()
+        self.labels: dict[str, str] = {"run": "", "phase": NO_PHASE}
+        self.gauges: dict[str, Any] = {}
+        self.registry: Any = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when 0 was asked for)."""
+        return int(self.server.server_address[1]) if self.server else self.requested_port
+
+    def start(self, info: dict[str, Any]) -> None:
+        try:
+            from prometheus_client import CollectorRegistry, Gauge
+        except ImportError:
+            raise missing_package("prometheus-client") from None
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.gauges = {name: Gauge(name, doc, LABELS, registry=self.registry) for name, doc in GAUGES.items()}
+        self.labels = {"run": str(info.get("run") or ""), "phase": str(info.get("phase") or NO_PHASE)}
+        self.step = int(info.get("start_step", 0))
+        self._set("kubetrain_step", self.step)
+        self._set("kubetrain_max_steps", info.get("max_steps"))
+        self._set("kubetrain_restarts", info.get("restarts", 0))
+        self._set("kubetrain_world_size", info.get("world_size", 1))
+        meta = runs.read_meta(Path(info["run_dir"])) if info.get("run_dir") else {}
+        self._set("kubetrain_starts", meta.get("starts", 1))
+        self.last_beat = self.clock()
+        self._set("kubetrain_heartbeat_timestamp_seconds", time.time())
+        try:
+            self.server = ThreadingHTTPServer((self.host, self.requested_port), _handler(self))
+        except OSError as e:
+            raise TrackerUnavailable(
+                f"cannot listen on {self.host}:{self.requested_port} ({e.strerror or e}); "
+                "training goes on without /metrics and /healthz"
+            ) from None
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, name="kubetrain-metrics", daemon=True).start()
+        print(f"prometheus: /metrics and /healthz on http://{self.host}:{self.port}",
+              file=self.stream or sys.stdout, flush=True)
+
+    def heartbeat(self, step: int) -> None:
+        self.step = step
+        self.last_beat = self.clock()
+        self._set("kubetrain_step", step)
+        self._set("kubetrain_heartbeat_timestamp_seconds", time.time())
+
+    def log(self, record: dict[str, Any]) -> None:
+        kind = record.get("kind")
+        if kind == "train":
+            self._set("kubetrain_step", record.get("step"))
+            self._set("kubetrain_tokens_seen", record.get("tokens"))
+            self._set("kubetrain_train_loss", record.get("loss"))
+            self._set("kubetrain_learning_rate", record.get("lr"))
+            self._set("kubetrain_tokens_per_second", record.get("tokens_per_second"))
+            self._set("kubetrain_mfu", record.get("mfu"))
+            gib = record.get("memory_gib")
+            self._set("kubetrain_memory_bytes", None if gib is None else gib * 2**30)
+            self._set("kubetrain_eta_seconds", record.get("eta_seconds"))
+        elif kind == "eval":
+            self._set("kubetrain_val_loss", record.get("val_loss"))
+            self._set("kubetrain_val_perplexity", record.get("val_ppl"))
+        elif kind == "checkpoint":
+            self._set("kubetrain_last_checkpoint_step", record.get("step"))
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """(fresh, details): fresh while the last heartbeat is younger than the timeout."""
+        age = self.clock() - self.last_beat
+        fresh = age <= self.timeout
+        return fresh, {"status": "ok" if fresh else "stale", "step": self.step,
+                       "seconds_since_step": round(age, 3), "timeout_seconds": self.timeout}
+
+    def finish(self, status: str) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    def _set(self, name: str, value: Any) -> None:
+        if value is not None:
+            self.gauges[name].labels(**self.labels).set(float(value))
+
+
+def _handler(sink: PrometheusSink) -> type[BaseHTTPRequestHandler]:
+    from prometheus_client.exposition import choose_encoder
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+                self._reply(200, content_type, encoder(sink.registry))
+            elif path == "/healthz":
+                fresh, details = sink.health()
+                self._reply(200 if fresh else 503, "application/json", json.dumps(details).encode())
+            elif path == "/":
+                self._reply(200, "text/plain; charset=utf-8", b"kubetrain: /metrics /healthz\n")
+            else:
+                self._reply(404, "text/plain; charset=utf-8", b"not found\n")
+
+        def _reply(self, code: int, content_type: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            """Silent: a scrape every few seconds would drown the training log."""
+
+    return Handler
