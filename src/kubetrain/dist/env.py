@@ -43,7 +43,7 @@ def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int
         value = env.get(name)
         if value not in (None, ""):
             try:
-                return int(value)  # type: ignore[arg-type]
+                return int(value)
             except ValueError:
                 raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
     return default

@@ -64,7 +64,7 @@ def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     seen: set[tuple[int, int]] = set()
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
         if t.numel() and key in seen:
             continue
         seen.add(key)

@@ -50,7 +50,7 @@ def autocast(precision: str, device: torch.device) -> Callable[[], contextlib.Ab
     if precision == "fp32":
         return contextlib.nullcontext
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return lambda: torch.autocast(device_type=device.type, dtype=dtype)  # type: ignore[return-value]
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def memory_gib(device: torch.device) -> float:

@@ -172,10 +172,10 @@ def train(
     if dry_run:
         batch = TrainLoader(train_windows, cfg.train.micro_batch_size, cfg.run.seed).next_batch().to(device)
         with torch.no_grad(), amp():
-            loss = float(lm_loss(model(batch.input_ids), batch.labels))
-        say(f"dry run: one forward pass, loss {loss:.4f} (ln(vocab) = {math.log(tokenizer.vocab_size):.4f}); "
+            first_loss = float(lm_loss(model(batch.input_ids), batch.labels))
+        say(f"dry run: one forward pass, loss {first_loss:.4f} (ln(vocab) = {math.log(tokenizer.vocab_size):.4f}); "
             "nothing was written")
-        return TrainResult("", 0, 0, loss, None, None, 0.0, "dry-run")
+        return TrainResult("", 0, 0, first_loss, None, None, 0.0, "dry-run")
 
     path = run_path or runs.run_dir(cfg)
     ckpt_root = path / runs.CHECKPOINTS

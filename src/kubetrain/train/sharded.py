@@ -15,7 +15,8 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every weight gathered to rank 0 on the CPU (collective: all ranks call it; the others get {})."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
