@@ -143,3 +143,24 @@ def test_sigterm_to_the_launcher_saves_and_exits_resumable(tmp_path: Path) -> No
     assert meta["status"] == "stopped"
     step = meta["step"]
     assert (tmp_path / "runs" / "term" / "checkpoints" / f"step-{step:06d}" / "meta.json").is_file()
+
+
+@pytest.mark.slow
+def test_resume_with_another_world_size_continues_the_data_without_replay(tmp_path: Path) -> None:
+    common = ("train.max_steps=12", "eval.every_steps=100", "checkpoint.every_steps=100", "train.log_every_steps=1",
+              f"data.cache_dir={tmp_path}/c")
+    kubetrain("train", *sets("run.name=ref", *common), "--nproc", "2", cwd=tmp_path)
+    proc = start("train", *sets("run.name=mixed", *common), "--nproc", "2", cwd=tmp_path)
+    metrics = tmp_path / "runs" / "mixed" / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED_RESUMABLE
+    # the same global batch from one process: the loader's global cursor carries on where two ranks left off
+    single = kubetrain("train", *sets("run.name=mixed", *common, "train.grad_accum_steps=2"), cwd=tmp_path)
+    assert "RNG states of 2 ranks" in single.stdout
+    ref, mixed = _train_losses(tmp_path / "runs" / "ref"), _train_losses(tmp_path / "runs" / "mixed")
+    assert len(mixed) == 12
+    assert mixed == pytest.approx(ref, rel=1e-4, abs=1e-5)

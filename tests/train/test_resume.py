@@ -147,3 +147,18 @@ def test_sigterm_saves_a_checkpoint_and_exits_resumable(reference: tuple[Path, P
     assert all(mine[k].equal(theirs[k]) for k in theirs)
     train_losses = [x for x in _losses(run) if x[0] == "train"]
     assert train_losses == [x for x in _losses(ref) if x[0] == "train"]
+
+
+def test_second_signal_exits_at_once_and_latest_stays_whole(reference: tuple[Path, Path], tmp_path: Path) -> None:
+    _, cache = reference
+    run = tmp_path / "runs" / "twice"
+    proc = start(*_args("twice", cache), cwd=tmp_path)
+    while _last_step(run) < 6:
+        assert proc.poll() is None
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode in (128 + signal.SIGTERM, EXIT_STOPPED_RESUMABLE), err
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert (run / "checkpoints" / latest / "meta.json").is_file()

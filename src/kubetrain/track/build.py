@@ -13,7 +13,7 @@ from kubetrain.track.jsonl import JsonlSink
 
 
 def build_sinks(
-    cfg: Config, run_path: Path, total_steps: int, stream: Any = None, warn: Any = None
+    cfg: Config, run_path: Path, total_steps: int, stream: Any = None, warn: Any = None, prefix: str = ""
 ) -> Fanout:
     """metrics.jsonl always; MLflow, TensorBoard and Prometheus when switched on; the console last, so that
     when a line is printed every other sink already holds the record."""
@@ -36,5 +36,5 @@ def build_sinks(
         prom = track.prometheus
         sinks.append(PrometheusSink(prom.port, prom.host, prom.health_timeout_seconds, stream=stream))
     if track.console:
-        sinks.append(ConsoleSink(total_steps, stream=stream))
+        sinks.append(ConsoleSink(total_steps, stream=stream, prefix=prefix))
     return Fanout(sinks, warn=warn)

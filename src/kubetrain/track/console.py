@@ -36,8 +36,11 @@ def _duration(seconds: float) -> str:
 class ConsoleSink(Sink):
     name = "console"
 
-    def __init__(self, total_steps: int, stream: Any = None, rich_progress: bool | None = None) -> None:
+    def __init__(
+        self, total_steps: int, stream: Any = None, rich_progress: bool | None = None, prefix: str = ""
+    ) -> None:
         self.total = total_steps
+        self.prefix = prefix
         self.stream = stream or sys.stdout
         self.rich = self.stream.isatty() if rich_progress is None else rich_progress
         self.progress: Any = None
@@ -70,7 +73,7 @@ class ConsoleSink(Sink):
             else:
                 self.progress.update(self.task, completed=record["step"], line=line.split(" | ", 1)[1])
         else:
-            print(line, file=self.stream, flush=True)
+            print(self.prefix + line, file=self.stream, flush=True)
 
     def finish(self, status: str) -> None:
         if self.progress is not None:

@@ -129,9 +129,9 @@ def train(
     device = dist.local_device(cfg.run.device)
     penv = dist.init(cfg.dist, device)
     main = penv.is_main
-    out: Log = log or (lambda m: print(m, flush=True))
+    prefix = f"[rank {penv.rank}] " if penv.distributed else ""
+    out: Log = log or (lambda m: print(prefix + m, flush=True))
     say: Log = out if main else (lambda m: None)
-    rank_say: Log = out if penv.world_size == 1 else (lambda m: out(f"[rank {penv.rank}] {m}"))
 
     # Data: rank 0 tokenizes; the others then find it in the content-addressed cache.
     need = cfg.model.block_size + 1
@@ -141,7 +141,7 @@ def train(
     if not main:
         prepared = prepare(cfg, min_tokens=need)
     if penv.distributed:
-        rank_say(f"process {penv.rank}/{penv.world_size} on {device} (local rank {penv.local_rank})")
+        out(f"process {penv.rank}/{penv.world_size} on {device} (local rank {penv.local_rank})")
     tokenizer = prepared.tokenizer()
     train_windows = TokenWindows(prepared, "train", cfg.model.block_size)
     val_windows = TokenWindows(prepared, "val", cfg.model.block_size) if prepared.n_val > need else None
@@ -224,7 +224,7 @@ def train(
         truncate_after(path / runs.METRICS_FILE, state.step)
         truncate_after(path / runs.SAMPLES_FILE, state.step)
         tokenizer.save(path / "tokenizer")
-    sinks = build_sinks(cfg, path, max_steps) if main else None
+    sinks = build_sinks(cfg, path, max_steps, prefix=prefix) if main else None
     if sinks:
         sinks.start({"run_dir": str(path), "run": cfg.run.name, "start_step": state.step, "params": n_params,
                      "phase": phase, "config": cfg, "max_steps": max_steps, "restarts": penv.restart_count,
