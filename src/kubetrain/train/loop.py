@@ -287,6 +287,7 @@ def train(
     start_step = state.step
     status = "running"
     t_start = time.perf_counter()
+    side_seconds = 0.0  # evaluation and checkpoints: not training throughput
     meter = Throughput()
     meter.tokens0 = state.tokens
     loss_sum = torch.tensor(state.window_loss_sum, device=device)
@@ -326,7 +327,7 @@ def train(
                     rate, _ = meter.window(state.tokens)
                     if sinks:
                         done = state.step - start_step
-                        elapsed = time.perf_counter() - t_start
+                        elapsed = time.perf_counter() - t_start - side_seconds
                         sinks.log({
                             "kind": "train", "step": state.step, "loss": state.last_train_loss,
                             "lr": optimizer.param_groups[0]["lr"], "tokens": state.tokens,
@@ -336,10 +337,12 @@ def train(
                             "eta_seconds": elapsed / done * (max_steps - state.step) if done else None,
                             "epoch": loader.epoch, "phase": phase, "time": time.time(),
                         })
+                t_side = time.perf_counter()
                 best = run_eval() if (state.step % cfg.eval.every_steps == 0 or final) else False
                 stopping = dist.broadcast_flag(stop.requested, device)
                 if best or final or stopping or state.step % cfg.checkpoint.every_steps == 0:
                     last_ckpt = save_checkpoint(is_best=best)
+                side_seconds += time.perf_counter() - t_side
                 if stopping:
                     stop.done()
                     status = "stopped"
@@ -357,7 +360,7 @@ def train(
         _finish(path, sinks, "failed", state, main)
         raise
     _finish(path, sinks, status, state, main)
-    elapsed = time.perf_counter() - t_start
+    elapsed = time.perf_counter() - t_start - side_seconds
     return TrainResult(
         run_dir=str(path.resolve()),
         steps=state.step,
