@@ -327,7 +327,7 @@ def train(
                     rate, _ = meter.window(state.tokens)
                     if sinks:
                         done = state.step - start_step
-                        elapsed = time.perf_counter() - t_start - side_seconds
+                        elapsed = t_end - t_start - side_seconds
                         sinks.log({
                             "kind": "train", "step": state.step, "loss": state.last_train_loss,
                             "lr": optimizer.param_groups[0]["lr"], "tokens": state.tokens,
@@ -351,6 +351,7 @@ def train(
                         f"checkpoint saved, resume with the same command"
                     )
             status = "finished"
+            t_end = time.perf_counter()
             if main and cfg.dist.strategy != "fsdp":
                 sample = _sample_text(base, tokenizer, cfg, cfg.eval.sample_prompt or "\n", cfg.eval.sample_tokens * 3)
     except TrainingStopped:
@@ -360,7 +361,7 @@ def train(
         _finish(path, sinks, "failed", state, main)
         raise
     _finish(path, sinks, status, state, main)
-    elapsed = time.perf_counter() - t_start - side_seconds
+    elapsed = t_end - t_start - side_seconds
     return TrainResult(
         run_dir=str(path.resolve()),
         steps=state.step,
