@@ -327,7 +327,7 @@ def train(
                     rate, _ = meter.window(state.tokens)
                     if sinks:
                         done = state.step - start_step
-                        elapsed = t_end - t_start - side_seconds
+                        elapsed = time.perf_counter() - t_start
                         sinks.log({
                             "kind": "train", "step": state.step, "loss": state.last_train_loss,
                             "lr": optimizer.param_groups[0]["lr"], "tokens": state.tokens,
