@@ -1,0 +1,44 @@
+"""Render a config into Kubernetes objects, in apply order: ConfigMap, claims, NetworkPolicy, the workload.
+
+One renderer per workload lives in k8s/workloads/; they all share the pod template of k8s/podspec.py and the
+common objects of k8s/objects.py.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kubetrain.config.schema import Config
+from kubetrain.k8s.context import context
+from kubetrain.k8s.objects import claims, config_map, network_policy
+from kubetrain.k8s.workloads import RENDERERS
+
+
+def render(cfg: Config, workload: str | None = None) -> list[dict[str, Any]]:
+    """Every object of the job, in the order they are applied (the workload last)."""
+    ctx = context(cfg, workload)
+    objects = [config_map(ctx), *claims(ctx)]
+    if ctx.k.network_policy:
+        objects.append(network_policy(ctx))
+    objects.extend(RENDERERS[ctx.workload](ctx))
+    return objects
+
+
+def to_yaml(objects: list[dict[str, Any]]) -> str:
+    return yaml.safe_dump_all(objects, sort_keys=False, default_flow_style=False)
+
+
+def write_files(objects: list[dict[str, Any]], folder: Path) -> list[Path]:
+    """One file per object, numbered in apply order: 00-configmap-NAME.yaml, ..."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, obj in enumerate(objects):
+        slug = re.sub(r"[^a-z0-9-]+", "-", f"{obj['kind'].lower()}-{obj['metadata']['name']}")
+        path = folder / f"{i:02d}-{slug}.yaml"
+        path.write_text(yaml.safe_dump(obj, sort_keys=False), encoding="utf-8")
+        paths.append(path)
+    return paths
