@@ -10,7 +10,7 @@ from kubetrain.config.loading import validate as validate_config
 from kubetrain.config.schema import Config
 from kubetrain.k8s.context import CONFIG_FILE, RenderContext, RenderError
 from kubetrain.k8s.podspec import METRICS_PORT_NAME
-from kubetrain.runs import redact
+from kubetrain.runs import redact, redact_text
 
 
 def pod_config(ctx: RenderContext) -> Config:
@@ -42,9 +42,27 @@ def _secret_paths(value: Any, clean: Any, path: str = "") -> list[str]:
     return [path] if value != clean else []
 
 
+def leaked_secrets(raw: dict[str, Any]) -> list[str]:
+    """Keys of the config whose value looks like a secret (by key name or value shape).
+
+    The k8s section names Secrets and image pull secrets without holding any, so there only values count.
+    """
+    rest = {k: v for k, v in raw.items() if k != "k8s"}
+    k8s = raw.get("k8s") or {}
+    return _secret_paths(rest, redact(rest)) + _secret_paths(k8s, _redact_values(k8s), "k8s")
+
+
+def _redact_values(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _redact_values(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact_values(v) for v in value]
+    return redact_text(value) if isinstance(value, str) else value
+
+
 def config_map(ctx: RenderContext) -> dict[str, Any]:
     raw = pod_config(ctx).model_dump(mode="json")
-    leaked = _secret_paths(raw, redact(raw))
+    leaked = leaked_secrets(raw)
     if leaked:
         raise RenderError(
             f"the config holds what looks like a secret at '{leaked[0]}'; it would be stored in a ConfigMap. "

@@ -28,8 +28,20 @@ def render(cfg: Config, workload: str | None = None) -> list[dict[str, Any]]:
     return objects
 
 
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the config inside the ConfigMap) as readable `|` blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
 def to_yaml(objects: list[dict[str, Any]]) -> str:
-    return yaml.safe_dump_all(objects, sort_keys=False, default_flow_style=False)
+    return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
 
 
 def write_files(objects: list[dict[str, Any]], folder: Path) -> list[Path]:
@@ -39,6 +51,24 @@ def write_files(objects: list[dict[str, Any]], folder: Path) -> list[Path]:
     for i, obj in enumerate(objects):
         slug = re.sub(r"[^a-z0-9-]+", "-", f"{obj['kind'].lower()}-{obj['metadata']['name']}")
         path = folder / f"{i:02d}-{slug}.yaml"
-        path.write_text(yaml.safe_dump(obj, sort_keys=False), encoding="utf-8")
+        path.write_text(to_yaml([obj]), encoding="utf-8")
         paths.append(path)
     return paths
+
+
+def pod_templates(obj: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(role, PodTemplateSpec) of a rendered workload; the TrainJob's is the patch kubetrain applies."""
+    kind, spec = obj["kind"], obj.get("spec", {})
+    if kind in ("Job", "StatefulSet"):
+        return [("node", spec["template"])]
+    if kind == "JobSet":
+        return [(rj["name"], rj["template"]["spec"]["template"]) for rj in spec["replicatedJobs"]]
+    if kind == "PyTorchJob":
+        return [(role.lower(), r["template"]) for role, r in spec["pytorchReplicaSpecs"].items()]
+    if kind == "TrainJob":
+        return [
+            (rj["name"], rj["template"]["spec"]["template"])
+            for patch in spec.get("runtimePatches", [])
+            for rj in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+        ]
+    return []
