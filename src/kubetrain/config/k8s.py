@@ -33,38 +33,49 @@ class _Section(BaseModel):
 
 class ResourcesConfig(_Section):
     cpu: str | None = Field(
-        "4", pattern=_QUANTITY, description="CPU request per pod (also the limit when cpu_limit is set)."
+        default="4",
+        pattern=_QUANTITY,
+        description="CPU request per pod (also the limit when cpu_limit is set).",
     )
     cpu_limit: bool = Field(
-        False, description="Also limit CPU to the request (off: limits throttle dataloaders)."
+        default=False, description="Also limit CPU to the request (off: limits throttle dataloaders)."
     )
-    memory: str | None = Field("16Gi", pattern=_QUANTITY, description="Memory request and limit per pod.")
-    gpu: int = Field(0, ge=0, description="Accelerators per pod (requested and limited).")
+    memory: str | None = Field(
+        default="16Gi", pattern=_QUANTITY, description="Memory request and limit per pod."
+    )
+    gpu: int = Field(default=0, ge=0, description="Accelerators per pod (requested and limited).")
     gpu_resource: str = Field(
-        "nvidia.com/gpu",
+        default="nvidia.com/gpu",
         pattern=r"^[a-z0-9.-]+/[a-z0-9.-]+$",
         description="Extended resource name: nvidia.com/gpu, amd.com/gpu, ...",
     )
-    ephemeral_storage: str | None = Field(None, pattern=_QUANTITY, description="Ephemeral storage request.")
+    ephemeral_storage: str | None = Field(
+        default=None, pattern=_QUANTITY, description="Ephemeral storage request."
+    )
 
 
 class VolumeConfig(_Section):
     """A volume: an existing PersistentVolumeClaim (`claim`), or one kubetrain creates (`size`)."""
 
     claim: str | None = Field(
-        None, pattern=_DNS_SUBDOMAIN, max_length=253, description="Name of an existing PersistentVolumeClaim."
+        default=None,
+        pattern=_DNS_SUBDOMAIN,
+        max_length=253,
+        description="Name of an existing PersistentVolumeClaim.",
     )
-    size: str | None = Field(None, pattern=_QUANTITY, description="Create a claim of this size, e.g. 100Gi.")
+    size: str | None = Field(
+        default=None, pattern=_QUANTITY, description="Create a claim of this size, e.g. 100Gi."
+    )
     storage_class: str | None = Field(
-        None, description="StorageClass of a created claim (default: the cluster's)."
+        default=None, description="StorageClass of a created claim (default: the cluster's)."
     )
     access_mode: AccessMode | None = Field(
-        None,
+        default=None,
         description="Access mode of a created claim (default: ReadWriteOnce for one node, "
         "ReadWriteMany for several, since every node reads the checkpoints on resume).",
     )
     mount_path: str | None = Field(
-        None, pattern=r"^/", description="Where the pod mounts it (default per role)."
+        default=None, pattern=r"^/", description="Where the pod mounts it (default per role)."
     )
     read_only: bool = False
 
@@ -86,12 +97,14 @@ class VolumesConfig(_Section):
         default_factory=lambda: VolumeConfig(size="20Gi"),
         description="Run directories and checkpoints (mounted at /checkpoints; run.output_dir points there).",
     )
-    data: VolumeConfig | None = Field(None, description="Datasets (mounted at /data).")
+    data: VolumeConfig | None = Field(default=None, description="Datasets (mounted at /data).")
     models: VolumeConfig | None = Field(
-        None, description="Base models, e.g. an offline HF snapshot (at /models)."
+        default=None, description="Base models, e.g. an offline HF snapshot (at /models)."
     )
-    hf_cache: VolumeConfig | None = Field(None, description="Hugging Face cache (at /cache/huggingface).")
-    shm_size: str = Field("2Gi", pattern=_QUANTITY, description="Size of the memory-backed /dev/shm.")
+    hf_cache: VolumeConfig | None = Field(
+        default=None, description="Hugging Face cache (at /cache/huggingface)."
+    )
+    shm_size: str = Field(default="2Gi", pattern=_QUANTITY, description="Size of the memory-backed /dev/shm.")
 
 
 class SecretRef(_Section):
@@ -100,7 +113,9 @@ class SecretRef(_Section):
 
 
 class SecretsConfig(_Section):
-    hf_token: SecretRef | None = Field(None, description="HF_TOKEN from this Secret key (never inline).")
+    hf_token: SecretRef | None = Field(
+        default=None, description="HF_TOKEN from this Secret key (never inline)."
+    )
     env: dict[str, SecretRef] = Field(
         default_factory=dict, description="More environment variables from Secrets, e.g. a tracking password."
     )
@@ -118,63 +133,85 @@ class Toleration(_Section):
     operator: Literal["Equal", "Exists"] = "Equal"
     value: str | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = Field(None, ge=0, description="Only with effect NoExecute.")
+    toleration_seconds: int | None = Field(default=None, ge=0, description="Only with effect NoExecute.")
 
 
 class MetricsConfig(_Section):
-    port: int = Field(9090, ge=1024, le=65535, description="Port of rank 0's /metrics and /healthz.")
+    port: int = Field(default=9090, ge=1024, le=65535, description="Port of rank 0's /metrics and /healthz.")
     scrape_namespace: str | None = Field(
-        "monitoring", description="Namespace whose pods may scrape the metrics port (the NetworkPolicy)."
+        default="monitoring",
+        description="Namespace whose pods may scrape the metrics port (the NetworkPolicy).",
     )
-    liveness: bool = Field(True, description="Restart a pod whose rank-0 heartbeat on /healthz went stale.")
+    liveness: bool = Field(
+        default=True, description="Restart a pod whose rank-0 heartbeat on /healthz went stale."
+    )
 
 
 class K8sConfig(_Section):
     name: str | None = Field(
-        None, pattern=_DNS_LABEL, max_length=40, description="Job name (default: run.name made DNS-safe)."
+        default=None,
+        pattern=_DNS_LABEL,
+        max_length=40,
+        description="Job name (default: run.name made DNS-safe).",
     )
-    namespace: str = Field("default", pattern=_DNS_LABEL, max_length=63)
-    image: str = Field("ghcr.io/kubetrain/kubetrain:0.1.0", min_length=1)
+    namespace: str = Field(default="default", pattern=_DNS_LABEL, max_length=63)
+    image: str = Field(default="ghcr.io/kubetrain/kubetrain:0.1.0", min_length=1)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     image_pull_secrets: list[str] = Field(default_factory=list)
     workload: Workload = Field(
-        "indexed-job",
+        default="indexed-job",
         description="indexed-job (needs no operator), jobset, trainjob "
         "(Kubeflow Trainer v2), pytorchjob (Kubeflow v1) or statefulset.",
     )
-    nnodes: int = Field(1, ge=1, description="Pods (nodes) in the job.")
-    nproc_per_node: int = Field(1, ge=1, description="Training processes per pod (usually its GPU count).")
-    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    nnodes: int = Field(default=1, ge=1, description="Pods (nodes) in the job.")
+    nproc_per_node: int = Field(
+        default=1, ge=1, description="Training processes per pod (usually its GPU count)."
+    )
+    resources: ResourcesConfig = Field(default_factory=lambda: ResourcesConfig())
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
-    affinity: dict[str, Any] | None = Field(None, description="Pod affinity in Kubernetes' own shape.")
-    volumes: VolumesConfig = Field(default_factory=VolumesConfig)
-    secrets: SecretsConfig = Field(default_factory=SecretsConfig)
+    affinity: dict[str, Any] | None = Field(
+        default=None, description="Pod affinity in Kubernetes' own shape."
+    )
+    volumes: VolumesConfig = Field(default_factory=lambda: VolumesConfig())
+    secrets: SecretsConfig = Field(default_factory=lambda: SecretsConfig())
     service_account: str | None = Field(
-        None, description="An existing ServiceAccount; its token is not mounted."
+        default=None, description="An existing ServiceAccount; its token is not mounted."
     )
     priority_class_name: str | None = None
-    queue: str | None = Field(None, description="Kueue LocalQueue (the kueue.x-k8s.io/queue-name label).")
+    queue: str | None = Field(
+        default=None, description="Kueue LocalQueue (the kueue.x-k8s.io/queue-name label)."
+    )
     ttl_seconds_after_finished: int | None = Field(
-        7 * 24 * 3600, ge=0, description="Delete the finished job after this long."
+        default=7 * 24 * 3600, ge=0, description="Delete the finished job after this long."
     )
-    backoff_limit: int = Field(3, ge=0, description="Pod failures (not preemptions) before the job fails.")
-    max_restarts: int = Field(3, ge=0, description="torchrun worker-group restarts inside a pod.")
+    backoff_limit: int = Field(
+        default=3, ge=0, description="Pod failures (not preemptions) before the job fails."
+    )
+    max_restarts: int = Field(default=3, ge=0, description="torchrun worker-group restarts inside a pod.")
     grace_period_seconds: int | None = Field(
-        None, ge=1, description="terminationGracePeriodSeconds (default checkpoint.grace_seconds + 30)."
+        default=None,
+        ge=1,
+        description="terminationGracePeriodSeconds (default checkpoint.grace_seconds + 30).",
     )
-    active_deadline_seconds: int | None = Field(None, ge=1)
-    rdzv_port: int = Field(29500, ge=1024, le=65535, description="c10d rendezvous port on node rank 0.")
+    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    rdzv_port: int = Field(
+        default=29500, ge=1024, le=65535, description="c10d rendezvous port on node rank 0."
+    )
     wait_timeout_seconds: int = Field(
-        900, ge=1, description="How long a pod waits for the rendezvous endpoint to answer."
+        default=900, ge=1, description="How long a pod waits for the rendezvous endpoint to answer."
     )
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment, e.g. NCCL_DEBUG: INFO.")
     labels: dict[str, str] = Field(default_factory=dict, description="Extra labels on every object.")
     annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations on every pod.")
-    run_as_user: int = Field(1000, ge=1, description="Non-root uid (and gid) the container runs as.")
-    network_policy: bool = Field(True, description="Admit traffic only from the job's own pods (+ metrics).")
-    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
-    trainjob_runtime: str = Field("torch-distributed", description="ClusterTrainingRuntime of a TrainJob.")
+    run_as_user: int = Field(default=1000, ge=1, description="Non-root uid (and gid) the container runs as.")
+    network_policy: bool = Field(
+        default=True, description="Admit traffic only from the job's own pods (+ metrics)."
+    )
+    metrics: MetricsConfig = Field(default_factory=lambda: MetricsConfig())
+    trainjob_runtime: str = Field(
+        default="torch-distributed", description="ClusterTrainingRuntime of a TrainJob."
+    )
 
     @field_validator("env")
     @classmethod
