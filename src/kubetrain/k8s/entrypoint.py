@@ -24,6 +24,7 @@ from kubetrain.errors import KubetrainError, UserInputError
 Log = Callable[[str], None]
 POD_IP_ENV = "KUBETRAIN_POD_IP"
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 class RendezvousUnreachable(KubetrainError):
@@ -99,6 +100,10 @@ def run(config: Path, *, rdzv_id: str, max_restarts: int, wait_timeout: float, s
     # How long torchrun lets its workers save a checkpoint after SIGTERM before it kills them (current torch
     # reads it; versions without the setting keep their 30 s).
     os.environ[SHUTDOWN_TIMEOUT_ENV] = str(shutdown_timeout)
+    # With the store shared between agent and workers (torch's default), a replacement pod that joins a
+    # later rendezvous round waits for a MASTER_ADDR key that rank 0 only wrote in its first round, and
+    # both sides time out (pytorch/pytorch#135712). A store of the workers' own avoids it.
+    os.environ.setdefault(SHARED_STORE_ENV, "1")
     say("starting " + " ".join(argv[1:]))
     if not idle_after_finish:
         # exec: torchrun becomes the container's main process and gets the kubelet's SIGTERM directly.

@@ -9,6 +9,7 @@ controller's restart of failed pods (backoffLimit, podFailurePolicy) is done her
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -63,6 +64,23 @@ class SimResult:
     succeeded: bool
     message: str
     exit_codes: dict[str, list[int]]
+
+
+def _descendants(pid: int) -> list[int] | None:
+    """Every process below pid, from Linux's /proc (None where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    if not children:
+        return None
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def free_port() -> int:
@@ -199,7 +217,8 @@ class Simulation:
             env.update(self._controller_env(rank, pod_name))
             if self.kind == "TrainJob":
                 env["PET_MASTER_PORT"] = str(self.port)  # the runtime's fixed port, mapped to a free one
-            env = {k: dns.get(v, _map_path(v, mounts)) for k, v in env.items()}
+            # names that must resolve become loopback; the pod's own HOSTNAME stays its name
+            env = {k: v if k == "HOSTNAME" else dns.get(v, _map_path(v, mounts)) for k, v in env.items()}
             args = [_map_path(a, mounts) for a in main["args"] if a != "--idle-after-finish"]
             argv = [sys.executable, "-m", "kubetrain", *main["command"][1:], *args]
             pods.append(SimPod(pod_name, env, argv, folder))
@@ -234,10 +253,20 @@ class Simulation:
             self.start_pod(pod.name)
 
     def kill(self, which: int | str, sig: int = signal.SIGKILL) -> None:
-        """Signal the pod's whole process group (entrypoint/torchrun and its workers), like a node loss."""
+        """Signal every process of the pod, like a lost node (or a container whose PID 1 is gone).
+
+        torchrun starts each worker in a session of its own, so the pod's process group is not enough.
+        """
         pod = self.pod(which)
-        if pod.process is not None and pod.process.poll() is None:
+        if pod.process is None or pod.process.poll() is not None:
+            return
+        below = _descendants(pod.process.pid)
+        if below is None:  # no /proc: the process group, which torchrun's workers have left
             os.killpg(pod.process.pid, sig)
+            return
+        for pid in [pod.process.pid, *below]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
     def stop(self) -> None:
         for pod in self.pods:
