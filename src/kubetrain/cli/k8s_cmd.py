@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from kubetrain.cli.options import ConfigArg, PresetOpt, SetOpt, load
+from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
 from kubetrain.config.k8s import WORKLOADS
 from kubetrain.errors import UserInputError
 
@@ -121,4 +122,153 @@ def simulate(
         raise typer.Exit(130) from None
     typer.echo(f"{'ok' if result.succeeded else 'failed'}: {result.message}")
     if not result.succeeded:
+        raise typer.Exit(1)
+
+
+def _cluster(kubeconfig: Path | None, context: str | None) -> Any:
+    from kubetrain.k8s.api import connect
+
+    return connect(kubeconfig, context)
+
+
+@app.command()
+def launch(
+    config: ConfigArg = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
+    workload: WorkloadOpt = None,
+    namespace: NamespaceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Have the API server validate everything; "
+                                          "store nothing.")] = False,
+) -> None:
+    """Apply the job's objects (server-side apply: launching twice changes nothing)."""
+    from kubetrain.k8s.launch import launch as apply_job
+
+    objects = _rendered(config, preset, set_, workload, namespace, validate=True)
+    apply_job(_cluster(kubeconfig, context), objects, dry_run=dry_run, log=typer.echo)
+    if not dry_run:
+        name = objects[-1]["metadata"]["name"]  # type: ignore[index]
+        typer.echo(f"follow it: kubetrain k8s logs {name} -f   |   kubetrain k8s status {name}")
+
+
+@app.command()
+def status(
+    name: Annotated[str, typer.Argument(help="Job name (k8s.name, or run.name).")],
+    namespace: NamespaceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """The job's state, each rank's pod (phase, node, restarts) and the last step it logged."""
+    from kubetrain.k8s.status import format_status, job_status
+
+    cluster = _cluster(kubeconfig, context)
+    result = job_status(cluster, name, namespace or cluster.default_namespace)
+    typer.echo(json.dumps(result) if json_ else format_status(result))
+
+
+@app.command()
+def logs(
+    name: Annotated[str, typer.Argument(help="Job name.")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep streaming new lines.")] = False,
+    rank: Annotated[int | None, typer.Option("--rank", help="Only this node rank.")] = None,
+    tail: Annotated[int | None, typer.Option("--tail", help="Only the last N lines of each pod.")] = None,
+    namespace: NamespaceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+) -> None:
+    """Every rank's log, interleaved as it arrives, prefixed with the rank."""
+    from kubetrain.k8s.logs import stream_logs
+
+    cluster = _cluster(kubeconfig, context)
+    stream_logs(cluster, name, namespace or cluster.default_namespace, follow=follow, rank=rank, tail=tail,
+                emit=lambda line: typer.echo(line))
+
+
+@app.command()
+def stop(
+    name: Annotated[str, typer.Argument(help="Job name.")],
+    namespace: NamespaceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+) -> None:
+    """Delete the job (its pods save a checkpoint on SIGTERM); the claims stay, so a launch resumes."""
+    from kubetrain.k8s.launch import stop as delete_job
+
+    cluster = _cluster(kubeconfig, context)
+    delete_job(cluster, name, namespace or cluster.default_namespace, log=typer.echo)
+
+
+@app.command("list")
+def list_(
+    namespace: NamespaceOpt = None,
+    all_namespaces: Annotated[bool, typer.Option("--all-namespaces", "-A", help="Every namespace.")] = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """The jobs kubetrain launched, with their state."""
+    from kubetrain.k8s.status import list_jobs
+
+    cluster = _cluster(kubeconfig, context)
+    jobs = list_jobs(cluster, namespace or cluster.default_namespace, all_namespaces)
+    if json_:
+        typer.echo(json.dumps(jobs))
+        return
+    for job in jobs:
+        typer.echo(f"{job['namespace']}/{job['name']}  {job['workload']}  {job['state']}  {job['created']}")
+    if not jobs:
+        typer.echo("no kubetrain jobs")
+
+
+@app.command()
+def shell(
+    name: Annotated[str, typer.Argument(help="Job name.")],
+    rank: Annotated[int, typer.Option("--rank", help="Node rank of the pod.")] = 0,
+    namespace: NamespaceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+) -> None:
+    """An interactive shell in a rank's pod (through `kubectl exec -it`)."""
+    import os
+    import shutil
+
+    from kubetrain.k8s.status import main_container, pods_by_rank
+
+    cluster = _cluster(kubeconfig, context)
+    ns = namespace or cluster.default_namespace
+    pod = next((p for r, p in pods_by_rank(cluster, name, ns) if r == rank), None)
+    if pod is None:
+        raise UserInputError(f"job '{name}' has no pod with rank {rank} in namespace {ns}")
+    argv = ["kubectl", "exec", "-it", "-n", ns, pod["metadata"]["name"], "-c", main_container(pod)]
+    argv += [f"--kubeconfig={kubeconfig}"] if kubeconfig else []
+    argv += [f"--context={context}"] if context else []
+    argv += ["--", "/bin/sh"]
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        raise UserInputError("kubectl is not on PATH; it runs the interactive shell: " + " ".join(argv))
+    os.execv(kubectl, argv)
+
+
+@app.command()
+def doctor(
+    config: ConfigArg = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
+    workload: WorkloadOpt = None,
+    namespace: NamespaceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+) -> None:
+    """Check that the cluster can run this job: reachable, namespace, CRD, GPU nodes, storage, Secrets."""
+    from kubetrain.k8s.doctor import run_checks
+
+    overrides = list(set_ or []) + ([f"k8s.namespace={namespace}"] if namespace else [])
+    cfg = load(config, preset, overrides)
+    checks = run_checks(_cluster(kubeconfig, context), cfg, _workload(workload))
+    for check in checks:
+        typer.echo(f"{check.status:<4}  {check.name}: {check.detail}")
+    if any(c.status == "fail" for c in checks):
         raise typer.Exit(1)

@@ -59,7 +59,9 @@ def crd_schemas(folder: Path) -> dict[tuple[str, str], dict[str, Any]]:
     """(apiVersion, kind) -> JSON Schema, for every served version of every CRD in the folder."""
     out: dict[tuple[str, str], dict[str, Any]] = {}
     for path in sorted(folder.glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+        # libyaml's loader when present: these files are large (thousands of lines each)
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        for doc in yaml.load_all(path.read_text(encoding="utf-8"), Loader=loader):
             if not doc or doc.get("kind") != "CustomResourceDefinition":
                 continue
             spec = doc["spec"]
