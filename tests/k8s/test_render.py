@@ -110,7 +110,7 @@ def test_pod_shape_security_shm_and_probe() -> None:
     assert shm["emptyDir"]["medium"] == "Memory"
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert env_of(c)["HOME"] == "/tmp"
-    assert c["livenessProbe"]["exec"]["command"][-2:] == ["--port", "9090"]
+    assert c["livenessProbe"]["exec"]["command"][-2:] == ["--port", "9400"]
     assert "livenessProbe" not in main_container(
         pod_templates(by_kind(render(tiny("k8s.metrics.liveness=false")), "Job"))[0][1])
 
@@ -228,3 +228,25 @@ def test_created_claims_default_to_read_write_many_for_several_nodes() -> None:
     template = pod_templates(by_kind(existing, "Job"))[0][1]
     claim = next(v for v in template["spec"]["volumes"] if v["name"] == "checkpoints")
     assert claim["persistentVolumeClaim"] == {"claimName": "mine"}
+
+
+def test_pods_serve_metrics_on_the_port_the_probe_and_policy_use() -> None:
+    from kubetrain.config.track import TrackConfig
+
+    objects = render(tiny("k8s.metrics.port=9555"))
+    pod_cfg = yaml.safe_load(by_kind(objects, "ConfigMap")["data"]["config.yaml"])
+    if "prometheus" in TrackConfig.model_fields:  # rank 0's exporter is turned on, on the probed port
+        assert pod_cfg["track"]["prometheus"]["enabled"] is True
+        assert pod_cfg["track"]["prometheus"]["port"] == 9555
+    else:  # a kubetrain without an exporter: nothing to turn on
+        assert "prometheus" not in pod_cfg["track"]
+    c = main_container(pod_templates(by_kind(objects, "Job"))[0][1])
+    assert {"name": "metrics", "containerPort": 9555, "protocol": "TCP"} in c["ports"]
+    assert c["livenessProbe"]["exec"]["command"][-1] == "9555"
+
+    off = render(tiny("k8s.metrics.enabled=false"))
+    template = pod_templates(by_kind(off, "Job"))[0][1]
+    c = main_container(template)
+    assert "livenessProbe" not in c and [p["name"] for p in c["ports"]] == ["rdzv"]
+    assert "prometheus.io/scrape" not in template["metadata"]["annotations"]
+    assert len(by_kind(off, "NetworkPolicy")["spec"]["ingress"]) == 1

@@ -137,7 +137,11 @@ class Toleration(_Section):
 
 
 class MetricsConfig(_Section):
-    port: int = Field(default=9090, ge=1024, le=65535, description="Port of rank 0's /metrics and /healthz.")
+    enabled: bool = Field(
+        default=True,
+        description="Serve rank 0's /metrics and /healthz in the pods (turns on track.prometheus there).",
+    )
+    port: int = Field(default=9400, ge=1024, le=65535, description="Port of rank 0's /metrics and /healthz.")
     scrape_namespace: str | None = Field(
         default="monitoring",
         description="Namespace whose pods may scrape the metrics port (the NetworkPolicy).",

@@ -17,7 +17,8 @@ def pod_config(ctx: RenderContext) -> Config:
     """The config the pods train with: the same one, with run.output_dir on the checkpoint volume."""
     raw = ctx.cfg.model_dump(mode="json")
     raw["run"]["output_dir"] = ctx.checkpoint_mount
-    _enable_exporter(raw, ctx.k.metrics.port)
+    if ctx.k.metrics.enabled:
+        _enable_exporter(raw, ctx.k.metrics.port)
     return validate_config(raw, source="pod config")
 
 
@@ -102,7 +103,7 @@ def network_policy(ctx: RenderContext) -> dict[str, Any]:
     """
     ingress: list[dict[str, Any]] = [{"from": [{"podSelector": {"matchLabels": ctx.selector}}]}]
     scrape = ctx.k.metrics.scrape_namespace
-    if scrape:
+    if scrape and ctx.k.metrics.enabled:
         ingress.append(
             {
                 "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": scrape}}}],

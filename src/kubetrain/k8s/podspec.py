@@ -144,7 +144,7 @@ def pod_security(ctx: RenderContext) -> dict[str, Any]:
 def liveness_probe(ctx: RenderContext) -> dict[str, Any] | None:
     """An exec probe of rank 0's /healthz (see k8s/probe.py for why it is exec and not httpGet)."""
     m = ctx.k.metrics
-    if not m.liveness:
+    if not (m.enabled and m.liveness):
         return None
     return {
         "exec": {"command": ["python", "-m", "kubetrain.k8s.probe", "--port", str(m.port)]},
@@ -186,14 +186,13 @@ def container(
         "command": ENTRYPOINT,
         "args": entrypoint_args(ctx, *extra_args),
         "env": env(ctx, extra_env),
-        "ports": [
-            {"name": rdzv_port_name, "containerPort": k.rdzv_port, "protocol": "TCP"},
-            {"name": METRICS_PORT_NAME, "containerPort": k.metrics.port, "protocol": "TCP"},
-        ],
+        "ports": [{"name": rdzv_port_name, "containerPort": k.rdzv_port, "protocol": "TCP"}],
         "resources": resources(ctx),
         "volumeMounts": volume_mounts(ctx),
         "securityContext": container_security(ctx),
     }
+    if k.metrics.enabled:
+        c["ports"].append({"name": METRICS_PORT_NAME, "containerPort": k.metrics.port, "protocol": "TCP"})
     probe = liveness_probe(ctx)
     if probe:
         c["livenessProbe"] = probe
@@ -231,15 +230,10 @@ def pod_spec(
 
 
 def pod_metadata(ctx: RenderContext, container_name: str = "trainer") -> dict[str, Any]:
-    return {
-        "labels": {**ctx.labels, "app.kubernetes.io/component": "trainer"},
-        "annotations": {
-            **ctx.k.annotations,
-            "kubectl.kubernetes.io/default-container": container_name,
-            "prometheus.io/scrape": "true",
-            "prometheus.io/port": str(ctx.k.metrics.port),
-        },
-    }
+    annotations = {**ctx.k.annotations, "kubectl.kubernetes.io/default-container": container_name}
+    if ctx.k.metrics.enabled:
+        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(ctx.k.metrics.port)})
+    return {"labels": {**ctx.labels, "app.kubernetes.io/component": "trainer"}, "annotations": annotations}
 
 
 def pod_template(

@@ -1,4 +1,4 @@
-"""Liveness probe of a training pod: `python -m kubetrain.k8s.probe --port 9090`.
+"""Liveness probe of a training pod: `python -m kubetrain.k8s.probe --port 9400`.
 
 Only global rank 0 serves /healthz (the training loop's heartbeat), and which pod holds global rank 0 is
 decided by the c10d rendezvous, not by the pod's index. So the probe runs in every pod and asks its own
