@@ -250,3 +250,9 @@ def test_pods_serve_metrics_on_the_port_the_probe_and_policy_use() -> None:
     assert "livenessProbe" not in c and [p["name"] for p in c["ports"]] == ["rdzv"]
     assert "prometheus.io/scrape" not in template["metadata"]["annotations"]
     assert len(by_kind(off, "NetworkPolicy")["spec"]["ingress"]) == 1
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_examples_pass_config_validate(example: Path, cli: Any) -> None:
+    code, out, err = cli("config", "validate", str(example))
+    assert code == 0 and out.startswith("ok: "), err
