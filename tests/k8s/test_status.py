@@ -118,3 +118,27 @@ def test_workload_states() -> None:
     assert workload_state(obj("JobSet", "Completed")) == "succeeded"
     assert workload_state(obj("StatefulSet", readyReplicas=1)) == "1/2 pods ready"
     assert workload_state(None).startswith("gone")
+
+
+def test_shell_execs_kubectl_into_the_ranks_pod(tmp_path: Path, apiserver: Any, cli: Cli,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import subprocess
+    import sys
+
+    kubeconfig = str(apiserver.kubeconfig(tmp_path))
+    apiserver.answer("GET", PODS, 200, apiserver.recorded("pods_tiny"))
+    expected = (f"exec -it -n ml tiny-1-x7k2p -c trainer --kubeconfig={kubeconfig} -- /bin/sh")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    code, _, err = cli("k8s", "shell", "tiny", "--rank", "1", "--kubeconfig", kubeconfig)
+    assert code == 2 and "kubectl is not on PATH" in err and expected in err
+    # with a kubectl on PATH, the command becomes it (a stand-in that prints its arguments)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kubectl").write_text('#!/bin/sh\necho "kubectl $*"\n')
+    (bin_dir / "kubectl").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.path.dirname(sys.executable)}"}
+    done = subprocess.run([sys.executable, "-m", "kubetrain", "k8s", "shell", "tiny", "--rank", "1",
+                           "--kubeconfig", kubeconfig], env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"kubectl {expected}"

@@ -51,6 +51,12 @@ def _rendered(config: Path | None, preset: str | None, set_: list[str] | None, w
     return objects
 
 
+def _cluster(kubeconfig: Path | None, context: str | None) -> Any:
+    from kubetrain.k8s.api import connect
+
+    return connect(kubeconfig, context)
+
+
 @app.command()
 def render(
     config: ConfigArg = None,
@@ -71,64 +77,6 @@ def render(
         return
     for path in write_files(objects, output):
         typer.echo(str(path))
-
-
-@app.command()
-def entrypoint(
-    config: Annotated[Path, typer.Option("--config", help="The mounted config.")] = Path(
-        "/etc/kubetrain/config.yaml"
-    ),
-    rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="Rendezvous id (the job name).")] = "kubetrain",
-    max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="torchrun restarts.")] = 3,
-    wait_timeout: Annotated[float, typer.Option("--wait-timeout", min=0, help="Seconds to wait for the "
-                                                "rendezvous endpoint.")] = 900,
-    shutdown_timeout: Annotated[int, typer.Option("--shutdown-timeout", min=1, help="Seconds torchrun "
-                                                  "gives workers to save after SIGTERM.")] = 90,
-    output_dir: Annotated[str | None, typer.Option("--output-dir", help="Override run.output_dir (the "
-                                                   "checkpoint volume).")] = None,
-    idle_after_finish: Annotated[bool, typer.Option("--idle-after-finish", help="Stay up after training "
-                                                    "finished (StatefulSet pods).")] = False,
-) -> None:
-    """What every training pod runs: node rank from the workload, wait for the rendezvous, start torchrun."""
-    from kubetrain.k8s.entrypoint import run
-
-    code = run(config, rdzv_id=rdzv_id, max_restarts=max_restarts, wait_timeout=wait_timeout,
-               shutdown_timeout=shutdown_timeout, output_dir=output_dir, idle_after_finish=idle_after_finish)
-    raise typer.Exit(code)
-
-
-@app.command()
-def simulate(
-    config: ConfigArg = None,
-    preset: PresetOpt = None,
-    set_: SetOpt = None,
-    workload: WorkloadOpt = None,
-    root: Annotated[Path, typer.Option("--root", help="Folder for the pods' volumes and logs.")] = Path(
-        "runs/k8s-simulate"
-    ),
-    timeout: Annotated[float | None, typer.Option("--timeout", help="Give up after this many seconds.")] = (
-        None
-    ),
-) -> None:
-    """Run each pod of the job as a local process, with the environment its controller would set."""
-    from kubetrain.k8s.simulate import Simulation
-
-    sim = Simulation(load(config, preset, set_), root, _workload(workload))
-    typer.echo(f"simulating {sim.kind} '{sim.name}': {len(sim.pods)} pods under {sim.root}")
-    try:
-        result = sim.run(timeout)
-    except KeyboardInterrupt:
-        sim.stop()
-        raise typer.Exit(130) from None
-    typer.echo(f"{'ok' if result.succeeded else 'failed'}: {result.message}")
-    if not result.succeeded:
-        raise typer.Exit(1)
-
-
-def _cluster(kubeconfig: Path | None, context: str | None) -> Any:
-    from kubetrain.k8s.api import connect
-
-    return connect(kubeconfig, context)
 
 
 @app.command()
@@ -272,3 +220,55 @@ def doctor(
         typer.echo(f"{check.status:<4}  {check.name}: {check.detail}")
     if any(c.status == "fail" for c in checks):
         raise typer.Exit(1)
+
+
+@app.command()
+def simulate(
+    config: ConfigArg = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
+    workload: WorkloadOpt = None,
+    root: Annotated[Path, typer.Option("--root", help="Folder for the pods' volumes and logs.")] = Path(
+        "runs/k8s-simulate"
+    ),
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Give up after this many seconds.")] = (
+        None
+    ),
+) -> None:
+    """Run each pod of the job as a local process, with the environment its controller would set."""
+    from kubetrain.k8s.simulate import Simulation
+
+    sim = Simulation(load(config, preset, set_), root, _workload(workload))
+    typer.echo(f"simulating {sim.kind} '{sim.name}': {len(sim.pods)} pods under {sim.root}")
+    try:
+        result = sim.run(timeout)
+    except KeyboardInterrupt:
+        sim.stop()
+        raise typer.Exit(130) from None
+    typer.echo(f"{'ok' if result.succeeded else 'failed'}: {result.message}")
+    if not result.succeeded:
+        raise typer.Exit(1)
+
+
+@app.command()
+def entrypoint(
+    config: Annotated[Path, typer.Option("--config", help="The mounted config.")] = Path(
+        "/etc/kubetrain/config.yaml"
+    ),
+    rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="Rendezvous id (the job name).")] = "kubetrain",
+    max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="torchrun restarts.")] = 3,
+    wait_timeout: Annotated[float, typer.Option("--wait-timeout", min=0, help="Seconds to wait for the "
+                                                "rendezvous endpoint.")] = 900,
+    shutdown_timeout: Annotated[int, typer.Option("--shutdown-timeout", min=1, help="Seconds torchrun "
+                                                  "gives workers to save after SIGTERM.")] = 90,
+    output_dir: Annotated[str | None, typer.Option("--output-dir", help="Override run.output_dir (the "
+                                                   "checkpoint volume).")] = None,
+    idle_after_finish: Annotated[bool, typer.Option("--idle-after-finish", help="Stay up after training "
+                                                    "finished (StatefulSet pods).")] = False,
+) -> None:
+    """What every training pod runs: node rank from the workload, wait for the rendezvous, start torchrun."""
+    from kubetrain.k8s.entrypoint import run
+
+    code = run(config, rdzv_id=rdzv_id, max_restarts=max_restarts, wait_timeout=wait_timeout,
+               shutdown_timeout=shutdown_timeout, output_dir=output_dir, idle_after_finish=idle_after_finish)
+    raise typer.Exit(code)

@@ -205,6 +205,14 @@ def is_core(obj: dict[str, Any]) -> bool:
 
 
 def problems(objects: Iterable[dict[str, Any]], crd_folder: Path | None = None) -> list[str]:
+    try:
+        import jsonschema  # noqa: F401
+        import kubernetes_validate  # noqa: F401
+    except ImportError:
+        raise UserInputError(
+            "offline validation needs kubernetes-validate and jsonschema: pip install 'kubetrain[k8s]' "
+            "(or pass --no-validate)"
+        ) from None
     out: list[str] = []
     for obj in objects:
         out.extend(validate_core(obj) if is_core(obj) else validate_custom(obj, crd_folder))
