@@ -83,3 +83,28 @@ def test_cli_non_zero_rank_waits_then_fails(tmp_path: Path, monkeypatch: pytest.
     assert e.value.code == 1
     err = capsys.readouterr().err
     assert "node 1/2 (indexed-job)" in err and f"127.0.0.1:{port} did not accept connections" in err
+
+
+SUPERVISE = (
+    "import sys\n"
+    "from kubetrain.k8s.entrypoint import supervise\n"
+    "sys.exit(supervise([sys.executable, '-c', sys.argv[1]], lambda m: print(m, flush=True)))\n"
+)
+
+
+def test_statefulset_pod_idles_after_success_until_sigterm() -> None:
+    import signal
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", SUPERVISE, "print('trained', flush=True)"],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    assert child.stdout.readline() == "trained\n"
+    assert child.stdout.readline().startswith("training finished; idling")
+    assert child.poll() is None  # still up: a StatefulSet would restart a container that exits
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=60) == 0
+    failed = subprocess.run([sys.executable, "-c", SUPERVISE, "raise SystemExit(3)"], capture_output=True,
+                            text=True, check=False)
+    assert failed.returncode == 3 and "idling" not in failed.stdout

@@ -108,10 +108,10 @@ def run(config: Path, *, rdzv_id: str, max_restarts: int, wait_timeout: float, s
     if not idle_after_finish:
         # exec: torchrun becomes the container's main process and gets the kubelet's SIGTERM directly.
         os.execv(argv[0], argv)
-    return _supervise(argv, say)
+    return supervise(argv, say)
 
 
-def _supervise(argv: list[str], say: Log) -> int:
+def supervise(argv: list[str], say: Log) -> int:
     """Run torchrun as a child, forwarding SIGTERM/SIGINT; after success, idle until told to stop.
 
     For a StatefulSet, whose pods restart whatever exits: a finished run must not train again.
@@ -131,5 +131,5 @@ def _supervise(argv: list[str], say: Log) -> int:
         return code
     say("training finished; idling so the StatefulSet does not restart it (kubetrain k8s stop removes it)")
     while not stop["requested"]:
-        signal.pause()
+        time.sleep(1)  # not signal.pause(): a SIGTERM just before it would be missed
     return 0
