@@ -256,3 +256,19 @@ def test_pods_serve_metrics_on_the_port_the_probe_and_policy_use() -> None:
 def test_examples_pass_config_validate(example: Path, cli: Any) -> None:
     code, out, err = cli("config", "validate", str(example))
     assert code == 0 and out.startswith("ok: "), err
+
+
+def test_render_command(tmp_path: Path, cli: Any) -> None:
+    code, out, err = cli("k8s", "render", "--workload", "jobset", "-n", "team-b")
+    assert code == 0, err
+    docs = list(yaml.safe_load_all(out))
+    assert docs[-1]["kind"] == "JobSet" and {d["metadata"]["namespace"] for d in docs} == {"team-b"}
+    code, out, _ = cli("k8s", "render", "-o", str(tmp_path / "out"))
+    assert code == 0 and len(out.splitlines()) == 5 and (tmp_path / "out" / "04-job-tiny.yaml").is_file()
+    code, _, err = cli("k8s", "render", "--workload", "deployment")
+    assert code == 2 and "unknown workload 'deployment'" in err
+    code, _, err = cli("k8s", "render", "--set", "k8s.nnodes=2",
+                       "--set", "k8s.volumes.checkpoints.access_mode=ReadWriteOnce")
+    assert code == 2 and err.startswith("error: k8s.volumes.checkpoints: 2 nodes share this claim")
+    code, _, err = cli("k8s", "render", "--set", 'k8s.tolerations=[{"key": "a", "effect": "Sometimes"}]')
+    assert code == 2 and "k8s.tolerations.0.effect" in err
