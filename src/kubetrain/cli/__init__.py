@@ -29,6 +29,7 @@ def _register() -> None:
     generate_cmd.register(app)
     app.add_typer(config_cmd.app, name="config")
     app.add_typer(runs_cmd.app, name="runs")
+    app.add_typer(__import__("kubetrain.cli.k8s_cmd", fromlist=["app"]).app, name="k8s")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,274 @@
+"""`kubetrain k8s render|launch|status|logs|stop|list|shell|doctor|simulate|entrypoint`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
+from kubetrain.config.k8s import WORKLOADS
+from kubetrain.errors import UserInputError
+
+app = typer.Typer(help="Render, launch and manage training jobs on Kubernetes.", no_args_is_help=True)
+
+WorkloadOpt = Annotated[
+    str | None,
+    typer.Option("--workload", "-w", help=f"Override k8s.workload: {', '.join(WORKLOADS)}.",
+                 show_default=False),
+]
+KubeconfigOpt = Annotated[
+    Path | None,
+    typer.Option("--kubeconfig", help="Kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)."),
+]
+ContextOpt = Annotated[str | None, typer.Option("--context", help="Kubeconfig context (default: current).")]
+NamespaceOpt = Annotated[
+    str | None,
+    typer.Option("--namespace", "-n", help="Namespace (default: k8s.namespace, else the context's)."),
+]
+NoValidateOpt = Annotated[bool, typer.Option("--no-validate", help="Skip the offline schema validation.")]
+
+
+def _workload(name: str | None) -> str | None:
+    if name is not None and name not in WORKLOADS:
+        raise UserInputError(f"--workload: unknown workload '{name}'; choose one of {', '.join(WORKLOADS)}")
+    return name
+
+
+def _rendered(config: Path | None, preset: str | None, set_: list[str] | None, workload: str | None,
+              namespace: str | None, validate: bool) -> list[dict[str, object]]:
+    from kubetrain.k8s import validate as checks
+    from kubetrain.k8s.render import render
+
+    overrides = list(set_ or [])
+    if namespace:
+        overrides.append(f"k8s.namespace={namespace}")
+    objects = render(load(config, preset, overrides), _workload(workload))
+    if validate:
+        checks.check(objects)
+    return objects
+
+
+def _cluster(kubeconfig: Path | None, context: str | None) -> Any:
+    from kubetrain.k8s.api import connect
+
+    return connect(kubeconfig, context)
+
+
+@app.command()
+def render(
+    config: ConfigArg = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
+    workload: WorkloadOpt = None,
+    namespace: NamespaceOpt = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write one file per object into "
+                                                "this folder instead of printing.")] = None,
+    no_validate: NoValidateOpt = False,
+) -> None:
+    """Print the job's Kubernetes objects as YAML, validated strictly against their schemas."""
+    from kubetrain.k8s.render import to_yaml, write_files
+
+    objects = _rendered(config, preset, set_, workload, namespace, not no_validate)
+    if output is None:
+        typer.echo(to_yaml(objects), nl=False)
+        return
+    for path in write_files(objects, output):
+        typer.echo(str(path))
+
+
+@app.command()
+def launch(
+    config: ConfigArg = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
+    workload: WorkloadOpt = None,
+    namespace: NamespaceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Have the API server validate everything; "
+                                          "store nothing.")] = False,
+) -> None:
+    """Apply the job's objects (server-side apply: launching twice changes nothing)."""
+    from kubetrain.k8s.launch import launch as apply_job
+
+    objects = _rendered(config, preset, set_, workload, namespace, validate=True)
+    apply_job(_cluster(kubeconfig, context), objects, dry_run=dry_run, log=typer.echo)
+    if not dry_run:
+        name = objects[-1]["metadata"]["name"]  # type: ignore[index]
+        typer.echo(f"follow it: kubetrain k8s logs {name} -f   |   kubetrain k8s status {name}")
+
+
+@app.command()
+def status(
+    name: Annotated[str, typer.Argument(help="Job name (k8s.name, or run.name).")],
+    namespace: NamespaceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """The job's state, each rank's pod (phase, node, restarts) and the last step it logged."""
+    from kubetrain.k8s.status import format_status, job_status
+
+    cluster = _cluster(kubeconfig, context)
+    result = job_status(cluster, name, namespace or cluster.default_namespace)
+    typer.echo(json.dumps(result) if json_ else format_status(result))
+
+
+@app.command()
+def logs(
+    name: Annotated[str, typer.Argument(help="Job name.")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep streaming new lines.")] = False,
+    rank: Annotated[int | None, typer.Option("--rank", help="Only this node rank.")] = None,
+    tail: Annotated[int | None, typer.Option("--tail", help="Only the last N lines of each pod.")] = None,
+    namespace: NamespaceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+) -> None:
+    """Every rank's log, interleaved as it arrives, prefixed with the rank."""
+    from kubetrain.k8s.logs import stream_logs
+
+    cluster = _cluster(kubeconfig, context)
+    stream_logs(cluster, name, namespace or cluster.default_namespace, follow=follow, rank=rank, tail=tail,
+                emit=lambda line: typer.echo(line))
+
+
+@app.command()
+def stop(
+    name: Annotated[str, typer.Argument(help="Job name.")],
+    namespace: NamespaceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+) -> None:
+    """Delete the job (its pods save a checkpoint on SIGTERM); the claims stay, so a launch resumes."""
+    from kubetrain.k8s.launch import stop as delete_job
+
+    cluster = _cluster(kubeconfig, context)
+    delete_job(cluster, name, namespace or cluster.default_namespace, log=typer.echo)
+
+
+@app.command("list")
+def list_(
+    namespace: NamespaceOpt = None,
+    all_namespaces: Annotated[bool, typer.Option("--all-namespaces", "-A", help="Every namespace.")] = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """The jobs kubetrain launched, with their state."""
+    from kubetrain.k8s.status import list_jobs
+
+    cluster = _cluster(kubeconfig, context)
+    jobs = list_jobs(cluster, namespace or cluster.default_namespace, all_namespaces)
+    if json_:
+        typer.echo(json.dumps(jobs))
+        return
+    for job in jobs:
+        typer.echo(f"{job['namespace']}/{job['name']}  {job['workload']}  {job['state']}  {job['created']}")
+    if not jobs:
+        typer.echo("no kubetrain jobs")
+
+
+@app.command()
+def shell(
+    name: Annotated[str, typer.Argument(help="Job name.")],
+    rank: Annotated[int, typer.Option("--rank", help="Node rank of the pod.")] = 0,
+    namespace: NamespaceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+) -> None:
+    """An interactive shell in a rank's pod (through `kubectl exec -it`)."""
+    import os
+    import shutil
+
+    from kubetrain.k8s.status import main_container, pods_by_rank
+
+    cluster = _cluster(kubeconfig, context)
+    ns = namespace or cluster.default_namespace
+    pod = next((p for r, p in pods_by_rank(cluster, name, ns) if r == rank), None)
+    if pod is None:
+        raise UserInputError(f"job '{name}' has no pod with rank {rank} in namespace {ns}")
+    argv = ["kubectl", "exec", "-it", "-n", ns, pod["metadata"]["name"], "-c", main_container(pod)]
+    argv += [f"--kubeconfig={kubeconfig}"] if kubeconfig else []
+    argv += [f"--context={context}"] if context else []
+    argv += ["--", "/bin/sh"]
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        raise UserInputError("kubectl is not on PATH; it runs the interactive shell: " + " ".join(argv))
+    os.execv(kubectl, argv)
+
+
+@app.command()
+def doctor(
+    config: ConfigArg = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
+    workload: WorkloadOpt = None,
+    namespace: NamespaceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+) -> None:
+    """Check that the cluster can run this job: reachable, namespace, CRD, GPU nodes, storage, Secrets."""
+    from kubetrain.k8s.doctor import run_checks
+
+    overrides = list(set_ or []) + ([f"k8s.namespace={namespace}"] if namespace else [])
+    cfg = load(config, preset, overrides)
+    checks = run_checks(_cluster(kubeconfig, context), cfg, _workload(workload))
+    for check in checks:
+        typer.echo(f"{check.status:<4}  {check.name}: {check.detail}")
+    if any(c.status == "fail" for c in checks):
+        raise typer.Exit(1)
+
+
+@app.command()
+def simulate(
+    config: ConfigArg = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
+    workload: WorkloadOpt = None,
+    root: Annotated[Path, typer.Option("--root", help="Folder for the pods' volumes and logs.")] = Path(
+        "runs/k8s-simulate"
+    ),
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Give up after this many seconds.")] = (
+        None
+    ),
+) -> None:
+    """Run each pod of the job as a local process, with the environment its controller would set."""
+    from kubetrain.k8s.simulate import Simulation
+
+    sim = Simulation(load(config, preset, set_), root, _workload(workload))
+    typer.echo(f"simulating {sim.kind} '{sim.name}': {len(sim.pods)} pods under {sim.root}")
+    try:
+        result = sim.run(timeout)
+    except KeyboardInterrupt:
+        sim.stop()
+        raise typer.Exit(130) from None
+    typer.echo(f"{'ok' if result.succeeded else 'failed'}: {result.message}")
+    if not result.succeeded:
+        raise typer.Exit(1)
+
+
+@app.command()
+def entrypoint(
+    config: Annotated[Path, typer.Option("--config", help="The mounted config.")] = Path(
+        "/etc/kubetrain/config.yaml"
+    ),
+    rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="Rendezvous id (the job name).")] = "kubetrain",
+    max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="torchrun restarts.")] = 3,
+    wait_timeout: Annotated[float, typer.Option("--wait-timeout", min=0, help="Seconds to wait for the "
+                                                "rendezvous endpoint.")] = 900,
+    shutdown_timeout: Annotated[int, typer.Option("--shutdown-timeout", min=1, help="Seconds torchrun "
+                                                  "gives workers to save after SIGTERM.")] = 90,
+    output_dir: Annotated[str | None, typer.Option("--output-dir", help="Override run.output_dir (the "
+                                                   "checkpoint volume).")] = None,
+    idle_after_finish: Annotated[bool, typer.Option("--idle-after-finish", help="Stay up after training "
+                                                    "finished (StatefulSet pods).")] = False,
+) -> None:
+    """What every training pod runs: node rank from the workload, wait for the rendezvous, start torchrun."""
+    from kubetrain.k8s.entrypoint import run
+
+    code = run(config, rdzv_id=rdzv_id, max_restarts=max_restarts, wait_timeout=wait_timeout,
+               shutdown_timeout=shutdown_timeout, output_dir=output_dir, idle_after_finish=idle_after_finish)
+    raise typer.Exit(code)

@@ -1,0 +1,315 @@
+"""Run a job's pods as local processes: the multi-pod path (entrypoint, rendezvous, resume) without a cluster.
+
+Each pod runs the container's own command and arguments with the environment its controller would give it
+(JOB_COMPLETION_INDEX and hostname for an Indexed Job, RANK/WORLD_SIZE/PET_* for a PyTorchJob, ...). What a
+cluster provides is mapped onto this machine: the job's DNS names to 127.0.0.1, the rendezvous and metrics
+ports to free local ports, each volume to a local folder (shared claims shared, emptyDirs per pod), and the
+controller's restart of failed pods (backoffLimit, podFailurePolicy) is done here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import kubetrain
+from kubetrain.config.loading import validate as validate_config
+from kubetrain.config.schema import Config
+from kubetrain.k8s.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT
+from kubetrain.k8s.render import pod_templates, render
+from kubetrain.k8s.workloads.trainjob import RUNTIME_PORT
+
+Log = Callable[[str], None]
+LOOPBACK = "127.0.0.1"
+BAD_INPUT_EXIT = 2
+# Variables of this machine that would confuse a simulated pod (they come from its controller instead).
+_FOREIGN_ENV = re.compile(
+    r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|MASTER_ADDR|MASTER_PORT|JOB_COMPLETION_INDEX"
+    r"|HOSTNAME|PET_.*|TORCHELASTIC_.*|KUBETRAIN_.*|JOBSET_.*)$"
+)
+
+
+@dataclass
+class SimPod:
+    name: str
+    env: dict[str, str]
+    argv: list[str]
+    folder: Path
+    process: subprocess.Popen[bytes] | None = None
+    exit_codes: list[int] = field(default_factory=list)
+
+    @property
+    def log_path(self) -> Path:
+        return self.folder / "log.txt"
+
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+@dataclass
+class SimResult:
+    succeeded: bool
+    message: str
+    exit_codes: dict[str, list[int]]
+
+
+def _descendants(pid: int) -> list[int] | None:
+    """Every process below pid, from Linux's /proc (None where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    if not children:
+        return None
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def _map_path(value: str, mounts: dict[str, Path]) -> str:
+    for mount in sorted(mounts, key=len, reverse=True):
+        if value == mount or value.startswith(mount + "/"):
+            return str(mounts[mount]) + value[len(mount):]
+    return value
+
+
+def _map_tree(value: Any, mounts: dict[str, Path]) -> Any:
+    if isinstance(value, dict):
+        return {k: _map_tree(v, mounts) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_tree(v, mounts) for v in value]
+    return _map_path(value, mounts) if isinstance(value, str) else value
+
+
+class Simulation:
+    """The pods of one rendered job, as local processes under `root`."""
+
+    def __init__(self, cfg: Config, root: Path, workload: str | None = None, log: Log | None = None,
+                 echo: bool = True) -> None:
+        raw = cfg.model_dump(mode="json")
+        self.port = free_port()
+        raw["k8s"]["rdzv_port"] = self.port
+        raw["k8s"]["metrics"]["port"] = free_port()
+        self.cfg = validate_config(raw, source="simulated config")
+        self.root = root.resolve()
+        self.log: Log = log or (lambda m: print(m, flush=True))
+        self.echo = echo
+        self.objects = render(self.cfg, workload)
+        self.workload_obj = self.objects[-1]
+        self.kind = self.workload_obj["kind"]
+        self.name = self.workload_obj["metadata"]["name"]
+        self.shared = self._shared_mounts()
+        self._write_config()
+        self.pods = self._pods()
+        self._threads: list[threading.Thread] = []
+
+    # -- what the cluster would provide -----------------------------------------------------------
+
+    def _shared_mounts(self) -> dict[str, Path]:
+        """The ConfigMap and the claims, one local folder each, shared by all pods."""
+        template = pod_templates(self.workload_obj)[0][1]
+        claims = {v["name"] for v in template["spec"]["volumes"] if "persistentVolumeClaim" in v}
+        mounts = {CONFIG_MOUNT: self.root / "configmap"}
+        for m in template["spec"]["containers"][0]["volumeMounts"]:
+            if m["name"] in claims:
+                mounts[m["mountPath"]] = self.root / "volumes" / m["name"]
+        for folder in mounts.values():
+            folder.mkdir(parents=True, exist_ok=True)
+        return mounts
+
+    def _write_config(self) -> None:
+        config_map = next(o for o in self.objects if o["kind"] == "ConfigMap")
+        raw = _map_tree(yaml.safe_load(config_map["data"][CONFIG_FILE]), self.shared)
+        path = self.root / "configmap" / CONFIG_FILE
+        path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+
+    def _container(self, template: dict[str, Any]) -> dict[str, Any]:
+        main = dict(template["spec"]["containers"][0])
+        if self.kind == "TrainJob":  # the runtime takes command, args and env from spec.trainer
+            trainer = self.workload_obj["spec"]["trainer"]
+            main.update(command=trainer["command"], args=trainer["args"], env=trainer["env"])
+        return main
+
+    def _pod_names(self) -> list[tuple[str, str, dict[str, Any]]]:
+        """(pod name, DNS name, template) per node rank, named as the controller names them."""
+        n, name = self.cfg.k8s.nnodes, self.name
+        templates = dict(pod_templates(self.workload_obj))
+        if self.kind == "PyTorchJob":
+            return [(f"{name}-master-0", f"{name}-master-0", templates["master"])] + [
+                (f"{name}-worker-{i}", f"{name}-worker-{i}", templates["worker"]) for i in range(n - 1)
+            ]
+        if self.kind in ("JobSet", "TrainJob"):
+            return [(f"{name}-node-0-{i}", f"{name}-node-0-{i}.{name}", templates["node"]) for i in range(n)]
+        return [(f"{name}-{i}", f"{name}-{i}.{name}", templates["node"]) for i in range(n)]
+
+    def _controller_env(self, rank: int, pod_name: str) -> dict[str, str]:
+        k = self.cfg.k8s
+        env = {"HOSTNAME": pod_name}
+        if self.kind in ("Job", "JobSet", "TrainJob"):
+            env["JOB_COMPLETION_INDEX"] = str(rank)
+        if self.kind == "PyTorchJob":
+            # training-operator v1.9: WORLD_SIZE counts processes, RANK is the node's (master 0, worker i+1)
+            env.update(MASTER_ADDR=f"{self.name}-master-0", MASTER_PORT=str(k.rdzv_port),
+                       WORLD_SIZE=str(k.nnodes * k.nproc_per_node), RANK=str(rank),
+                       PET_NODE_RANK=str(rank), PET_NNODES=str(k.nnodes),
+                       PET_NPROC_PER_NODE=str(k.nproc_per_node), PYTHONUNBUFFERED="0")
+        if self.kind == "TrainJob":
+            env.update(PET_NNODES=str(k.nnodes), PET_NPROC_PER_NODE=str(k.nproc_per_node),
+                       PET_NODE_RANK=str(rank), PET_MASTER_ADDR=f"{self.name}-node-0-0.{self.name}",
+                       PET_MASTER_PORT=str(RUNTIME_PORT))
+        return env
+
+    def _env_value(self, item: dict[str, Any]) -> str | None:
+        if "value" in item:
+            return str(item["value"])
+        source = item.get("valueFrom", {})
+        field_path = source.get("fieldRef", {}).get("fieldPath", "")
+        if field_path == "status.podIP":
+            return LOOPBACK
+        if "jobset.sigs.k8s.io/job-index" in field_path:
+            return "0"  # one replicated job
+        if "secretKeyRef" in source:  # a Secret of the cluster: this machine's variable of that name, if any
+            return os.environ.get(item["name"])
+        return None
+
+    def _pods(self) -> list[SimPod]:
+        names = self._pod_names()
+        dns = {d: LOOPBACK for _, d, _ in names} | {p: LOOPBACK for p, _, _ in names}
+        base = {k: v for k, v in os.environ.items() if not _FOREIGN_ENV.match(k)}
+        src = str(Path(kubetrain.__file__).resolve().parents[1])  # this kubetrain, also in the pods
+        base["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
+        pods = []
+        for rank, (pod_name, _, template) in enumerate(names):
+            folder = self.root / "pods" / pod_name
+            own = {"/tmp": folder / "tmp", CACHE_MOUNT: folder / "cache", "/dev/shm": folder / "shm"}
+            for path in own.values():
+                path.mkdir(parents=True, exist_ok=True)
+            mounts = {**self.shared, **own}
+            main = self._container(template)
+            env = dict(base)
+            for item in main["env"]:
+                value = self._env_value(item)
+                if value is not None:
+                    env[item["name"]] = value
+            env.update(self._controller_env(rank, pod_name))
+            if self.kind == "TrainJob":
+                env["PET_MASTER_PORT"] = str(self.port)  # the runtime's fixed port, mapped to a free one
+            # names that must resolve become loopback; the pod's own HOSTNAME stays its name
+            env = {k: v if k == "HOSTNAME" else dns.get(v, _map_path(v, mounts)) for k, v in env.items()}
+            args = [_map_path(a, mounts) for a in main["args"] if a != "--idle-after-finish"]
+            argv = [sys.executable, "-m", "kubetrain", *main["command"][1:], *args]
+            pods.append(SimPod(pod_name, env, argv, folder))
+        return pods
+
+    # -- the pods' lifecycle ---------------------------------------------------------------------
+
+    def pod(self, which: int | str) -> SimPod:
+        return self.pods[which] if isinstance(which, int) else next(p for p in self.pods if p.name == which)
+
+    def start_pod(self, which: int | str) -> SimPod:
+        pod = self.pod(which)
+        log = open(pod.log_path, "ab")  # noqa: SIM115 - kept open by the reader thread
+        pod.process = subprocess.Popen(pod.argv, env=pod.env, cwd=pod.folder, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+        thread = threading.Thread(target=self._pump, args=(pod, pod.process, log), daemon=True)
+        thread.start()
+        self._threads.append(thread)
+        return pod
+
+    def _pump(self, pod: SimPod, process: subprocess.Popen[bytes], log: Any) -> None:
+        assert process.stdout is not None
+        with log:
+            for line in process.stdout:
+                log.write(line)
+                log.flush()
+                if self.echo:
+                    self.log(f"[{pod.name}] {line.decode(errors='replace').rstrip()}")
+
+    def start(self) -> None:
+        for pod in self.pods:
+            self.start_pod(pod.name)
+
+    def kill(self, which: int | str, sig: int = signal.SIGKILL) -> None:
+        """Signal every process of the pod, like a lost node (or a container whose PID 1 is gone).
+
+        torchrun starts each worker in a session of its own, so the pod's process group is not enough.
+        """
+        pod = self.pod(which)
+        if pod.process is None or pod.process.poll() is not None:
+            return
+        below = _descendants(pod.process.pid)
+        if below is None:  # no /proc: the process group, which torchrun's workers have left
+            os.killpg(pod.process.pid, sig)
+            return
+        for pid in [pod.process.pid, *below]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def stop(self) -> None:
+        for pod in self.pods:
+            self.kill(pod.name, signal.SIGKILL)
+        for pod in self.pods:
+            if pod.process is not None:
+                pod.process.wait()
+
+    def run(self, timeout: float | None = None, poll: float = 0.5) -> SimResult:
+        """Supervise the pods like their controller until the job succeeds or fails."""
+        if not any(p.process for p in self.pods):
+            self.start()
+        k = self.cfg.k8s
+        failures = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done: set[str] = set()
+        while len(done) < len(self.pods):
+            if deadline is not None and time.monotonic() > deadline:
+                self.stop()
+                return self._result(False, f"timed out after {timeout:g}s")
+            for pod in self.pods:
+                if pod.name in done or pod.process is None or pod.process.poll() is None:
+                    continue
+                code = pod.process.wait()
+                pod.exit_codes.append(code)
+                if code == 0:
+                    done.add(pod.name)
+                    continue
+                if code == BAD_INPUT_EXIT and self.kind in ("Job", "JobSet"):
+                    self.stop()
+                    return self._result(False, f"{pod.name} exited {code} (bad input): the job fails at once")
+                failures += 1
+                if failures > k.backoff_limit:
+                    self.stop()
+                    why = f"{pod.name} exited {code}: backoffLimit {k.backoff_limit} reached"
+                    return self._result(False, why)
+                self.log(f"[simulate] {pod.name} exited {code}; starting its replacement "
+                         f"(failure {failures} of backoffLimit {k.backoff_limit})")
+                self.start_pod(pod.name)
+            time.sleep(poll)
+        for thread in self._threads:
+            thread.join(timeout=10)
+        return self._result(True, f"all {len(self.pods)} pods succeeded")
+
+    def _result(self, ok: bool, message: str) -> SimResult:
+        return SimResult(ok, message, {p.name: list(p.exit_codes) for p in self.pods})
