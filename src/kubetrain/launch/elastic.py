@@ -70,6 +70,9 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
 
     args = parse_args(torchrun_args(opts, train_args))
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per worker unless told otherwise
+    if parse_nnodes(opts.nnodes)[1] > 1:
+        # A node that joins a later rendezvous round deadlocks on the agent-shared store (pytorch#135712).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         run(args)
     except SignalException as e:
