@@ -21,11 +21,12 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from kubetrain.cli import config_cmd, data_cmd, generate_cmd, runs_cmd, train_cmd
+    from kubetrain.cli import config_cmd, data_cmd, export_cmd, generate_cmd, runs_cmd, train_cmd
 
     train_cmd.register(app)
     data_cmd.register(app)
     generate_cmd.register(app)
+    export_cmd.register(app)
     app.add_typer(config_cmd.app, name="config")
     app.add_typer(runs_cmd.app, name="runs")
 
