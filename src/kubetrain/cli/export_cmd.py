@@ -11,12 +11,12 @@ import typer
 from kubetrain.cli.options import JsonOpt
 from kubetrain.errors import UserInputError
 
-TargetArg = Annotated[Path, typer.Argument(help="A run directory or a checkpoint folder.", show_default=False)]
-FormatOpt = Annotated[str, typer.Option("--format", "-f", help="hf: a Hugging Face folder; gguf: one .gguf file.")]
-OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Folder (hf) or file (gguf); must not exist.")]
+TargetArg = Annotated[Path, typer.Argument(help="A run directory or checkpoint folder.", show_default=False)]
+FormatOpt = Annotated[str, typer.Option("--format", "-f", help="hf: Hugging Face folder; gguf: .gguf file.")]
+OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Folder (hf) or file (gguf), new.")]
 MergeOpt = Annotated[bool, typer.Option("--merge", help="Fold a LoRA run's adapters into the base model.")]
 DtypeOpt = Annotated[
-    str, typer.Option("--dtype", help="auto, float32, float16 or bfloat16 (auto: hf as trained, gguf float16).")
+    str, typer.Option("--dtype", help="auto, float32, float16, bfloat16 (auto: hf as trained, gguf float16).")
 ]
 WhichOpt = Annotated[str, typer.Option("--checkpoint", help="best or latest (for a run directory).")]
 

@@ -110,6 +110,10 @@ def load_hf_model(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> HFCau
         )
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing also works when the inputs of a layer need no grad (a frozen LoRA base).
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(lm, "activation_checkpointing_enable"):  # transformers 5 renamed it
+            lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     lm.train()
     return HFCausalLM(lm, cfg.block_size)

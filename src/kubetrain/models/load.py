@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import yaml
 from torch import nn
 
@@ -51,6 +52,8 @@ def load_trained(target: Path, which: str = "best") -> tuple[nn.Module, Tokenize
     run, ckpt = locate(target, which)
     cfg = run_config(run)
     tokenizer = load_saved_tokenizer(run / "tokenizer")
+    # Seeded as the loop seeds it: a LoRA run's frozen base is rebuilt, not loaded, and must come out the same.
+    torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, tokenizer.vocab_size)
     if cfg.model.lora is not None:
         model = apply_lora(model, cfg.model.lora)
