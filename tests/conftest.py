@@ -37,7 +37,7 @@ def chat_rows(n: int = 48) -> list[dict[str, object]]:
 
 
 def build_tokenizer(folder: Path) -> Path:
-    """A byte-level BPE like Llama 3's: its pre-tokenizer, BOS added by the post-processor, its chat format."""
+    """A byte-level BPE like Llama 3's: its pre-tokenizer, BOS from the post-processor, its chat format."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -109,7 +109,8 @@ def lora_config(out: Path, llama: Path, chat: Path, **overrides: object) -> obje
                   "lora": {"r": 8, "alpha": 16, "dropout": 0.05,
                            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                               "down_proj"]}},
-        "train": {"max_steps": 24, "micro_batch_size": 4, "lr": 2e-2, "warmup_steps": 2, "log_every_steps": 1},
+        "train": {"max_steps": 24, "micro_batch_size": 4, "lr": 2e-2, "warmup_steps": 2,
+                  "log_every_steps": 1},
         "eval": {"every_steps": 8, "batches": 1, "sample_prompt": None, "sample_tokens": 4},
         "checkpoint": {"every_steps": 8, "keep_last": 5},
         "track": {"console": False},
@@ -140,7 +141,8 @@ def gpt_lora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     text.write_text(" ".join(f"{w} {WORDS[(i * 5) % len(WORDS)]}." for i, w in enumerate(WORDS * 40)))
     cfg = validate({
         "run": {"name": "gpt-lora", "output_dir": str(root / "runs"), "threads": 1},
-        "data": {"sources": [{"kind": "text", "path": str(text)}], "tokenizer": {"kind": "bpe", "vocab_size": 300}},
+        "data": {"sources": [{"kind": "text", "path": str(text)}],
+                 "tokenizer": {"kind": "bpe", "vocab_size": 300}},
         "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32,
                   "lora": {"r": 4, "alpha": 8, "modules_to_save": ["lm_head"],
                            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from kubetrain.config.loading import validate
-from kubetrain.config.schema import ChatConfig, SourceConfig
+from kubetrain.config.schema import ChatConfig, Config, SourceConfig
 from kubetrain.data.chat import encode_conversations
 from kubetrain.data.shards import MASK_FILE, TOKENS_FILE, prepare
-from kubetrain.data.tokenizers import ByteTokenizer, load_hf_tokenizer
+from kubetrain.data.tokenizers import ByteTokenizer, HFTokenizer, load_hf_tokenizer
 from kubetrain.errors import DataError
 
 TWO_TURNS = {"messages": [
@@ -31,15 +31,17 @@ def write_jsonl(path: Path, rows: list[object]) -> Path:
 
 def encode(path: Path, tok: object, **chat: object) -> list[tuple[list[int], list[int]]]:
     src = SourceConfig(kind="chat", path=str(path))
-    return list(encode_conversations(src, tok, ChatConfig(**chat)))  # type: ignore[arg-type]
+    return list(encode_conversations(src, tok, ChatConfig(**chat)))
 
 
 @pytest.fixture(scope="module")
-def tok(hf_tokenizer_dir: Path):  # type: ignore[no-untyped-def]
-    return load_hf_tokenizer(str(hf_tokenizer_dir))
+def tok(hf_tokenizer_dir: Path) -> HFTokenizer:
+    tok = load_hf_tokenizer(str(hf_tokenizer_dir))
+    assert isinstance(tok, HFTokenizer)
+    return tok
 
 
-def test_only_assistant_turns_count_and_the_text_is_the_template(tok, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_only_assistant_turns_count_and_the_text_is_the_template(tok: HFTokenizer, tmp_path: Path) -> None:
     [(ids, mask)] = encode(write_jsonl(tmp_path / "c.jsonl", [TWO_TURNS]), tok)
     assert tok.decode(ids) == tok.tok.apply_chat_template(TWO_TURNS["messages"], tokenize=False)
     learned = tok.decode([i for i, m in zip(ids, mask, strict=True) if m])
@@ -47,8 +49,9 @@ def test_only_assistant_turns_count_and_the_text_is_the_template(tok, tmp_path: 
     assert len(ids) == len(mask) and mask[0] == 0
 
 
-def test_prompt_response_rows_with_system(tok, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    rows = [{"prompt": "reverse: a b", "response": "b a"}, {"system": "be brief", "prompt": "hi", "response": "yo"}]
+def test_prompt_response_rows_with_system(tok: HFTokenizer, tmp_path: Path) -> None:
+    rows = [{"prompt": "reverse: a b", "response": "b a"},
+            {"system": "be brief", "prompt": "hi", "response": "yo"}]
     (ids1, mask1), (ids2, mask2) = encode(write_jsonl(tmp_path / "c.jsonl", rows), tok)
     assert tok.decode([i for i, m in zip(ids1, mask1, strict=True) if m]) == "b a<|eot_id|>"
     text = tok.decode(ids2)
@@ -56,12 +59,12 @@ def test_prompt_response_rows_with_system(tok, tmp_path: Path) -> None:  # type:
     assert tok.decode([i for i, m in zip(ids2, mask2, strict=True) if m]) == "yo<|eot_id|>"
 
 
-def test_mask_prompt_false_learns_everything(tok, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_mask_prompt_false_learns_everything(tok: HFTokenizer, tmp_path: Path) -> None:
     [(_, mask)] = encode(write_jsonl(tmp_path / "c.jsonl", [TWO_TURNS]), tok, mask_prompt=False)
     assert set(mask) == {1}
 
 
-def test_add_special_tokens_lets_the_tokenizer_add_bos(tok, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_add_special_tokens_lets_the_tokenizer_add_bos(tok: HFTokenizer, tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "c.jsonl", [TWO_TURNS])
     bos = tok.tok.bos_token_id
     [(plain, _)] = encode(path, tok)
@@ -78,7 +81,7 @@ def test_named_template_with_a_byte_tokenizer(tmp_path: Path) -> None:
     assert tok.decode([i for i, m in zip(ids, mask, strict=True) if m]) == "4<|im_end|>\n"
 
 
-def test_a_jinja_template_overrides_the_tokenizers(tok, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_jinja_template_overrides_the_tokenizers(tok: HFTokenizer, tmp_path: Path) -> None:
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}" \
                "{% if add_generation_prompt %}[assistant] {% endif %}"
     [(ids, mask)] = encode(write_jsonl(tmp_path / "c.jsonl", [{"prompt": "a", "response": "b"}]), tok,
@@ -102,7 +105,7 @@ def test_a_template_that_is_not_prefix_stable_cannot_mask(tmp_path: Path) -> Non
     # Marks the last message differently, so a prefix of the conversation renders differently.
     template = "{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m['content'] }}\n{% endfor %}"
     path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "a", "response": "b"}])
-    with pytest.raises(DataError, match=r"c\.jsonl:1: the chat template does not render conversations prefix"):
+    with pytest.raises(DataError, match=r"c\.jsonl:1: the chat template does not render conversations pre"):
         encode(path, ByteTokenizer(), template=template)
 
 
@@ -120,13 +123,17 @@ BAD_ROWS = [
 
 
 @pytest.mark.parametrize(("row", "reason"), BAD_ROWS)
-def test_a_bad_row_names_its_file_and_line(tok, tmp_path: Path, row: object, reason: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_bad_row_names_its_file_and_line(
+    tok: HFTokenizer, tmp_path: Path, row: object, reason: str
+) -> None:
     path = write_jsonl(tmp_path / "c.jsonl", [TWO_TURNS, "", row])  # line 2 is blank, the bad row is line 3
     with pytest.raises(DataError, match=rf"c\.jsonl:3: {reason}"):
         encode(path, tok)
 
 
-def test_bad_rows_are_skipped_and_counted(tok, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+def test_bad_rows_are_skipped_and_counted(
+    tok: HFTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rows = [TWO_TURNS, *[r for r, _ in BAD_ROWS], {"prompt": "a", "response": "b"}]
     out = encode(write_jsonl(tmp_path / "c.jsonl", rows), tok, skip_bad_rows=True)
     assert len(out) == 2
@@ -134,17 +141,19 @@ def test_bad_rows_are_skipped_and_counted(tok, tmp_path: Path, capsys: pytest.Ca
     assert f"skipped {len(BAD_ROWS)} malformed rows" in err and "c.jsonl:2: not valid JSON" in err
 
 
-def chat_config(tmp_path: Path, chat: Path, tokenizer: Path, **chat_cfg: object) -> object:
+def chat_config(tmp_path: Path, chat: Path, tokenizer: Path, **chat_cfg: object) -> Config:
     return validate({
         "run": {"output_dir": str(tmp_path)},
-        "data": {"sources": [{"kind": "chat", "path": str(chat)}], "tokenizer": {"kind": "hf", "path": str(tokenizer)},
-                 "chat": chat_cfg, "val_fraction": 0.25},
+        "data": {"sources": [{"kind": "chat", "path": str(chat)}], "chat": chat_cfg, "val_fraction": 0.25,
+                 "tokenizer": {"kind": "hf", "path": str(tokenizer)}},
         "model": {"block_size": 64},
     })
 
 
-def test_unpacked_conversations_fill_one_window_each(tmp_path: Path, chat_file: Path, hf_tokenizer_dir: Path) -> None:
-    prepared = prepare(chat_config(tmp_path, chat_file, hf_tokenizer_dir))  # type: ignore[arg-type]
+def test_unpacked_conversations_fill_one_window_each(
+    tmp_path: Path, chat_file: Path, hf_tokenizer_dir: Path
+) -> None:
+    prepared = prepare(chat_config(tmp_path, chat_file, hf_tokenizer_dir))
     tokens = np.fromfile(prepared.folder / TOKENS_FILE, dtype=prepared.dtype)
     mask = np.fromfile(prepared.folder / MASK_FILE, dtype=np.uint8)
     n_rows = len(chat_file.read_text().splitlines())
@@ -156,8 +165,10 @@ def test_unpacked_conversations_fill_one_window_each(tmp_path: Path, chat_file: 
     assert ((windows == pad) <= (masks == 0)).all()  # padding never counts
 
 
-def test_packing_concatenates_without_padding(tmp_path: Path, chat_file: Path, hf_tokenizer_dir: Path) -> None:
-    packed = prepare(chat_config(tmp_path, chat_file, hf_tokenizer_dir, packing=True))  # type: ignore[arg-type]
+def test_packing_concatenates_without_padding(
+    tmp_path: Path, chat_file: Path, hf_tokenizer_dir: Path
+) -> None:
+    packed = prepare(chat_config(tmp_path, chat_file, hf_tokenizer_dir, packing=True))
     tokens = np.fromfile(packed.folder / TOKENS_FILE, dtype=packed.dtype)
     assert 4 not in tokens.tolist()
     tok = load_hf_tokenizer(str(hf_tokenizer_dir))
@@ -165,7 +176,7 @@ def test_packing_concatenates_without_padding(tmp_path: Path, chat_file: Path, h
     assert len(tokens) == expected
 
 
-def test_weight_repeats_whole_conversations(tok, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_weight_repeats_whole_conversations(tok: HFTokenizer, tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": str(i), "response": "x"} for i in range(4)])
     src = SourceConfig(kind="chat", path=str(path), weight=1.5)
     out = list(encode_conversations(src, tok, ChatConfig()))

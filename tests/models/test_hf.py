@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs behind our model interface: logits, layers, dtype, checkpointing, bad input, runs."""
+"""Hugging Face causal LMs behind our model interface: logits, layers, dtype, checkpointing, errors, runs."""
 
 from __future__ import annotations
 
@@ -53,11 +53,13 @@ def test_bad_model_settings_are_one_line_errors(llama_dir: Path, tmp_path: Path)
         load_hf_model(hf_model(tmp_path / "empty"))
     with pytest.raises(ConfigError, match=r"block_size \(256\) exceeds the model's 128 positions"):
         load_hf_model(hf_model(llama_dir, block_size=256))
-    with pytest.raises(ConfigError, match="the tokenizer has 1000 tokens but .* embeds only 352"):
+    with pytest.raises(ConfigError, match=r"the tokenizer has 1000 tokens but .* embeds only 352"):
         load_hf_model(hf_model(llama_dir), tokenizer_vocab=1000)
 
 
-def test_token_from_the_environment_or_a_mounted_secret(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_token_from_the_environment_or_a_mounted_secret(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HF_TOKEN_PATH", raising=False)
     assert hub_token() is None
@@ -72,7 +74,8 @@ def test_token_from_the_environment_or_a_mounted_secret(monkeypatch: pytest.Monk
 def test_an_hf_model_reads_with_its_own_tokenizer_unless_told(llama_dir: Path) -> None:
     cfg = validate({"model": {"kind": "hf", "name_or_path": str(llama_dir)}})
     assert (cfg.data.tokenizer.kind, cfg.data.tokenizer.path) == ("hf", str(llama_dir))
-    cfg = validate({"model": {"kind": "hf", "name_or_path": str(llama_dir)}, "data": {"tokenizer": {"kind": "byte"}}})
+    cfg = validate({"model": {"kind": "hf", "name_or_path": str(llama_dir)},
+                    "data": {"tokenizer": {"kind": "byte"}}})
     assert cfg.data.tokenizer.kind == "byte"
 
 
