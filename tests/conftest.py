@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from kubetrain.config.schema import Config
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
@@ -98,7 +101,7 @@ def chat_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def lora_config(out: Path, llama: Path, chat: Path, **overrides: object) -> object:
+def lora_config(out: Path, llama: Path, chat: Path, **overrides: object) -> Config:
     """A LoRA fine-tune of the tiny Llama on the chat set: one conversation per 64-token window."""
     from kubetrain.config.loading import validate
 
@@ -122,12 +125,18 @@ def lora_config(out: Path, llama: Path, chat: Path, **overrides: object) -> obje
 
 
 @pytest.fixture(scope="session")
+def make_lora_config() -> Callable[..., Config]:
+    """lora_config(out, llama, chat, section__key=value, ...): a variant of the LoRA run's config."""
+    return lora_config
+
+
+@pytest.fixture(scope="session")
 def lora_run(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path, chat_file: Path) -> Path:
     """A finished 24-step LoRA run (checkpoints at steps 8, 16, 24)."""
     from kubetrain.train.loop import train
 
     cfg = lora_config(tmp_path_factory.mktemp("runs"), llama_dir, chat_file)
-    return Path(train(cfg, log=lambda m: None).run_dir)  # type: ignore[arg-type]
+    return Path(train(cfg, log=lambda m: None).run_dir)
 
 
 @pytest.fixture(scope="session")

@@ -181,3 +181,24 @@ def test_weight_repeats_whole_conversations(tok: HFTokenizer, tmp_path: Path) ->
     src = SourceConfig(kind="chat", path=str(path), weight=1.5)
     out = list(encode_conversations(src, tok, ChatConfig()))
     assert len(out) == 6 and out[4] == out[0] and out[5] == out[1]
+
+
+def test_a_bpe_tokenizer_learns_from_the_conversations(tmp_path: Path, chat_file: Path) -> None:
+    cfg = validate({
+        "run": {"output_dir": str(tmp_path)},
+        "data": {"sources": [{"kind": "chat", "path": str(chat_file)}],
+                 "chat": {"template": "chatml", "packing": True}, "tokenizer": {"kind": "bpe", "vocab_size": 400}},
+        "model": {"block_size": 64},
+    })
+    tok = prepare(cfg).tokenizer()
+    assert tok.encode("reverse: red cat") == [tok.tok.token_to_id(t) for t in ("reverse", ":", "Ġred", "Ġcat")]
+
+
+def test_unpacked_conversations_are_cut_and_empty_ones_left_out(
+    tok: HFTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = [{"prompt": "a", "response": "b"}, {"prompt": "reverse: " + "red " * 40, "response": "der"}]
+    src = SourceConfig(kind="chat", path=str(write_jsonl(tmp_path / "c.jsonl", rows)))
+    [(ids, mask)] = list(encode_conversations(src, tok, ChatConfig(), block_size=32))
+    assert len(ids) == len(mask) == 32 and ids[-1] == tok.tok.pad_token_id and sum(mask) == 2  # "b<|eot_id|>"
+    assert "1 conversations of" in capsys.readouterr().err

@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from kubetrain.config.schema import LoraConfig
+import kubetrain
+from kubetrain.config.loading import to_yaml
+from kubetrain.config.schema import Config, LoraConfig
 from kubetrain.data.loader import TokenWindows
 from kubetrain.data.shards import prepare
 from kubetrain.errors import ConfigError
 from kubetrain.models.gpt import GPT, GPTConfig
 from kubetrain.models.load import load_trained, run_config
 from kubetrain.models.lora import apply_lora, is_lora, merge_lora
+from kubetrain.runs import read_meta
 from kubetrain.train import checkpoint
 from kubetrain.train.device import autocast
 from kubetrain.train.evaluate import evaluate
@@ -102,3 +109,24 @@ def test_load_trained_rebuilds_a_gpt_lora_run_exactly(gpt_lora_run: Path) -> Non
     loss = evaluate(model, val, cfg.train.micro_batch_size, cfg.eval.batches, torch.device("cpu"),
                     autocast("fp32", torch.device("cpu")))
     assert loss == ckpt.meta["val_loss"]  # the same frozen base and adapters as at the end of training
+
+
+@pytest.mark.slow
+def test_lora_on_an_hf_model_under_ddp(
+    make_lora_config: Callable[..., Config], llama_dir: Path, chat_file: Path, tmp_path: Path
+) -> None:
+    cfg = make_lora_config(tmp_path / "runs", llama_dir, chat_file, train__max_steps=4,
+                           checkpoint__every_steps=4)
+    (tmp_path / "lora.yaml").write_text(to_yaml(cfg))
+    env = {**os.environ, "PYTHONPATH": str(Path(kubetrain.__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "kubetrain", "train", str(tmp_path / "lora.yaml")],
+        env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = tmp_path / "runs" / "lora"
+    assert read_meta(run)["world_size"] == 2 and read_meta(run)["status"] == "finished"
+    saved = checkpoint.resolve(run).model_state()
+    assert saved and all(".lora_A." in n or ".lora_B." in n for n in saved)
+    assert sorted(losses(run)) == [1, 2, 3, 4]

@@ -59,7 +59,7 @@ def encode_conversations(
     unpacked = block_size is not None and not chat_cfg.packing
     whole, frac = divmod(src.weight, 1.0)
     n_rows: int | None = None
-    truncated = 0
+    truncated = dropped = 0
     for copy in range(int(whole) + (1 if frac else 0)):
         limit = None
         if copy == int(whole):
@@ -74,16 +74,19 @@ def encode_conversations(
             ids, mask = encode_messages(messages, render, tok, chat_cfg.mask_prompt, wrap, where)
             if unpacked:
                 assert block_size is not None
-                truncated += len(ids) > block_size
+                truncated += copy == 0 and len(ids) > block_size
                 ids, mask = ids[:block_size], mask[:block_size]
-                if mask:
-                    mask[0] = 0  # only ever a label of the previous window's last token: another conversation
+                mask[:1] = [0]  # only ever a label of the previous window's last token: another conversation
+                if not any(mask):  # the answer was cut off: a window with nothing to learn
+                    dropped += copy == 0
+                    continue
                 fill = block_size - len(ids)
                 ids, mask = ids + [pad_id(tok)] * fill, mask + [0] * fill
             yield ids, mask
         n_rows = count if copy == 0 and limit is None else n_rows
     if truncated:
-        _warn(f"{truncated} conversations of {src.path} were cut to block_size ({block_size}) tokens")
+        _warn(f"{truncated} conversations of {src.path} were cut to block_size ({block_size}) tokens; "
+              f"{dropped} of them kept no assistant token and were left out")
 
 
 def _conversations(src: SourceConfig, chat_cfg: ChatConfig, quiet: bool) -> Iterator[tuple[str, Messages]]:
@@ -109,6 +112,12 @@ def _conversations(src: SourceConfig, chat_cfg: ChatConfig, quiet: bool) -> Iter
             yield where, messages
     if skipped and not quiet:
         _warn(f"skipped {skipped} malformed rows of {src.path} (data.chat.skip_bad_rows); first: {first_bad}")
+
+
+def conversation_texts(src: SourceConfig) -> Iterator[str]:
+    """The message contents of every good row: what a BPE tokenizer is trained on (bad rows fail later)."""
+    for _, messages in _conversations(src, ChatConfig(skip_bad_rows=True), quiet=True):
+        yield "\n".join(m["content"] for m in messages)
 
 
 def to_messages(row: Any) -> Messages:

@@ -145,7 +145,10 @@ def encoded(cfg: Config, tok: Tokenizer, src: SourceConfig) -> Iterator[tuple[li
 
 
 def _write_shard(cfg: Config, out: Path) -> dict[str, Any]:
-    corpus = (doc for src in cfg.data.sources if src.kind != "chat" for doc in sources.iter_documents(src))
+    from kubetrain.data.chat import conversation_texts
+
+    corpus = (doc for src in cfg.data.sources
+              for doc in (conversation_texts(src) if src.kind == "chat" else sources.iter_documents(src)))
     tok = build_tokenizer(cfg.data.tokenizer, corpus if cfg.data.tokenizer.kind == "bpe" else None)
     tok.save(out / "tokenizer")
     dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
