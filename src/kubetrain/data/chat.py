@@ -116,7 +116,7 @@ def _conversations(src: SourceConfig, chat_cfg: ChatConfig, quiet: bool) -> Iter
 
 def conversation_texts(src: SourceConfig) -> Iterator[str]:
     """The message contents of every good row: what a BPE tokenizer is trained on (bad rows fail later)."""
-    for _, messages in _conversations(src, ChatConfig(skip_bad_rows=True), quiet=True):
+    for _, messages in _conversations(src, ChatConfig.model_validate({"skip_bad_rows": True}), quiet=True):
         yield "\n".join(m["content"] for m in messages)
 
 
