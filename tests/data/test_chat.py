@@ -186,7 +186,8 @@ def test_weight_repeats_whole_conversations(tok: HFTokenizer, tmp_path: Path) ->
 def test_a_bpe_tokenizer_learns_from_the_conversations(tmp_path: Path, chat_file: Path) -> None:
     cfg = validate({
         "run": {"output_dir": str(tmp_path)},
-        "data": {"sources": [{"kind": "chat", "path": str(chat_file)}], "tokenizer": {"kind": "bpe", "vocab_size": 400},
+        "data": {"sources": [{"kind": "chat", "path": str(chat_file)}],
+                 "tokenizer": {"kind": "bpe", "vocab_size": 400},
                  "chat": {"template": "chatml", "packing": True}},
         "model": {"block_size": 64},
     })
