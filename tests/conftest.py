@@ -140,6 +140,23 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path, chat_fil
 
 
 @pytest.fixture(scope="session")
+def hf_full_run(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path, chat_file: Path) -> Path:
+    """A full fine-tune (no LoRA) of the tiny Llama: 3 steps."""
+    from kubetrain.config.loading import validate
+    from kubetrain.train.loop import train
+
+    cfg = validate({
+        "run": {"name": "full", "output_dir": str(tmp_path_factory.mktemp("full")), "threads": 1},
+        "data": {"sources": [{"kind": "chat", "path": str(chat_file)}], "val_fraction": 0.1},
+        "model": {"kind": "hf", "name_or_path": str(llama_dir), "block_size": 64},
+        "train": {"max_steps": 3, "micro_batch_size": 2, "lr": 1e-3, "warmup_steps": 0},
+        "eval": {"every_steps": 3, "batches": 1, "sample_prompt": None, "sample_tokens": 2},
+        "track": {"console": False},
+    })
+    return Path(train(cfg, log=lambda m: None).run_dir)
+
+
+@pytest.fixture(scope="session")
 def gpt_lora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Our GPT with LoRA on every projection and a trained copy of the (tied) lm_head; 4 steps."""
     from kubetrain.config.loading import validate

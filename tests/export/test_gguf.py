@@ -136,3 +136,18 @@ def test_llama3_rope_scaling_becomes_rope_freqs(hf_tokenizer_dir: Path, tmp_path
     write_gguf(model, load_hf_tokenizer(str(hf_tokenizer_dir)), tmp_path / "l3.gguf", dtype="f32")
     found = tensors(GGUFReader(str(tmp_path / "l3.gguf")))
     np.testing.assert_array_equal(found["rope_freqs.weight"].data, factors)
+
+
+def test_a_byte_tokenizer_run_keeps_one_token_per_byte(tmp_path: Path) -> None:
+    from kubetrain.data.tokenizers import ByteTokenizer
+    from kubetrain.export.hf import byte_level_tokenizer
+
+    torch.manual_seed(0)
+    write_gguf(GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16)), ByteTokenizer(),
+               tmp_path / "byte.gguf")
+    meta = fields(GGUFReader(str(tmp_path / "byte.gguf")))
+    alphabet = byte_level_tokenizer().get_vocab()
+    assert meta["tokenizer.ggml.tokens"] == sorted(alphabet, key=alphabet.__getitem__)
+    assert meta["tokenizer.ggml.tokens"][ord("A")] == "A" and meta["tokenizer.ggml.tokens"][32] == "Ġ"
+    assert meta["tokenizer.ggml.merges"] == ["<no> <merges>"]  # present, and never applicable
+    assert "tokenizer.ggml.bos_token_id" not in meta and meta["tokenizer.ggml.add_bos_token"] is False

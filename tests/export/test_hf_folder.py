@@ -94,3 +94,12 @@ def test_a_merged_gpt_lora_run_unties_its_trained_head(gpt_lora_run: Path, tmp_p
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is False
     assert_same_logits(adapted, tmp_path / "out", tok.vocab_size)
     assert_same_tokens(tok, tmp_path / "out")
+
+
+def test_a_full_finetune_exports_as_itself(hf_full_run: Path, tmp_path: Path) -> None:
+    done = export(hf_full_run, "hf", tmp_path / "out")
+    assert done.kind == "model"
+    trained, tok, _, _ = load_trained(hf_full_run)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"  # as the base
+    assert_same_logits(trained, tmp_path / "out", tok.vocab_size)
+    assert_same_tokens(tok, tmp_path / "out")

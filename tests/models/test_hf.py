@@ -16,7 +16,6 @@ from kubetrain.models import build_model
 from kubetrain.models.hf import HFCausalLM, hub_token, load_hf_model
 from kubetrain.models.load import load_trained
 from kubetrain.train.evaluate import lm_loss
-from kubetrain.train.loop import train
 
 
 def hf_model(path: Path, **kw: object) -> ModelConfig:
@@ -80,25 +79,16 @@ def test_an_hf_model_reads_with_its_own_tokenizer_unless_told(llama_dir: Path) -
 
 
 def test_full_finetune_saves_every_weight_and_generates(
-    llama_dir: Path, chat_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    hf_full_run: Path, llama_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg = validate({
-        "run": {"name": "full", "output_dir": str(tmp_path), "threads": 1},
-        "data": {"sources": [{"kind": "chat", "path": str(chat_file)}], "val_fraction": 0.1},
-        "model": {"kind": "hf", "name_or_path": str(llama_dir), "block_size": 64},
-        "train": {"max_steps": 3, "micro_batch_size": 2, "lr": 1e-3, "warmup_steps": 0},
-        "eval": {"every_steps": 3, "batches": 1, "sample_prompt": None, "sample_tokens": 2},
-        "track": {"console": False},
-    })
-    result = train(cfg, log=lambda m: None)
-    model, tok, _, ckpt = load_trained(Path(result.run_dir))
+    model, tok, _, ckpt = load_trained(hf_full_run)
     assert "lm.model.embed_tokens.weight" in ckpt.model_state()  # a full fine-tune saves every weight
     base = AutoModelForCausalLM.from_pretrained(str(llama_dir))
     trained = model.lm.model.layers[0].self_attn.q_proj.weight
     assert not torch.equal(trained, base.model.layers[0].self_attn.q_proj.weight)
     assert tok.kind == "hf" and tok.eos_id == 1
     with pytest.raises(SystemExit) as exit_:
-        main(["generate", result.run_dir, "--prompt", "reverse: red", "--max-new-tokens", "5", "--seed", "0",
+        main(["generate", str(hf_full_run), "--prompt", "reverse: red", "--max-new-tokens", "5",
               "--temperature", "0"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.startswith("reverse: red")

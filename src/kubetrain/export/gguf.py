@@ -30,6 +30,9 @@ LLAMA3_REGEX = (
 )
 
 
+NO_MERGE = "<no> <merges>"
+
+
 def permute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Reorder the rows of each head from rotated halves (HF) to interleaved pairs (llama.cpp's llama)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -91,7 +94,9 @@ def tokenizer_fields(hf_tok: Any, n_vocab: int) -> dict[str, Any]:
             special = i in added and added[i].special
             types.append(gguf.TokenType.CONTROL if special else
                          gguf.TokenType.USER_DEFINED if i in added else gguf.TokenType.NORMAL)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    # llama.cpp refuses a BPE vocabulary without a merges key and gguf cannot write an empty array: a byte
+    # tokenizer gets one merge of two multi-character symbols, which never applies (symbols start as chars).
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])] or [NO_MERGE]
     with_specials = list(hf_tok("a", add_special_tokens=True)["input_ids"])
     bos = hf_tok.bos_token_id
     return {
