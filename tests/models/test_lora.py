@@ -16,11 +16,12 @@ from safetensors.torch import load_file
 
 import kubetrain
 from kubetrain.config.loading import to_yaml
-from kubetrain.config.schema import Config, LoraConfig
+from kubetrain.config.schema import Config, LoraConfig, ModelConfig
 from kubetrain.data.loader import TokenWindows
 from kubetrain.data.shards import prepare
 from kubetrain.errors import ConfigError
 from kubetrain.models.gpt import GPT, GPTConfig
+from kubetrain.models.hf import load_hf_model
 from kubetrain.models.load import load_trained, run_config
 from kubetrain.models.lora import apply_lora, is_lora, merge_lora
 from kubetrain.runs import read_meta
@@ -61,6 +62,17 @@ def test_our_gpt_gets_adapters_on_its_llama_named_linears() -> None:
     merged = merge_lora(lora)
     assert isinstance(merged, GPT) and not is_lora(merged)
     torch.testing.assert_close(merged(ids), adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_an_hf_model_keeps_its_interface_under_lora(llama_dir: Path) -> None:
+    model = load_hf_model(ModelConfig(kind="hf", name_or_path=str(llama_dir), block_size=64))
+    ids = torch.randint(0, 330, (2, 16))
+    before = model(ids)
+    lora = apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    assert lora is model and is_lora(model)
+    assert isinstance(model.blocks, torch.nn.ModuleList) and len(model.blocks) == 2
+    torch.testing.assert_close(model(ids), before)
+    assert not is_lora(merge_lora(model)) and "lora" not in str(model.lm.state_dict().keys())
 
 
 def test_unknown_target_modules_are_a_config_error() -> None:
