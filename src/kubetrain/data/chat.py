@@ -225,8 +225,11 @@ def renderer(tok: Tokenizer, chat_cfg: ChatConfig) -> Render:
 
 def _jinja(template: str, eos: str) -> Render:
     """Render like transformers does (sandboxed, trim_blocks, lstrip_blocks) for tokenizers without it."""
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    try:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise DataError("chat templates need jinja2: pip install 'kubetrain[hf]'") from None
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)

@@ -64,7 +64,8 @@ def gpt_llama_config(model: GPT, tokenizer: Tokenizer) -> Any:
         head_dim=c.head_dim,
         max_position_embeddings=c.block_size,
         rms_norm_eps=c.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        # the 4.x name, which 5.x still accepts and moves into rope_parameters
+        **{"rope_theta": c.rope_theta},
         tie_word_embeddings=is_tied(model),
         hidden_act="silu",
         attention_bias=False,
