@@ -54,6 +54,7 @@ def gpt_llama_config(model: GPT, tokenizer: Tokenizer) -> Any:
 
     c = model.config
     hf_tok = to_hf_tokenizer(tokenizer)
+    rope: dict[str, Any] = {"rope_theta": c.rope_theta}  # the 4.x name; 5.x moves it into rope_parameters
     config = LlamaConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.n_embd,
@@ -64,8 +65,7 @@ def gpt_llama_config(model: GPT, tokenizer: Tokenizer) -> Any:
         head_dim=c.head_dim,
         max_position_embeddings=c.block_size,
         rms_norm_eps=c.norm_eps,
-        # the 4.x name, which 5.x still accepts and moves into rope_parameters
-        **{"rope_theta": c.rope_theta},
+        **rope,
         tie_word_embeddings=is_tied(model),
         hidden_act="silu",
         attention_bias=False,
