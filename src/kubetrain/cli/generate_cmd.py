@@ -18,10 +18,12 @@ def generate(
     top_k: Annotated[int, typer.Option("--top-k", min=0, help="0 keeps every token.")] = 50,
     seed: Annotated[int | None, typer.Option("--seed")] = None,
     checkpoint: Annotated[str, typer.Option("--checkpoint", help="best or latest (for a run directory).")] = "best",
+    chat: Annotated[bool, typer.Option("--chat", help="Send the prompt as a user turn of the chat template.")] = False,
 ) -> None:
     """Continue a prompt with a trained model."""
     import torch
 
+    from kubetrain.data.chat import encode_prompt
     from kubetrain.models.load import load_trained
     from kubetrain.models.sampling import generate as sample
 
@@ -30,7 +32,7 @@ def generate(
     model, tokenizer, cfg, _ = load_trained(run_dir, checkpoint)
     if torch.cuda.is_available():
         model = model.cuda()
-    ids = tokenizer.encode(prompt)
+    ids = encode_prompt(tokenizer, cfg.data.chat, prompt) if chat else tokenizer.encode(prompt)
     block = cfg.model.block_size
     out = sample(model, ids, max_new_tokens, block, temperature, top_k or None, tokenizer.eos_id, seed)
     typer.echo(prompt + tokenizer.decode(out))

@@ -53,7 +53,9 @@ class TokenizerConfig(Section):
 
 
 class ChatConfig(Section):
-    template: str | None = Field(None, description="Jinja chat template to use instead of the tokenizer's own.")
+    template: str | None = Field(
+        None, description="Chat template instead of the tokenizer's own: a Jinja template, or chatml / llama3."
+    )
     mask_prompt: bool = Field(True, description="Leave prompt tokens out of the loss.")
     add_special_tokens: bool = Field(False, description="Let the tokenizer add BOS/EOS around the rendered text.")
     packing: bool = Field(False, description="Pack several conversations into one window.")
@@ -169,3 +171,12 @@ class Config(Section):
     track: TrackConfig = Field(default_factory=TrackConfig)
     k8s: K8sConfig = Field(default_factory=K8sConfig)
     phases: list[PhaseConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _hf_tokenizer(self) -> Config:
+        # A Hugging Face model reads with its own tokenizer unless the config names another one.
+        if self.model.kind == "hf" and "kind" not in self.data.tokenizer.model_fields_set:
+            self.data.tokenizer = TokenizerConfig(
+                kind="hf", path=self.model.name_or_path, local_files_only=self.model.local_files_only
+            )
+        return self

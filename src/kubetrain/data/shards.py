@@ -61,13 +61,22 @@ def data_key(cfg: Config) -> str:
     h.update(json.dumps(cfg.data.tokenizer.model_dump(mode="json"), sort_keys=True).encode())
     h.update(json.dumps(cfg.data.chat.model_dump(mode="json"), sort_keys=True).encode())
     h.update(f"{cfg.data.val_fraction}".encode())
+    if _unpacked_chat(cfg):  # conversations are laid out one per window
+        h.update(f"block{cfg.model.block_size}".encode())
     if cfg.data.tokenizer.kind == "hf" and cfg.data.tokenizer.path and Path(cfg.data.tokenizer.path).exists():
         for f in sorted(Path(cfg.data.tokenizer.path).glob("*")):
-            if f.is_file():
+            if f.is_file() and f.suffix not in _WEIGHT_SUFFIXES:  # a model folder: hash the tokenizer, not GBs
                 h.update(f.name.encode() + f.read_bytes())
     for src in cfg.data.sources:
         h.update(sources.fingerprint(src).encode())
     return h.hexdigest()[:20]
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+
+
+def _unpacked_chat(cfg: Config) -> bool:
+    return not cfg.data.chat.packing and any(src.kind == "chat" for src in cfg.data.sources)
 
 
 def prepare(cfg: Config, min_tokens: int | None = None, log: Any = None) -> Prepared:
@@ -122,7 +131,7 @@ def encoded(cfg: Config, tok: Tokenizer, src: SourceConfig) -> Iterator[tuple[li
     if src.kind == "chat":
         from kubetrain.data.chat import encode_conversations
 
-        yield from encode_conversations(src, tok, cfg.data.chat)
+        yield from encode_conversations(src, tok, cfg.data.chat, block_size=cfg.model.block_size)
         return
     sep = [tok.eos_id] if tok.eos_id is not None else tok.encode("\n\n")
     whole, frac = divmod(src.weight, 1.0)
@@ -136,7 +145,10 @@ def encoded(cfg: Config, tok: Tokenizer, src: SourceConfig) -> Iterator[tuple[li
 
 
 def _write_shard(cfg: Config, out: Path) -> dict[str, Any]:
-    corpus = (doc for src in cfg.data.sources if src.kind != "chat" for doc in sources.iter_documents(src))
+    from kubetrain.data.chat import conversation_texts
+
+    corpus = (doc for src in cfg.data.sources
+              for doc in (conversation_texts(src) if src.kind == "chat" else sources.iter_documents(src)))
     tok = build_tokenizer(cfg.data.tokenizer, corpus if cfg.data.tokenizer.kind == "bpe" else None)
     tok.save(out / "tokenizer")
     dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
@@ -144,6 +156,13 @@ def _write_shard(cfg: Config, out: Path) -> dict[str, Any]:
     masked = any(src.kind == "chat" for src in cfg.data.sources)
     with open(out / TOKENS_FILE, "wb") as ft, open(out / MASK_FILE, "wb") as fm:
         for src in cfg.data.sources:
+            if src.kind == "chat" and _unpacked_chat(cfg) and n_tokens % cfg.model.block_size:
+                from kubetrain.data.chat import pad_id
+
+                fill = cfg.model.block_size - n_tokens % cfg.model.block_size  # start on a window boundary
+                ft.write(np.full(fill, pad_id(tok), dtype=dtype).tobytes())
+                fm.write(np.zeros(fill, dtype=np.uint8).tobytes())
+                n_tokens += fill
             for ids, mask in encoded(cfg, tok, src):
                 ft.write(np.asarray(ids, dtype=dtype).tobytes())
                 if masked:
@@ -155,6 +174,8 @@ def _write_shard(cfg: Config, out: Path) -> dict[str, Any]:
         names = ", ".join(s.path or "builtin corpus" for s in cfg.data.sources)
         raise DataError(f"the corpus is empty: no tokens in {names}")
     n_val = int(n_tokens * cfg.data.val_fraction)
+    if _unpacked_chat(cfg):
+        n_val -= n_val % cfg.model.block_size  # the validation windows start on a conversation too
     return {
         "format": FORMAT_VERSION,
         "tokenizer": tok.fingerprint(),

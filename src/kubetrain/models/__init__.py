@@ -36,5 +36,5 @@ def build_model(cfg: ModelConfig, tokenizer_vocab: int) -> nn.Module:
     if cfg.kind == "hf":
         from kubetrain.models.hf import load_hf_model
 
-        return load_hf_model(cfg)
+        return load_hf_model(cfg, tokenizer_vocab)
     return GPT(gpt_config(cfg, tokenizer_vocab))

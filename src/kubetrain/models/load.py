@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import yaml
 from torch import nn
 
@@ -12,6 +13,7 @@ from kubetrain.config.schema import Config
 from kubetrain.data.tokenizers import Tokenizer, load_saved_tokenizer
 from kubetrain.errors import UserInputError
 from kubetrain.models import build_model
+from kubetrain.models.lora import apply_lora
 from kubetrain.runs import CHECKPOINTS, CONFIG_FILE
 from kubetrain.train import checkpoint
 
@@ -50,10 +52,16 @@ def load_trained(target: Path, which: str = "best") -> tuple[nn.Module, Tokenize
     run, ckpt = locate(target, which)
     cfg = run_config(run)
     tokenizer = load_saved_tokenizer(run / "tokenizer")
+    # Seeded as the loop seeds it: a LoRA run's frozen base is rebuilt, not loaded, and must come out the same.
+    torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, tokenizer.vocab_size)
-    missing, unexpected = model.load_state_dict(ckpt.model_state(), strict=False)
-    tied = {n for n in missing if n.endswith("lm_head.weight") and cfg.model.tie_embeddings}
-    if unexpected or set(missing) - tied:
+    if cfg.model.lora is not None:
+        model = apply_lora(model, cfg.model.lora)
+    state = ckpt.model_state()
+    _, unexpected = model.load_state_dict(state, strict=False)
+    # Frozen base weights come from the config's model; tied aliases are not separate parameters.
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    if unexpected or trainable - set(state):
         raise UserInputError(f"checkpoint {ckpt.path} does not fit the model in {run / CONFIG_FILE}")
     model.eval()
     return model, tokenizer, cfg, ckpt

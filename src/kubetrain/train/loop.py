@@ -24,6 +24,7 @@ from kubetrain.data.shards import prepare
 from kubetrain.dist import setup as dist
 from kubetrain.errors import IncompatibleCheckpointError, TrainingStopped, UserInputError
 from kubetrain.models import build_model
+from kubetrain.models.lora import apply_lora
 from kubetrain.models.sampling import generate
 from kubetrain.track.build import build_sinks
 from kubetrain.track.console import Throughput
@@ -147,6 +148,8 @@ def train(
     val_windows = TokenWindows(prepared, "val", cfg.model.block_size) if prepared.n_val > need else None
 
     model = build_model(cfg.model, tokenizer.vocab_size).to(device)
+    if cfg.model.lora is not None:
+        model = apply_lora(model, cfg.model.lora)
     base = unwrap(model)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

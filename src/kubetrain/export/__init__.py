@@ -1,0 +1,117 @@
+"""Export a trained run: a Hugging Face folder (our GPT as Llama, HF runs, merged LoRA, an adapter) or GGUF.
+
+Each output is written beside its final path and renamed into place: a failed export leaves nothing half-done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from kubetrain.config.schema import Config
+from kubetrain.errors import UserInputError
+from kubetrain.models.gpt import GPT
+from kubetrain.models.hf import HFCausalLM
+
+FORMATS = ("hf", "gguf")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass
+class Exported:
+    path: str
+    format: str
+    kind: str  # "model", "merged" or "adapter"
+    step: int
+    checkpoint: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def export(
+    target: Path, fmt: str, out: Path, *, merge: bool = False, which: str = "best", dtype: str = "auto"
+) -> Exported:
+    """Write the model of a run directory or checkpoint to `out` in `fmt` (hf or gguf)."""
+    from kubetrain.models.load import load_trained
+    from kubetrain.models.lora import is_lora, merge_lora
+
+    if fmt not in FORMATS:
+        raise UserInputError(f"--format must be one of {', '.join(FORMATS)}, not '{fmt}'")
+    if dtype not in DTYPES:
+        raise UserInputError(f"--dtype must be one of {', '.join(DTYPES)}, not '{dtype}'")
+    if fmt == "gguf" and dtype == "bfloat16":
+        raise UserInputError("GGUF export writes float32 or float16 (quantize afterwards with llama.cpp)")
+    if out.exists() and (out.is_file() or any(out.iterdir())):
+        raise UserInputError(f"{out} already exists; choose another -o or remove it")
+    model, tokenizer, cfg, ckpt = load_trained(target, which)
+    lora = is_lora(model)
+    if merge and not lora:
+        raise UserInputError(f"--merge folds LoRA adapters into the base model; {ckpt.path} has none")
+    if lora and not merge and (fmt == "gguf" or not isinstance(model, HFCausalLM)):
+        what = "GGUF holds whole models" if fmt == "gguf" else "an adapter alone needs a Hugging Face base"
+        raise UserInputError(f"{ckpt.path} is a LoRA run and {what}: add --merge")
+    if lora and merge:
+        model = merge_lora(model)
+    kind = "merged" if merge else "adapter" if lora else "model"
+    if fmt == "gguf":
+        _write_gguf(model, tokenizer, out, dtype, cfg.run.name)
+    else:
+        _write_hf_folder(model, tokenizer, out, _hf_dtype(dtype, model, cfg), adapter=kind == "adapter")
+    return Exported(str(out), fmt, kind, ckpt.step, str(ckpt.path))
+
+
+def _write_gguf(model: nn.Module, tokenizer: Any, out: Path, dtype: str, name: str) -> None:
+    from kubetrain.export.gguf import write_gguf
+
+    if not isinstance(model, GPT | HFCausalLM):
+        raise UserInputError(f"GGUF export does not know models of type {type(model).__name__}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_dir():
+        out.rmdir()  # an empty folder named as the output file
+    write_gguf(model, tokenizer, out, "f32" if dtype == "float32" else "f16", name=name)
+
+
+def _write_hf_folder(model: nn.Module, tokenizer: Any, out: Path, dtype: str | None, adapter: bool) -> None:
+    from kubetrain.export.hf import save_adapter, save_gpt, save_hf
+
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if isinstance(model, GPT):
+            save_gpt(model, tokenizer, tmp, dtype or "float32")
+        elif isinstance(model, HFCausalLM) and adapter:
+            save_adapter(model, tokenizer, tmp)
+        elif isinstance(model, HFCausalLM):
+            save_hf(model, tokenizer, tmp, dtype)
+        else:
+            raise UserInputError(f"export does not know models of type {type(model).__name__}")
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _hf_dtype(dtype: str, model: nn.Module, cfg: Config) -> str | None:
+    """auto: our GPT in float32, an HF model in the dtype its base folder declares (None: as trained)."""
+    if dtype != "auto":
+        return dtype
+    if isinstance(model, GPT):
+        return "float32"
+    if cfg.model.dtype != "auto":
+        return cfg.model.dtype
+    folder = Path(cfg.model.name_or_path or "").expanduser()
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    declared = raw.get("dtype") or raw.get("torch_dtype")
+    return declared if declared in DTYPES else None

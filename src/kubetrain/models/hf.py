@@ -1,0 +1,119 @@
+"""Hugging Face causal LMs behind our model interface: forward(input_ids) -> logits, and `.blocks` for FSDP.
+
+The model comes from a local folder (offline by default) or a hub id when the config allows it; the token
+for gated models is read from the environment or from a mounted Secret file, and is never logged.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kubetrain.config.schema import ModelConfig
+from kubetrain.errors import ConfigError, UserInputError
+from kubetrain.runs import redact_text
+
+# Trainable weights stay fp32 under "auto": AdamW updates vanish in bf16 weights; autocast gives bf16 compute.
+_DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
+
+
+def hub_token() -> str | None:
+    """HF_TOKEN from the environment, else the file HF_TOKEN_PATH names (a Secret mounted as a file)."""
+    token = os.environ.get("HF_TOKEN", "").strip()
+    if token:
+        return token
+    path = os.environ.get("HF_TOKEN_PATH")
+    if path and Path(path).is_file():
+        return Path(path).read_text().strip() or None
+    return None
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM whose forward returns plain logits, like our GPT.
+
+    `lm` is the transformers model (or the PEFT model around it once LoRA is applied).
+    """
+
+    lm: Any  # a transformers PreTrainedModel or PeftModel: typed loosely, their attributes are dynamic
+
+    def __init__(self, lm: nn.Module, block_size: int) -> None:
+        super().__init__()
+        self.lm = lm
+        self.block_size = block_size
+
+    @property
+    def hf_config(self) -> Any:
+        return self.lm.config
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The decoder layers, so FSDP can shard layer by layer."""
+        layers = getattr(self.lm.get_decoder(), "layers", None)
+        return layers if isinstance(layers, nn.ModuleList) else nn.ModuleList()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids (B, T)."""
+        logits: torch.Tensor = self.lm(input_ids=input_ids, use_cache=False).logits
+        return logits
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 x the matmul weights (not the embedding lookup) + attention."""
+        c = self.hf_config
+        embed = self.lm.get_input_embeddings().weight
+        n = sum(p.numel() for p in self.parameters()) - embed.numel()
+        if getattr(c, "tie_word_embeddings", False):
+            n += embed.numel()  # the tied lm_head is a matmul
+        return 6.0 * n + 12.0 * c.num_hidden_layers * c.hidden_size * self.block_size
+
+
+def load_hf_model(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> HFCausalLM:
+    """AutoModelForCausalLM from cfg.name_or_path, ready for training on the CPU (the loop moves it)."""
+    try:
+        import transformers
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise ConfigError("model.kind 'hf' needs transformers: pip install 'kubetrain[hf]'") from None
+    assert cfg.name_or_path is not None
+    local = Path(cfg.name_or_path).expanduser()
+    offline = cfg.local_files_only or os.environ.get("HF_HUB_OFFLINE") == "1"
+    if offline and not local.exists():
+        raise UserInputError(
+            f"model folder not found: {cfg.name_or_path} (model.local_files_only: nothing is downloaded)"
+        )
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        lm: Any = AutoModelForCausalLM.from_pretrained(
+            str(local) if local.exists() else cfg.name_or_path,
+            revision=cfg.revision,
+            local_files_only=offline,
+            trust_remote_code=cfg.trust_remote_code,
+            token=hub_token(),
+            dtype=_DTYPES[cfg.dtype],
+        )
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserInputError(f"model '{cfg.name_or_path}' did not load: {redact_text(first)}") from None
+    lm.config.use_cache = False
+    n_pos = getattr(lm.config, "max_position_embeddings", None)
+    if n_pos is not None and cfg.block_size > n_pos:
+        raise ConfigError(f"model.block_size ({cfg.block_size}) exceeds the model's {n_pos} positions")
+    rows = int(lm.get_input_embeddings().num_embeddings)
+    if tokenizer_vocab is not None and tokenizer_vocab > rows:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer_vocab} tokens but {cfg.name_or_path} embeds only {rows}; "
+            "use the model's own tokenizer (data.tokenizer.kind: hf)"
+        )
+    if cfg.gradient_checkpointing:
+        # Non-reentrant checkpointing also works when the inputs of a layer need no grad (a frozen LoRA base).
+        kwargs = {"use_reentrant": False}
+        if hasattr(lm, "activation_checkpointing_enable"):  # transformers 5 renamed it
+            lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    lm.train()
+    return HFCausalLM(lm, cfg.block_size)

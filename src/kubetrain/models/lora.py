@@ -1,0 +1,74 @@
+"""LoRA adapters through PEFT, for our GPT and for Hugging Face models alike.
+
+The base weights are frozen, so the loop's checkpoints hold only the adapters (and modules_to_save) and
+their optimizer state. Our GPT names its linears like Llama (q_proj ... down_proj), so one list of
+target modules fits both.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from torch import nn
+
+from kubetrain.config.schema import LoraConfig
+from kubetrain.errors import ConfigError
+from kubetrain.models.hf import HFCausalLM
+
+
+def peft_config(cfg: LoraConfig, causal_lm: bool) -> Any:
+    """The PEFT LoraConfig for our config section; causal_lm gives PEFT's causal-LM wrapper (HF models)."""
+    try:
+        from peft import LoraConfig as PeftLoraConfig
+    except ImportError:
+        raise ConfigError("model.lora needs peft: pip install 'kubetrain[hf]'") from None
+    return PeftLoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=cfg.target_modules,
+        modules_to_save=cfg.modules_to_save,
+        bias="none",
+        task_type="CAUSAL_LM" if causal_lm else None,
+    )
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
+    """Freeze the model and add LoRA adapters; forward(input_ids) -> logits and `.blocks` keep working.
+
+    For an HF model the adapters go on the transformers model inside, so PEFT can save them in its own
+    format (adapter_config.json + adapter_model.safetensors) for `kubetrain export` without --merge.
+    """
+    from peft import get_peft_model
+
+    try:
+        with warnings.catch_warnings():
+            # peft reads transformers' deprecated is_gradient_checkpointing; nothing for the user to act on
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            if isinstance(model, HFCausalLM):
+                model.lm = get_peft_model(model.lm, peft_config(cfg, causal_lm=True))
+                return model
+            return get_peft_model(model, peft_config(cfg, causal_lm=False))
+    except ValueError as e:
+        first = str(e).strip().splitlines()[0]
+        raise ConfigError(f"model.lora: {first}") from None
+
+
+def is_lora(model: nn.Module) -> bool:
+    """True for a model that carries LoRA adapters (from apply_lora)."""
+    from peft import PeftModel
+
+    inner = model.lm if isinstance(model, HFCausalLM) else model
+    return isinstance(inner, PeftModel)
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """The plain model (our GPT or HFCausalLM) with every adapter folded into its base weights."""
+    if not is_lora(model):
+        return model
+    if isinstance(model, HFCausalLM):
+        model.lm = model.lm.merge_and_unload()
+        return model
+    merged: nn.Module = model.merge_and_unload()  # type: ignore[operator]
+    return merged

@@ -1,0 +1,72 @@
+"""`kubetrain export` (and `generate --chat`) on the command line: outputs, one-line errors, exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from gguf import GGUFReader
+
+from kubetrain.cli import main
+
+
+def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as done:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return int(done.value.code or 0), out, err
+
+
+def test_a_gpt_lora_run_to_gguf_and_hf(
+    gpt_lora_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["export", gpt_lora_run, "-f", "gguf", "-o", tmp_path / "m.gguf", "--merge", "--json"]
+    code, out, _ = run(args, capsys)
+    assert code == 0
+    done = json.loads(out.strip().splitlines()[-1])
+    assert done["kind"] == "merged" and done["format"] == "gguf" and done["step"] == 4
+    names = {t.name for t in GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    assert "output.weight" in names  # the trained copy of the head, no longer tied to the embedding
+    code, out, _ = run(["export", gpt_lora_run, "-o", tmp_path / "hf", "--merge", "--checkpoint", "latest"],
+                       capsys)
+    assert code == 0 and out.startswith("wrote merged model of ")
+    assert (tmp_path / "hf" / "config.json").is_file()
+
+
+def test_generate_chat_on_a_lora_run(lora_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["generate", lora_run, "--chat", "--prompt", "reverse: red cat", "--max-new-tokens", "6",
+            "--temperature", "0"]
+    code, out, _ = run(args, capsys)
+    assert code == 0 and out.startswith("reverse: red cat")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["-f", "onnx", "-o", "{tmp}/x"], "--format must be one of hf, gguf, not 'onnx'"),
+    ([], "export needs -o OUT"),
+    (["-o", "{tmp}/x", "--checkpoint", "first"], "--checkpoint must be 'best' or 'latest'"),
+    (["-f", "gguf", "-o", "{tmp}/x.gguf", "--dtype", "bfloat16"], "GGUF export writes float32 or float16"),
+    (["-o", "{tmp}/x", "--dtype", "int8"], "--dtype must be one of auto, float32, float16, bfloat16"),
+    (["-o", "{tmp}"], "already exists"),
+    (["-f", "gguf", "-o", "{tmp}/x.gguf"], "is a LoRA run and GGUF holds whole models: add --merge"),
+    (["-o", "{tmp}/x"], "is a LoRA run and an adapter alone needs a Hugging Face base: add --merge"),
+])
+def test_bad_input_is_one_line_and_exit_2(
+    gpt_lora_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    (tmp_path / "keep").write_text("not to be overwritten")
+    code, _, err = run(["export", gpt_lora_run, *[a.format(tmp=tmp_path) for a in args]], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: ") and message in err
+    assert (tmp_path / "keep").read_text() == "not to be overwritten"
+
+
+def test_a_run_that_is_not_there_or_not_lora(
+    lora_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run(["export", tmp_path / "nowhere", "-o", tmp_path / "x"], capsys)
+    assert code == 2 and err.strip() == f"error: no such run directory or checkpoint: {tmp_path / 'nowhere'}"
+    merged = tmp_path / "merged"
+    assert run(["export", lora_run, "-o", merged, "--merge"], capsys)[0] == 0
+    code, _, err = run(["export", merged, "-o", tmp_path / "y"], capsys)
+    assert code == 2 and "is not a run directory" in err and len(err.strip().splitlines()) == 1
