@@ -15,8 +15,14 @@ from kubetrain.dist.setup import all_reduce_mean
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the positions that count (labels != IGNORE_INDEX)."""
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.view(-1), ignore_index=IGNORE_INDEX)
+    """Mean next-token cross-entropy over the positions that count (labels != IGNORE_INDEX).
+
+    A batch with no such position (a chat window holding only prompt) gives 0, not NaN.
+    """
+    total = F.cross_entropy(
+        logits.float().view(-1, logits.size(-1)), labels.view(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
 @torch.no_grad()
