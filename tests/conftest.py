@@ -1,0 +1,81 @@
+"""Shared fixtures: a tiny model config, a temporary working directory, and the real CLI in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# A 1-layer model that trains in about a second on one thread; tests add their own --set on top.
+TINY = [
+    "run.threads=1",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "train.max_steps=6",
+    "train.micro_batch_size=4",
+    "train.warmup_steps=2",
+    "train.log_every_steps=1",
+    "eval.every_steps=3",
+    "eval.batches=2",
+    "eval.sample_tokens=8",
+    "checkpoint.every_steps=3",
+]
+
+
+@pytest.fixture
+def tiny_args() -> list[str]:
+    """`--set` arguments for a tiny model run (one thread, a few steps)."""
+    return [arg for kv in TINY for arg in ("--set", kv)]
+
+
+@pytest.fixture
+def tmp_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Run the test inside an empty folder, so `runs/` and caches land there."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment for a `python -m kubetrain` subprocess that imports this checkout's source first."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
+    env.pop("KUBETRAIN_DEBUG", None)
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def cli(tmp_cwd: Path):  # type: ignore[no-untyped-def]
+    """Run `python -m kubetrain ARGS...` for real in the temporary folder; returns the CompletedProcess."""
+
+    def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kubetrain", *args],
+            cwd=tmp_cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout, check=False,
+        )
+
+    return run
+
+
+@pytest.fixture
+def run_main(capsys: pytest.CaptureFixture[str]):  # type: ignore[no-untyped-def]
+    """Call the real entry point `kubetrain.cli.main(ARGS)` in this process: (exit code, stdout, stderr)."""
+    from kubetrain.cli import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            main(list(args))
+        out, err = capsys.readouterr()
+        code = exited.value.code
+        return (code if isinstance(code, int) else 0 if code is None else 1), out, err
+
+    return run
