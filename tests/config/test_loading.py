@@ -7,7 +7,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kubetrain.config import Config, apply_override, config_hash, load_config, preset_names, to_yaml, with_overrides
+from kubetrain.config import (
+    Config,
+    apply_override,
+    config_hash,
+    load_config,
+    preset_names,
+    to_yaml,
+    with_overrides,
+)
 from kubetrain.config.loading import DEFAULT_PRESET, read_preset
 from kubetrain.errors import ConfigError, UserInputError
 
@@ -58,8 +66,9 @@ def test_gpt2_preset_has_the_gpt2_small_shape() -> None:
 
 def test_required_key_names_exist() -> None:
     cfg = load_config()
-    for key in ["run.seed", "run.output_dir", "train.max_steps", "train.micro_batch_size", "train.grad_accum_steps",
-                "train.lr", "eval.every_steps", "checkpoint.every_steps", "data.sources", "model.n_layer"]:
+    keys = ["run.seed", "run.output_dir", "train.max_steps", "train.micro_batch_size", "train.grad_accum_steps",
+            "train.lr", "eval.every_steps", "checkpoint.every_steps", "data.sources", "model.n_layer"]
+    for key in keys:
         section, field = key.split(".")
         assert hasattr(getattr(cfg, section), field), key
 
@@ -96,7 +105,8 @@ def test_unknown_preset_suggests_a_name() -> None:
         ("trian:\n  lr: 1\n", "unknown key 'trian'; did you mean 'train'?"),
         ("train:\n  lerning_rate: 1\n", "unknown key 'train.lerning_rate'"),
         ("train:\n  max_step: 1\n", "unknown key 'train.max_step'; did you mean 'max_steps'?"),
-        ("data:\n  tokenizer:\n    vocab_sise: 300\n", "unknown key 'data.tokenizer.vocab_sise'; did you mean 'vocab_size'?"),
+        ("data:\n  tokenizer:\n    vocab_sise: 300\n",
+         "unknown key 'data.tokenizer.vocab_sise'; did you mean 'vocab_size'?"),
         ("data:\n  sources:\n    - kind: text\n      pth: a.txt\n",
          "unknown key 'data.sources.0.pth'; did you mean 'path'?"),
         ("model:\n  lora:\n    rr: 4\n", "unknown key 'model.lora.rr'"),
@@ -126,7 +136,8 @@ def test_unknown_key_with_nothing_close_has_no_suggestion(tmp_path: Path) -> Non
         ("run:\n  device: gpu\n", "run.device: Input should be"),
         ("model: 5\n", "model: Input should be a valid dictionary"),
         ("model:\n  n_embd: 100\n  n_head: 3\n", "must be divisible by model.n_head"),
-        ("data:\n  sources:\n    - kind: text\n", "data.sources.0: a data source of kind 'text' needs a path"),
+        ("data:\n  sources:\n    - kind: text\n",
+         "data.sources.0: a data source of kind 'text' needs a path"),
         ("train:\n  compile: maybe\n", "train.compile: Input should be a valid boolean"),
     ],
 )
@@ -140,7 +151,7 @@ def test_wrong_types_and_values_are_one_line(tmp_path: Path, text: str, message:
 
 
 def test_yaml_syntax_error_names_line_and_column(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"not valid YAML \(line 3, column 7\): mapping values are not allowed"):
+    with pytest.raises(ConfigError, match=r"not valid YAML \(line 3, column 7\): mapping values are not"):
         load_config(write(tmp_path, "train:\n  lr: 1\n  a: b: c\n"))
 
 
@@ -163,7 +174,7 @@ def test_config_errors_are_user_input_errors() -> None:
     assert ConfigError.exit_code == 2
 
 
-# --set overrides ---------------------------------------------------------------------------------------------
+# --set overrides
 
 
 def over(*items: str) -> Config:
@@ -209,7 +220,8 @@ def test_set_lists_and_nested_mappings() -> None:
     assert (cfg.model.lora.r, cfg.model.lora.alpha) == (4, 8)
     assert cfg.model.lora.target_modules == ["q_proj", "k_proj", "v_proj"]
     cfg = over("data.sources=[{kind: text, path: a.txt}, {kind: jsonl, path: b.jsonl, weight: 2}]")
-    assert [(s.kind, s.path, s.weight) for s in cfg.data.sources] == [("text", "a.txt", 1.0), ("jsonl", "b.jsonl", 2.0)]
+    got = [(s.kind, s.path, s.weight) for s in cfg.data.sources]
+    assert got == [("text", "a.txt", 1.0), ("jsonl", "b.jsonl", 2.0)]
 
 
 def test_set_a_section_that_the_preset_does_not_mention() -> None:
@@ -282,7 +294,7 @@ def test_apply_override_on_a_raw_mapping() -> None:
     assert raw["run"]["name"] == "abc"  # type: ignore[index]
 
 
-# Resolved config, hashing, phases merges ---------------------------------------------------------------------
+# Resolved config, hashing, phase merges
 
 
 def test_to_yaml_round_trips() -> None:

@@ -153,7 +153,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
             if model is not None:
                 fields = list(model.model_fields)
                 if part not in fields:
-                    raise ConfigError(f"--set: unknown key '{'.'.join(parts[: i + 1])}'{_suggest(part, fields)}")
+                    where = ".".join(parts[: i + 1])
+                    raise ConfigError(f"--set: unknown key '{where}'{_suggest(part, fields)}")
                 annotation = model.model_fields[part].annotation
                 model = _model_in(annotation)
             child_key = part
