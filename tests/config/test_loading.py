@@ -67,8 +67,8 @@ def test_gpt2_preset_has_the_gpt2_small_shape() -> None:
 def test_required_key_names_exist() -> None:
     cfg = load_config()
     keys = ["run.seed", "run.output_dir", "train.max_steps", "train.micro_batch_size",
-            "train.grad_accum_steps", "train.lr", "eval.every_steps", "checkpoint.every_steps", "data.sources",
-            "model.n_layer"]
+            "train.grad_accum_steps", "train.lr", "eval.every_steps", "checkpoint.every_steps",
+            "data.sources", "model.n_layer"]
     for key in keys:
         section, field = key.split(".")
         assert hasattr(getattr(cfg, section), field), key
