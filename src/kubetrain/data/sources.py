@@ -26,8 +26,11 @@ def source_files(src: SourceConfig) -> list[Path]:
         return [builtin_corpus_path()]
     assert src.path is not None
     if src.kind == "hf":
+        # A local data file or dataset folder is hashed like any file; a hub id has no local bytes.
         p = Path(src.path).expanduser()
-        return sorted(f for f in p.rglob("*") if f.is_file()) if p.exists() else []
+        if p.is_file():
+            return [p]
+        return sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else []
     pattern = str(Path(src.path).expanduser())
     if any(c in pattern for c in "*?["):
         files = sorted(Path(f) for f in glob.glob(pattern, recursive=True) if Path(f).is_file())
