@@ -60,7 +60,7 @@ def test_val_batches_are_the_same_every_time_and_split_over_ranks(prepared: Prep
     again = [b.input_ids for b in val_batches(val, 2, 3)]
     assert all(torch.equal(a, b) for a, b in zip(once, again, strict=True))
     n = min(val.n_windows, 2 * 3 * 2)
-    ranks = [[tuple(r.tolist()) for b in val_batches(val, 2, 3, rank, 2) for r in b.input_ids] for rank in (0, 1)]
+    ranks = [[row for b in val_batches(val, 2, 3, rank, 2) for row in rows(b)] for rank in (0, 1)]
     assert not set(ranks[0]) & set(ranks[1])
     assert len(ranks[0]) + len(ranks[1]) == n
 

@@ -113,8 +113,9 @@ def test_several_sources_and_weights(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("aaaa")
     rows = "".join(json.dumps({"text": t}) + "\n" for t in ["b1", "b2", "b3", "b4"])
     (tmp_path / "b.jsonl").write_text(rows)
-    cfg = config(tmp_path, f"data.sources=[{{kind: text, path: {tmp_path / 'a.txt'}, weight: 2}},"
-                           f" {{kind: jsonl, path: {tmp_path / 'b.jsonl'}, weight: 0.5}}]", "data.val_fraction=0")
+    both = (f"data.sources=[{{kind: text, path: {tmp_path / 'a.txt'}, weight: 2}},"
+            f" {{kind: jsonl, path: {tmp_path / 'b.jsonl'}, weight: 0.5}}]")
+    cfg = config(tmp_path, both, "data.val_fraction=0")
     got = tokens(prepare(cfg)).astype(np.uint8).tobytes().decode()
     assert got == "aaaa\n\naaaa\n\nb1\n\nb2\n\n"  # two copies of a, half of b's documents
 
