@@ -140,6 +140,7 @@ def test_unknown_key_with_nothing_close_has_no_suggestion(tmp_path: Path) -> Non
         ("data:\n  sources:\n    - kind: text\n",
          "data.sources.0: a data source of kind 'text' needs a path"),
         ("train:\n  compile: maybe\n", "train.compile: Input should be a valid boolean"),
+        ("eval:\n  sample_prompt: ''\n", "eval.sample_prompt: String should have at least 1 character"),
     ],
 )
 def test_wrong_types_and_values_are_one_line(tmp_path: Path, text: str, message: str) -> None:

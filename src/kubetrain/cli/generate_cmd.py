@@ -31,6 +31,8 @@ def generate(
     if torch.cuda.is_available():
         model = model.cuda()
     ids = tokenizer.encode(prompt)
+    if not ids:
+        raise UserInputError("--prompt is empty: give at least one character to continue")
     block = cfg.model.block_size
     out = sample(model, ids, max_new_tokens, block, temperature, top_k or None, tokenizer.eos_id, seed)
     typer.echo(prompt + tokenizer.decode(out))

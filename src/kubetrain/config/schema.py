@@ -131,7 +131,9 @@ class TrainConfig(Section):
 class EvalConfig(Section):
     every_steps: int = Field(50, ge=1)
     batches: int = Field(8, ge=1, description="Validation batches per evaluation.")
-    sample_prompt: str | None = Field("And God said", description="Prompt for a sample at each eval (None: off).")
+    sample_prompt: str | None = Field(
+        "And God said", min_length=1, description="Prompt for a sample at each eval (null: off)."
+    )
     sample_tokens: int = Field(64, ge=1)
 
 

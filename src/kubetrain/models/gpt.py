@@ -143,5 +143,7 @@ class GPT(nn.Module):
     def flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward): 6 x matmul weights + attention (PaLM, appendix B)."""
         c = self.config
-        matmul_params = self.num_params(non_embedding=True) + c.vocab_size * c.n_embd  # blocks + lm_head
+        # The embedding lookup is no matmul, the lm_head is one (already counted when it is not tied).
+        head = c.vocab_size * c.n_embd if c.tie_embeddings else 0
+        matmul_params = self.num_params(non_embedding=True) + head
         return 6.0 * matmul_params + 12.0 * c.n_layer * c.n_embd * c.block_size

@@ -18,6 +18,8 @@ def generate(
     seed: int | None = None,
 ) -> list[int]:
     """Continue `ids` by up to `max_new_tokens` tokens; temperature 0 is greedy."""
+    if not ids:
+        raise ValueError("generate needs a prompt of at least one token")
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
