@@ -1,4 +1,4 @@
-"""Our GPT: shape, parameter count, FLOPs, causality, and logits equal to Hugging Face's Llama with the same weights."""
+"""Our GPT: parameter count, FLOPs, causality, and logits equal to Hugging Face's Llama with our weights."""
 
 from __future__ import annotations
 
@@ -202,8 +202,9 @@ def test_logits_equal_hugging_face_llama_with_the_same_weights(tied: bool) -> No
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.hidden, num_hidden_layers=c.n_layer,
-        num_attention_heads=c.n_head, num_key_value_heads=c.n_head, max_position_embeddings=c.block_size,
+        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.hidden,
+        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_head,
+        max_position_embeddings=c.block_size,
         rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, tie_word_embeddings=tied, attention_bias=False,
         mlp_bias=False, hidden_act="silu",
     )

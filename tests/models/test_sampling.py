@@ -1,4 +1,4 @@
-"""Sampling: greedy and seeded sampling, top-k, EOS, the context window, and the model's mode left as it was."""
+"""Sampling: greedy and seeded sampling, top-k, EOS, the context window, the model's mode kept."""
 
 from __future__ import annotations
 
