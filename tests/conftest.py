@@ -5,11 +5,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Tests never reach a model hub. Set before anything imports huggingface_hub, which reads it once.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+RunMain = Callable[..., tuple[int, str, str]]  # run_main(*args) -> (exit code, stdout, stderr)
+Cli = Callable[..., "subprocess.CompletedProcess[str]"]  # cli(*args) -> the finished process
 
 # A 1-layer model that trains in about a second on one thread; tests add their own --set on top.
 TINY = [
@@ -53,7 +61,7 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def cli(tmp_cwd: Path):  # type: ignore[no-untyped-def]
+def cli(tmp_cwd: Path) -> Cli:
     """Run `python -m kubetrain ARGS...` for real in the temporary folder; returns the CompletedProcess."""
 
     def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -66,7 +74,7 @@ def cli(tmp_cwd: Path):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
-def run_main(capsys: pytest.CaptureFixture[str]):  # type: ignore[no-untyped-def]
+def run_main(capsys: pytest.CaptureFixture[str]) -> RunMain:
     """Call the real entry point `kubetrain.cli.main(ARGS)` in this process: (exit code, stdout, stderr)."""
     from kubetrain.cli import main
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,8 +103,10 @@ def test_fingerprint_follows_bytes_and_settings(tmp_path: Path) -> None:
 @pytest.fixture
 def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Keep the datasets cache in the test's folder and stay offline."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    datasets = sys.modules.get("datasets")
+    if datasets is not None:  # already imported: it read the variable then
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
     return tmp_path
 
 
