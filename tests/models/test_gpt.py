@@ -9,7 +9,7 @@ import torch
 
 from kubetrain.config import ModelConfig
 from kubetrain.models import build_model, gpt_config
-from kubetrain.models.gpt import GPT, GPTConfig, apply_rope, rope_cache
+from kubetrain.models.gpt import GPT, GPTConfig, RMSNorm, apply_rope, rope_cache
 
 torch.set_num_threads(1)
 
@@ -145,6 +145,50 @@ def test_rope_at_position_zero_is_the_identity_and_preserves_norms() -> None:
     y = apply_rope(x, cos, sin)
     torch.testing.assert_close(y[:, :, 0], x[:, :, 0])
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+
+
+def test_rope_equals_the_textbook_rotate_halves() -> None:
+    c = small(rope_theta=123.0)
+    cos, sin = rope_cache(c)
+    x = torch.randn(2, 4, 16, c.head_dim)
+    half = c.head_dim // 2
+    inv = 1.0 / (123.0 ** (torch.arange(0, half).float() * 2 / c.head_dim))
+    angle = torch.arange(16).float()[:, None] * inv
+    x1, x2 = x[..., :half], x[..., half:]
+    expected = torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()], dim=-1)
+    torch.testing.assert_close(apply_rope(x, cos, sin), expected)
+
+
+def test_rope_keeps_bf16_inputs_bf16() -> None:
+    cos, sin = rope_cache(small())
+    assert apply_rope(torch.randn(1, 4, 16, 8, dtype=torch.bfloat16), cos, sin).dtype == torch.bfloat16
+
+
+def test_rmsnorm_matches_torch_forward_and_backward() -> None:
+    ours, ref = RMSNorm(24, eps=1e-5), torch.nn.RMSNorm(24, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        ref.weight.copy_(ours.weight)
+    x = torch.randn(3, 5, 24, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    grad = torch.randn(3, 5, 24)
+    y, y_ref = ours(x), ref(x_ref)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)  # the same forward arithmetic
+    y.backward(grad)
+    y_ref.backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(ours.weight.grad, ref.weight.grad)
+
+
+def test_rmsnorm_backward_passes_gradcheck() -> None:
+    norm = RMSNorm(6, eps=1e-5).double()
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.empty(6, dtype=torch.float64).uniform_(0.5, 1.5).requires_grad_()
+    def with_weight(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.func.functional_call(norm, {"weight": w}, (x,))
+        return out
+
+    assert torch.autograd.gradcheck(with_weight, (x, w))
 
 
 def test_build_model_rounds_the_vocabulary_up_to_64() -> None:

@@ -20,7 +20,9 @@ def validate(config: ConfigArg = None, preset: PresetOpt = None, set_: SetOpt = 
 
 
 @app.command()
-def show(config: ConfigArg = None, preset: PresetOpt = None, set_: SetOpt = None, json_: JsonOpt = False) -> None:
+def show(
+    config: ConfigArg = None, preset: PresetOpt = None, set_: SetOpt = None, json_: JsonOpt = False
+) -> None:
     """Print the resolved config, every default filled in."""
     cfg = load(config, preset, set_)
     # --json is one line, like every --json: the last line of stdout is the object.

@@ -27,12 +27,12 @@ def generate(
 
     if checkpoint not in ("best", "latest"):
         raise UserInputError("--checkpoint must be 'best' or 'latest'")
+    if not prompt:
+        raise UserInputError("--prompt is empty: give at least one character to continue")
     model, tokenizer, cfg, _ = load_trained(run_dir, checkpoint)
     if torch.cuda.is_available():
         model = model.cuda()
     ids = tokenizer.encode(prompt)
-    if not ids:
-        raise UserInputError("--prompt is empty: give at least one character to continue")
     block = cfg.model.block_size
     out = sample(model, ids, max_new_tokens, block, temperature, top_k or None, tokenizer.eos_id, seed)
     typer.echo(prompt + tokenizer.decode(out))

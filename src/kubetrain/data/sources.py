@@ -107,7 +107,9 @@ def load_hf_dataset(src: SourceConfig) -> Any:
     try:
         import datasets
     except ImportError:
-        raise DataError("data sources of kind 'hf' need the datasets package: pip install 'kubetrain[hf]'") from None
+        raise DataError(
+            "data sources of kind 'hf' need the datasets package: pip install 'kubetrain[hf]'"
+        ) from None
     assert src.path is not None
     p = Path(src.path).expanduser()
     try:
@@ -115,7 +117,8 @@ def load_hf_dataset(src: SourceConfig) -> Any:
             ds = datasets.load_from_disk(str(p))
             return ds[src.split] if isinstance(ds, datasets.DatasetDict) else ds
         if p.is_file():
-            builder = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
+            builder = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet",
+                       ".csv": "csv"}
             kind = builder.get(p.suffix)
             if kind is None:
                 raise DataError(f"{p}: cannot tell the dataset format from the suffix '{p.suffix}'")
