@@ -52,7 +52,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate halves of x (..., T, D): the Llama / HF convention, so exported weights need no permutation."""
     x1, x2 = x.chunk(2, dim=-1)
     # The tables are fp32; under bf16 autocast q and k must stay bf16 (no-op casts in fp32).
-    return x * cos.to(x.dtype) + torch.cat([x2, x1], dim=-1) * sin.to(x.dtype)
+    return torch.addcmul(x * cos.to(x.dtype), torch.cat([x2, x1], dim=-1), sin.to(x.dtype))
 
 
 class Attention(nn.Module):
@@ -100,12 +100,15 @@ class _RMSNormFunction(torch.autograd.Function):
         return normed * weight
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         normed, rstd, weight = ctx.saved_tensors
-        grad_weight = (grad * normed).reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
-        g = grad * weight
-        grad_x = (g - normed * (g * normed).mean(-1, keepdim=True)) * rstd
-        return grad_x, grad_weight, None
+        width = grad.shape[-1]
+        p = (grad * normed).reshape(-1, width)
+        # grad_x = rstd * (g - normed * mean(g * normed)) with g = grad * weight; the row means are one
+        # matrix-vector product with the weight, so the big tensors are read as few times as possible.
+        mean = torch.mv(p, weight).view(*grad.shape[:-1], 1).div_(width)
+        grad_x = torch.addcmul(grad * weight, normed, mean, value=-1).mul_(rstd)
+        return grad_x, p.sum(0), None
 
 
 class RMSNorm(nn.RMSNorm):
