@@ -47,6 +47,8 @@ def test_text_folder_reads_every_visible_file(tmp_path: Path) -> None:
     (tmp_path / "z.txt").write_text("Z")
     (tmp_path / "sub" / "y.md").write_text("Y")
     (tmp_path / ".hidden").write_text("H")
+    (tmp_path / ".git" / "objects").mkdir(parents=True)
+    (tmp_path / ".git" / "objects" / "ab").write_bytes(b"\x78\x9c\xff binary")
     files = sources.source_files(src("text", tmp_path))
     assert [f.name for f in files] == ["y.md", "z.txt"]
 

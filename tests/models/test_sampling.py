@@ -85,6 +85,16 @@ def test_training_mode_is_restored(model: GPT) -> None:
     assert not model.training
 
 
+def test_unseeded_sampling_leaves_the_global_generator_alone(model: GPT) -> None:
+    torch.manual_seed(42)
+    expected = torch.rand(3)
+    torch.manual_seed(42)
+    a = generate(model, [1], 20, 8, temperature=2.0, top_k=None)
+    b = generate(model, [1], 20, 8, temperature=2.0, top_k=None)
+    assert torch.equal(torch.rand(3), expected)
+    assert a != b  # and each call draws a fresh seed
+
+
 def test_no_gradients_are_kept(model: GPT) -> None:
     generate(model, [1], 3, 8)
     assert all(p.grad is None for p in model.parameters())

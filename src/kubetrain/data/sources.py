@@ -39,7 +39,9 @@ def source_files(src: SourceConfig) -> list[Path]:
         return files
     p = Path(pattern)
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+        # Hidden files and folders (.git, .cache, editor swap files) are not part of a corpus.
+        files = sorted(f for f in p.rglob("*")
+                       if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts))
         if not files:
             raise DataError(f"data folder is empty: {src.path}")
         return files
