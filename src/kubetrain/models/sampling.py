@@ -24,7 +24,7 @@ def generate(
         raise ValueError("generate needs a prompt of at least one token")
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
-    # Without a seed, a fresh one from the OS: torch.seed() would reseed the global generator as a side effect.
+    # Without a seed, a fresh one from the OS: torch.seed() would reseed the global generator too.
     gen.manual_seed(seed if seed is not None else secrets.randbits(63))
     was_training = model.training
     model.eval()
