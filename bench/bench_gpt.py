@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--matmul", type=int, default=2048, help="n of the n x n fp32 matmul measuring the peak.")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's).")
+    p.add_argument("--compile", action="store_true", help="torch.compile both models' forward.")
     p.add_argument("--out", default=None, help="Write the result as JSON here; 'auto': in bench/results/.")
     a = p.parse_args()
     if a.threads:
@@ -140,7 +142,8 @@ def main() -> None:
 
     names = ["kubetrain GPT", "HF GPT2LMHeadModel"]
     built = {name: build(a) for name, build in zip(names, (ours, hf_gpt2), strict=True)}
-    timers = {name: train_step(m, f, a) for name, (m, f, _) in built.items()}
+    forwards = {name: torch.compile(f) if a.compile else f for name, (_, f, _) in built.items()}
+    timers = {name: train_step(built[name][0], forwards[name], a) for name in names}
     mm, mm_reps, mm_flops = matmul(a.matmul), 10, 2 * a.matmul**3
     tokens = a.steps * a.batch * a.context
     load_before = os.getloadavg()[0]
@@ -162,7 +165,8 @@ def main() -> None:
               flush=True)
 
     print(f"\nshape: {a.layers} layers x {a.width} wide, {a.heads} heads, context {a.context}, "
-          f"vocab {a.vocab}, batch {a.batch}, fp32, {torch.get_num_threads()} threads; "
+          f"vocab {a.vocab}, batch {a.batch}, fp32, {torch.get_num_threads()} threads, "
+          f"{'torch.compile' if a.compile else 'eager'}; "
           f"median of {a.rounds} rounds")
     results: dict[str, Any] = {}
     for clock in ("wall", "cpu"):
@@ -186,6 +190,7 @@ def main() -> None:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "hardware": {"cpu": cpu_name(), "threads": torch.get_num_threads(), "cores": os.cpu_count()},
             "load_average": {"before": load_before, "after": os.getloadavg()[0]}, "torch": torch.__version__,
+            "transformers": version("transformers"), "compile": a.compile,
             "shape": {k: getattr(a, k) for k in ("layers", "width", "heads", "context", "vocab", "batch")},
             "steps_per_round": a.steps, "rounds": a.rounds, "matmul_n": a.matmul,
             "results": results, "per_round": rates,
@@ -194,7 +199,8 @@ def main() -> None:
         if a.out == "auto":
             hw = re.sub(r"[^a-z0-9]+", "-", cpu_name().lower()).strip("-") + f"-{torch.get_num_threads()}t"
             day = datetime.date.today().isoformat()
-            out = ROOT / "bench" / "results" / f"gpt-{a.layers}x{a.width}-vs-hf-gpt2_{hw}_{day}.json"
+            mode = "-compiled" if a.compile else ""
+            out = ROOT / "bench" / "results" / f"gpt-{a.layers}x{a.width}-vs-hf-gpt2{mode}_{hw}_{day}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {out}")
