@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kubetrain.config import Config, load_config
-from kubetrain.data.shards import TOKENS_FILE, cache_root, data_key, prepare
+from kubetrain.data.shards import TOKENS_FILE, Prepared, cache_root, data_key, prepare
 from kubetrain.errors import DataError
 
 TEXT = "And God said, Let there be light: and there was light.\n" * 40
@@ -25,7 +25,7 @@ def text_config(tmp_path: Path, text: str = TEXT, *overrides: str) -> Config:
     return config(tmp_path, "data.sources.0.kind=text", f"data.sources.0.path={f}", *overrides)
 
 
-def tokens(prepared) -> np.ndarray:  # type: ignore[no-untyped-def]
+def tokens(prepared: Prepared) -> np.ndarray:
     return np.fromfile(prepared.folder / TOKENS_FILE, dtype=prepared.dtype)
 
 

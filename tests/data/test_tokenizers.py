@@ -146,5 +146,5 @@ def test_loading_from_a_folder_without_a_tokenizer(tmp_path: Path) -> None:
 
 
 def test_chunks() -> None:
-    assert list(chunks(iter(range(5)), 2)) == [[0, 1], [2, 3], [4]]
+    assert list(chunks(iter("abcde"), 2)) == [["a", "b"], ["c", "d"], ["e"]]
     assert list(chunks([], 3)) == []

@@ -9,7 +9,7 @@ import torch
 
 from kubetrain.config import ModelConfig
 from kubetrain.models import build_model, gpt_config
-from kubetrain.models.gpt import GPT, GPTConfig, RMSNorm, apply_rope, rope_cache
+from kubetrain.models.gpt import GPT, Block, GPTConfig, RMSNorm, apply_rope, rope_cache
 
 torch.set_num_threads(1)
 
@@ -96,10 +96,11 @@ def test_init_is_seeded_and_scaled() -> None:
     torch.manual_seed(1)
     b = GPT(small(n_layer=8, n_embd=128))
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
-    residual = a.blocks[0].attn.o_proj.weight.std().item()
-    assert residual == pytest.approx(0.02 / math.sqrt(16), rel=0.1)
-    assert a.blocks[0].attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.1)
-    assert torch.equal(a.blocks[0].attn_norm.weight, torch.ones(128))
+    block = a.blocks[0]
+    assert isinstance(block, Block)
+    assert block.attn.o_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.1)
+    assert block.attn.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert torch.equal(block.attn_norm.weight, torch.ones(128))
 
 
 def test_untrained_loss_is_near_uniform() -> None:
