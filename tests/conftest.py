@@ -1,180 +1,91 @@
-"""Tiny random-initialised Hugging Face models, tokenizers and chat data, built in a temporary folder."""
+"""Shared fixtures: a tiny model config, a temporary working directory, and the real CLI in a subprocess."""
 
 from __future__ import annotations
 
-import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from kubetrain.config.schema import Config
+pytest_plugins = ["tests.hf_models"]  # the tiny Hugging Face model and chat fixtures
 
-LLAMA3_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-    "{{ m['content'] }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-)
-LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
-    r"\s+(?!\S)|\s+"
-)
-SPECIALS = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|pad|>"]
-WORDS = ["red", "green", "blue", "cat", "dog", "bird", "one", "two", "three", "sun", "moon", "star"]
+SRC = Path(__file__).resolve().parents[1] / "src"
 
+# Tests never reach a model hub. Set before anything imports huggingface_hub, which reads it once.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-def chat_rows(n: int = 48) -> list[dict[str, object]]:
-    """A learnable toy task: the assistant repeats the user's words in reverse order."""
-    rows: list[dict[str, object]] = []
-    for i in range(n):
-        words = [WORDS[(i * 7 + k * 5) % len(WORDS)] for k in range(3 + i % 3)]
-        user = "reverse: " + " ".join(words)
-        answer = " ".join(reversed(words))
-        if i % 4 == 3:
-            rows.append({"prompt": user, "response": answer})
-        else:
-            rows.append({"messages": [{"role": "system", "content": "be brief"},
-                                      {"role": "user", "content": user},
-                                      {"role": "assistant", "content": answer}]})
-    return rows
+RunMain = Callable[..., tuple[int, str, str]]  # run_main(*args) -> (exit code, stdout, stderr)
+Cli = Callable[..., "subprocess.CompletedProcess[str]"]  # cli(*args) -> the finished process
+
+# A 1-layer model that trains in about a second on one thread; tests add their own --set on top.
+TINY = [
+    "run.threads=1",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "train.max_steps=6",
+    "train.micro_batch_size=4",
+    "train.warmup_steps=2",
+    "train.log_every_steps=1",
+    "eval.every_steps=3",
+    "eval.batches=2",
+    "eval.sample_tokens=8",
+    "checkpoint.every_steps=3",
+]
 
 
-def build_tokenizer(folder: Path) -> Path:
-    """A byte-level BPE like Llama 3's: its pre-tokenizer, BOS from the post-processor, its chat format."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([  # Llama 3's: its split regex, then bytes
-        pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=330, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = [json.dumps(r) for r in chat_rows()] + ["reverse: " + " ".join(WORDS), "be brief"]
-    tok.train_from_iterator(corpus * 4, trainer=trainer)
-    bos = "<|begin_of_text|>"
-    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 0)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token="<|eot_id|>",
-                                   pad_token="<|pad|>")
-    fast.chat_template = LLAMA3_TEMPLATE
-    fast.save_pretrained(str(folder))
-    return folder
+@pytest.fixture
+def tiny_args() -> list[str]:
+    """`--set` arguments for a tiny model run (one thread, a few steps)."""
+    return [arg for kv in TINY for arg in ("--set", kv)]
 
 
-def build_llama(folder: Path, vocab: int, tie: bool = False, seed: int = 0) -> Path:
-    """A 2-layer Llama (hidden 32, grouped-query attention) saved with its tokenizer, like a hub snapshot."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    # initializer_range 0.2: a frozen random head with the default 0.02 cannot express a confident prediction
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=tie, initializer_range=0.2, bos_token_id=0, eos_token_id=1,
-                      pad_token_id=4)
-    torch.manual_seed(seed)
-    LlamaForCausalLM(cfg).save_pretrained(str(folder))
-    return folder
+@pytest.fixture
+def tmp_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Run the test inside an empty folder, so `runs/` and caches land there."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
 
 
-@pytest.fixture(scope="session")
-def hf_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment for a `python -m kubetrain` subprocess that imports this checkout's source first."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
+    env.pop("KUBETRAIN_DEBUG", None)
+    env.update(extra)
+    return env
 
 
-@pytest.fixture(scope="session")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory, hf_tokenizer_dir: Path) -> Path:
-    """Model + tokenizer in one folder; the vocabulary is larger than the tokenizer's (padded rows)."""
-    import shutil
+@pytest.fixture
+def cli(tmp_cwd: Path) -> Cli:
+    """Run `python -m kubetrain ARGS...` for real in the temporary folder; returns the CompletedProcess."""
 
-    folder = tmp_path_factory.mktemp("llama")
-    for f in hf_tokenizer_dir.iterdir():
-        shutil.copy(f, folder / f.name)
-    return build_llama(folder, vocab=352)
+    def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kubetrain", *args],
+            cwd=tmp_cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout, check=False,
+        )
 
-
-@pytest.fixture(scope="session")
-def chat_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("chat") / "chat.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in chat_rows()))
-    return path
+    return run
 
 
-def lora_config(out: Path, llama: Path, chat: Path, **overrides: object) -> Config:
-    """A LoRA fine-tune of the tiny Llama on the chat set: one conversation per 64-token window."""
-    from kubetrain.config.loading import validate
+@pytest.fixture
+def run_main(capsys: pytest.CaptureFixture[str]) -> RunMain:
+    """Call the real entry point `kubetrain.cli.main(ARGS)` in this process: (exit code, stdout, stderr)."""
+    from kubetrain.cli import main
 
-    raw: dict[str, object] = {
-        "run": {"name": "lora", "output_dir": str(out), "threads": 1, "seed": 7},
-        "data": {"sources": [{"kind": "chat", "path": str(chat)}], "val_fraction": 0.1},
-        "model": {"kind": "hf", "name_or_path": str(llama), "block_size": 64,
-                  "lora": {"r": 8, "alpha": 16, "dropout": 0.05,
-                           "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                              "down_proj"]}},
-        "train": {"max_steps": 24, "micro_batch_size": 4, "lr": 2e-2, "warmup_steps": 2,
-                  "log_every_steps": 1},
-        "eval": {"every_steps": 8, "batches": 1, "sample_prompt": None, "sample_tokens": 4},
-        "checkpoint": {"every_steps": 8, "keep_last": 5},
-        "track": {"console": False},
-    }
-    for key, value in overrides.items():
-        section, name = key.split("__")
-        raw[section][name] = value  # type: ignore[index]
-    return validate(raw)
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            main(list(args))
+        out, err = capsys.readouterr()
+        code = exited.value.code
+        return (code if isinstance(code, int) else 0 if code is None else 1), out, err
 
-
-@pytest.fixture(scope="session")
-def make_lora_config() -> Callable[..., Config]:
-    """lora_config(out, llama, chat, section__key=value, ...): a variant of the LoRA run's config."""
-    return lora_config
-
-
-@pytest.fixture(scope="session")
-def lora_run(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path, chat_file: Path) -> Path:
-    """A finished 24-step LoRA run (checkpoints at steps 8, 16, 24)."""
-    from kubetrain.train.loop import train
-
-    cfg = lora_config(tmp_path_factory.mktemp("runs"), llama_dir, chat_file)
-    return Path(train(cfg, log=lambda m: None).run_dir)
-
-
-@pytest.fixture(scope="session")
-def hf_full_run(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path, chat_file: Path) -> Path:
-    """A full fine-tune (no LoRA) of the tiny Llama: 3 steps."""
-    from kubetrain.config.loading import validate
-    from kubetrain.train.loop import train
-
-    cfg = validate({
-        "run": {"name": "full", "output_dir": str(tmp_path_factory.mktemp("full")), "threads": 1},
-        "data": {"sources": [{"kind": "chat", "path": str(chat_file)}], "val_fraction": 0.1},
-        "model": {"kind": "hf", "name_or_path": str(llama_dir), "block_size": 64},
-        "train": {"max_steps": 3, "micro_batch_size": 2, "lr": 1e-3, "warmup_steps": 0},
-        "eval": {"every_steps": 3, "batches": 1, "sample_prompt": None, "sample_tokens": 2},
-        "track": {"console": False},
-    })
-    return Path(train(cfg, log=lambda m: None).run_dir)
-
-
-@pytest.fixture(scope="session")
-def gpt_lora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Our GPT with LoRA on every projection and a trained copy of the (tied) lm_head; 4 steps."""
-    from kubetrain.config.loading import validate
-    from kubetrain.train.loop import train
-
-    root = tmp_path_factory.mktemp("gpt-lora")
-    text = root / "corpus.txt"
-    text.write_text(" ".join(f"{w} {WORDS[(i * 5) % len(WORDS)]}." for i, w in enumerate(WORDS * 40)))
-    cfg = validate({
-        "run": {"name": "gpt-lora", "output_dir": str(root / "runs"), "threads": 1},
-        "data": {"sources": [{"kind": "text", "path": str(text)}],
-                 "tokenizer": {"kind": "bpe", "vocab_size": 300}},
-        "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32,
-                  "lora": {"r": 4, "alpha": 8, "modules_to_save": ["lm_head"],
-                           "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                              "down_proj"]}},
-        "train": {"max_steps": 4, "micro_batch_size": 2, "lr": 1e-2, "warmup_steps": 0},
-        "eval": {"every_steps": 4, "batches": 1, "sample_prompt": None, "sample_tokens": 2},
-        "track": {"console": False},
-    })
-    return Path(train(cfg, log=lambda m: None).run_dir)
+    return run

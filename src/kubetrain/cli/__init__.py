@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("KUBETRAIN_DEBUG") == "1"
     args = [a for a in args if a != "--debug"]
-    _register()
+    if not app.registered_commands:  # main() may run more than once in one process (tests, notebooks)
+        _register()
     try:
         app(args=args, prog_name="kubetrain", standalone_mode=True)
     except KubetrainError as e:

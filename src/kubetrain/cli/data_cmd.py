@@ -9,7 +9,9 @@ import typer
 from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
 
 
-def prepare(config: ConfigArg = None, preset: PresetOpt = None, set_: SetOpt = None, json_: JsonOpt = False) -> None:
+def prepare(
+    config: ConfigArg = None, preset: PresetOpt = None, set_: SetOpt = None, json_: JsonOpt = False
+) -> None:
     """Tokenize the config's data into token shards (cached by content: a second call is instant)."""
     from kubetrain.data.shards import prepare as prepare_data
 

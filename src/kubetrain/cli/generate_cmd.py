@@ -29,6 +29,8 @@ def generate(
 
     if checkpoint not in ("best", "latest"):
         raise UserInputError("--checkpoint must be 'best' or 'latest'")
+    if not prompt:
+        raise UserInputError("--prompt is empty: give at least one character to continue")
     model, tokenizer, cfg, _ = load_trained(run_dir, checkpoint)
     if torch.cuda.is_available():
         model = model.cuda()

@@ -17,10 +17,13 @@ def train(
     config: ConfigArg = None,
     preset: PresetOpt = None,
     set_: SetOpt = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Build everything, run one forward pass, exit.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Build everything, run one forward pass, exit.")
+    ] = False,
     json_: JsonOpt = False,
     resume: Annotated[
-        str, typer.Option("--resume", help="auto: continue from the run's latest good checkpoint; never; or a PATH.")
+        str,
+        typer.Option("--resume", help="auto: continue from the latest good checkpoint; never; or a PATH."),
     ] = "auto",
     phase: Annotated[str | None, typer.Option("--phase", help="Run only this phase of `phases:`.")] = None,
     nproc: Annotated[

@@ -8,7 +8,8 @@ import hashlib
 import json
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -149,6 +150,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         value = text
     node: Any = raw
     model: Any = Config
+    annotation: Any = None  # the type of the key being set, when the schema knows it
     defaults: Any = Config().model_dump(mode="json")
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
@@ -156,23 +158,44 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
             if not part.isdigit() or int(part) >= len(node):
                 raise ConfigError(f"--set {key}: '{part}' is not an index of a list of {len(node)}")
             child_key: Any = int(part)
+            annotation = None
             defaults = None
         else:
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {key}: '{'.'.join(parts[:i])}' is not a section")
+            annotation = None
             if model is not None:
                 fields = list(model.model_fields)
                 if part not in fields:
-                    raise ConfigError(f"--set: unknown key '{'.'.join(parts[: i + 1])}'{_suggest(part, fields)}")
-                model = _model_in(model.model_fields[part].annotation)
+                    where = ".".join(parts[: i + 1])
+                    raise ConfigError(f"--set: unknown key '{where}'{_suggest(part, fields)}")
+                annotation = model.model_fields[part].annotation
+                model = _model_in(annotation)
             child_key = part
             defaults = defaults.get(part) if isinstance(defaults, dict) else None
         if last:
-            node[child_key] = value
+            node[child_key] = text if _keeps_text(annotation, value) else value
         else:
             if isinstance(node, dict) and node.get(child_key) is None:
                 node[child_key] = copy.deepcopy(defaults) if defaults is not None else {}
             node = node[child_key]
+
+
+def _keeps_text(annotation: Any, value: Any) -> bool:
+    """True when YAML read a number or boolean where the field wants a string (`run.name=123`, `=yes`)."""
+    if annotation is None or isinstance(value, str) or not isinstance(value, bool | int | float):
+        return False
+    return _accepts_str(annotation)
+
+
+def _accepts_str(annotation: Any) -> bool:
+    if annotation is str:
+        return True
+    if get_origin(annotation) is Literal:
+        return all(isinstance(a, str) for a in get_args(annotation))
+    if get_origin(annotation) in (Union, UnionType):
+        return any(_accepts_str(a) for a in get_args(annotation))
+    return False
 
 
 def to_yaml(cfg: Config) -> str:

@@ -20,16 +20,21 @@ class RunConfig(Section):
     name: str = Field("default", description="Run name; the run directory is <output_dir>/<name>.")
     output_dir: str = Field("runs", description="Folder that holds run directories.")
     seed: int = Field(1337, description="Seed for weights, data order and dropout.")
-    device: Literal["auto", "cpu", "cuda", "mps"] = Field("auto", description="auto picks cuda, then mps, then cpu.")
+    device: Literal["auto", "cpu", "cuda", "mps"] = Field(
+        "auto", description="auto picks cuda, then mps, then cpu."
+    )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's).")
 
 
 class SourceConfig(Section):
     kind: Literal["builtin", "text", "jsonl", "chat", "hf"] = Field(
-        "builtin", description="builtin: the corpus shipped with kubetrain; text: files/globs; jsonl: a text field; "
+        "builtin",
+        description="builtin: the corpus shipped with kubetrain; text: files/globs; jsonl: a text field; "
         "chat: messages or prompt/response JSONL; hf: a Hugging Face dataset (hub id or local)."
     )
-    path: str | None = Field(None, description="File, folder or glob (text/jsonl/chat), or dataset id/folder (hf).")
+    path: str | None = Field(
+        None, description="File, folder or glob (text/jsonl/chat), or dataset id/folder (hf)."
+    )
     text_field: str = Field("text", description="JSONL / dataset field that holds the text.")
     split: str = Field("train", description="Dataset split (hf).")
     name: str | None = Field(None, description="Dataset config name (hf).")
@@ -44,7 +49,8 @@ class SourceConfig(Section):
 
 class TokenizerConfig(Section):
     kind: Literal["byte", "bpe", "hf", "tiktoken"] = Field(
-        "byte", description="byte: 256 byte ids, no files; bpe: trained on the corpus; hf: a tokenizer folder/id; "
+        "byte",
+        description="byte: 256 byte ids, no files; bpe: trained on the corpus; hf: a tokenizer folder/id; "
         "tiktoken: a named encoding whose files are present."
     )
     path: str | None = Field(None, description="Tokenizer folder or hub id (hf); encoding name (tiktoken).")
@@ -79,13 +85,15 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    kind: Literal["gpt", "hf"] = Field("gpt", description="gpt: kubetrain's own decoder; hf: AutoModelForCausalLM.")
+    kind: Literal["gpt", "hf"] = Field(
+        "gpt", description="gpt: kubetrain's own decoder; hf: AutoModelForCausalLM."
+    )
     n_layer: int = Field(4, ge=1)
     n_head: int = Field(4, ge=1)
     n_embd: int = Field(128, ge=8)
     block_size: int = Field(128, ge=2, description="Context length in tokens.")
-    vocab_size: int | None = Field(None, description="Default: the tokenizer's vocabulary (rounded up to 64).")
-    mlp_hidden: int | None = Field(None, description="SwiGLU hidden width (default ~8/3 * n_embd, multiple of 64).")
+    vocab_size: int | None = Field(None, description="Default: the tokenizer's vocabulary rounded up to 64.")
+    mlp_hidden: int | None = Field(None, description="SwiGLU width (default ~8/3 n_embd, a multiple of 64).")
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     rope_theta: float = Field(10000.0, gt=0)
     norm_eps: float = Field(1e-5, gt=0)
@@ -102,7 +110,9 @@ class ModelConfig(Section):
     @model_validator(mode="after")
     def _shape(self) -> ModelConfig:
         if self.kind == "gpt" and self.n_embd % self.n_head:
-            raise ValueError(f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})")
+            raise ValueError(
+                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
+            )
         if self.kind == "gpt" and (self.n_embd // self.n_head) % 2:
             raise ValueError("model.n_embd / model.n_head must be even for rotary embeddings")
         if self.kind == "hf" and not self.name_or_path:
@@ -133,7 +143,9 @@ class TrainConfig(Section):
 class EvalConfig(Section):
     every_steps: int = Field(50, ge=1)
     batches: int = Field(8, ge=1, description="Validation batches per evaluation.")
-    sample_prompt: str | None = Field("And God said", description="Prompt for a sample at each eval (None: off).")
+    sample_prompt: str | None = Field(
+        "And God said", min_length=1, description="Prompt for a sample at each eval (null: off)."
+    )
     sample_tokens: int = Field(64, ge=1)
 
 

@@ -8,6 +8,7 @@ depend on the world size, and a resume with another world size simply continues 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +37,8 @@ class TokenWindows:
 
     def __init__(self, prepared: Prepared, split: str, block_size: int) -> None:
         tokens = np.memmap(prepared.folder / TOKENS_FILE, dtype=prepared.dtype, mode="r")
-        start, end = (0, prepared.n_train) if split == "train" else (prepared.n_train, prepared.meta["tokens"])
+        train = split == "train"
+        start, end = (0, prepared.n_train) if train else (prepared.n_train, int(prepared.meta["tokens"]))
         self.tokens = tokens[start:end]
         self.mask = None
         if prepared.has_mask:
@@ -62,7 +64,9 @@ class TokenWindows:
 class TrainLoader:
     """Shuffled windows, epoch after epoch, addressed by a global sample cursor."""
 
-    def __init__(self, windows: TokenWindows, batch_size: int, seed: int, rank: int = 0, world: int = 1) -> None:
+    def __init__(
+        self, windows: TokenWindows, batch_size: int, seed: int, rank: int = 0, world: int = 1
+    ) -> None:
         if windows.n_windows == 0:
             raise ValueError("no training windows")
         self.windows = windows
@@ -102,13 +106,16 @@ class TrainLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["n_windows"] != self.windows.n_windows or state["block_size"] != self.windows.block_size:
             raise ValueError(
-                f"the data changed since the checkpoint ({state['n_windows']} windows of {state['block_size']} "
+                "the data changed since the checkpoint "
+                f"({state['n_windows']} windows of {state['block_size']} "
                 f"then, {self.windows.n_windows} of {self.windows.block_size} now)"
             )
         self.cursor = int(state["cursor"])
 
 
-def val_batches(windows: TokenWindows, batch_size: int, n_batches: int, rank: int = 0, world: int = 1):  # type: ignore[no-untyped-def]
+def val_batches(
+    windows: TokenWindows, batch_size: int, n_batches: int, rank: int = 0, world: int = 1
+) -> Iterator[Batch]:
     """The same first validation windows every time, split over ranks."""
     total = min(windows.n_windows, batch_size * n_batches * world)
     mine = list(range(rank, total, world))

@@ -1,4 +1,4 @@
-"""`prepare`: turn the configured sources into one token shard (memmap) + meta.json, cached by content hash."""
+"""`prepare`: turn the configured sources into one token shard (memmap) + meta.json, cached by content."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,9 +136,10 @@ def encoded(cfg: Config, tok: Tokenizer, src: SourceConfig) -> Iterator[tuple[li
     sep = [tok.eos_id] if tok.eos_id is not None else tok.encode("\n\n")
     whole, frac = divmod(src.weight, 1.0)
     for copy in range(int(whole) + (1 if frac else 0)):
-        docs = list(sources.iter_documents(src)) if copy == int(whole) else sources.iter_documents(src)
-        if copy == int(whole):
-            docs = docs[: int(len(docs) * frac)]
+        docs: Iterable[str] = sources.iter_documents(src)
+        if copy == int(whole):  # the fractional copy: the first share of the documents
+            listed = list(docs)
+            docs = listed[: int(len(listed) * frac)]
         for doc in docs:
             if doc:
                 yield tok.encode(doc) + sep, None

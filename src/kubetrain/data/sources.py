@@ -26,8 +26,11 @@ def source_files(src: SourceConfig) -> list[Path]:
         return [builtin_corpus_path()]
     assert src.path is not None
     if src.kind == "hf":
+        # A local data file or dataset folder is hashed like any file; a hub id has no local bytes.
         p = Path(src.path).expanduser()
-        return sorted(f for f in p.rglob("*") if f.is_file()) if p.exists() else []
+        if p.is_file():
+            return [p]
+        return sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else []
     pattern = str(Path(src.path).expanduser())
     if any(c in pattern for c in "*?["):
         files = sorted(Path(f) for f in glob.glob(pattern, recursive=True) if Path(f).is_file())
@@ -36,7 +39,9 @@ def source_files(src: SourceConfig) -> list[Path]:
         return files
     p = Path(pattern)
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+        # Hidden files and folders (.git, .cache, editor swap files) are not part of a corpus.
+        files = sorted(f for f in p.rglob("*")
+                       if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts))
         if not files:
             raise DataError(f"data folder is empty: {src.path}")
         return files
@@ -104,7 +109,9 @@ def load_hf_dataset(src: SourceConfig) -> Any:
     try:
         import datasets
     except ImportError:
-        raise DataError("data sources of kind 'hf' need the datasets package: pip install 'kubetrain[hf]'") from None
+        raise DataError(
+            "data sources of kind 'hf' need the datasets package: pip install 'kubetrain[hf]'"
+        ) from None
     assert src.path is not None
     p = Path(src.path).expanduser()
     try:
@@ -112,7 +119,8 @@ def load_hf_dataset(src: SourceConfig) -> Any:
             ds = datasets.load_from_disk(str(p))
             return ds[src.split] if isinstance(ds, datasets.DatasetDict) else ds
         if p.is_file():
-            builder = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet", ".csv": "csv"}
+            builder = {".jsonl": "json", ".json": "json", ".txt": "text", ".parquet": "parquet",
+                       ".csv": "csv"}
             kind = builder.get(p.suffix)
             if kind is None:
                 raise DataError(f"{p}: cannot tell the dataset format from the suffix '{p.suffix}'")

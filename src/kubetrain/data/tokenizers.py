@@ -109,11 +109,15 @@ class TiktokenTokenizer:
         try:
             import tiktoken
         except ImportError:
-            raise DataError("tokenizer kind 'tiktoken' needs the tiktoken package: pip install tiktoken") from None
+            raise DataError(
+                "tokenizer kind 'tiktoken' needs the tiktoken package: pip install tiktoken"
+            ) from None
         try:
             self.enc = tiktoken.get_encoding(name)
         except Exception as e:
-            raise DataError(f"tiktoken encoding '{name}' could not be loaded from its local files: {e}") from None
+            raise DataError(
+                f"tiktoken encoding '{name}' could not be loaded from its local files: {e}"
+            ) from None
         self.name = name
         self.vocab_size = int(self.enc.n_vocab)
         self.eos_id = self.enc.eot_token
@@ -161,7 +165,9 @@ def load_hf_tokenizer(path: str, local_files_only: bool = True) -> HFTokenizer |
     except ImportError:
         file = local / "tokenizer.json"
         if not file.is_file():
-            raise DataError(f"{path}: no tokenizer.json (install kubetrain[hf] for other tokenizer formats)") from None
+            raise DataError(
+                f"{path}: no tokenizer.json (install kubetrain[hf] for other tokenizer formats)"
+            ) from None
         from tokenizers import Tokenizer as RawTokenizer
 
         return FastTokenizer(RawTokenizer.from_file(str(file)), kind="hf", eos_token=None)

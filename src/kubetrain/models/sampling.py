@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 import torch
 from torch import nn
 
@@ -18,9 +20,12 @@ def generate(
     seed: int | None = None,
 ) -> list[int]:
     """Continue `ids` by up to `max_new_tokens` tokens; temperature 0 is greedy."""
+    if not ids:
+        raise ValueError("generate needs a prompt of at least one token")
     device = next(model.parameters()).device
     gen = torch.Generator(device=device)
-    gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
+    # Without a seed, a fresh one from the OS: torch.seed() would reseed the global generator too.
+    gen.manual_seed(seed if seed is not None else secrets.randbits(63))
     was_training = model.training
     model.eval()
     x = torch.tensor([ids], dtype=torch.long, device=device)

@@ -1,0 +1,117 @@
+"""Bad input through the real entry point: one `error:` line on stderr, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY, Cli, RunMain
+
+
+def setup_case(case: str, tmp: Path) -> list[str]:
+    """Arguments of a `kubetrain` command that must fail with one line, after writing what it needs."""
+    tiny = [arg for kv in TINY for arg in ("--set", kv)]
+    text = ["--set", "data.sources.0.kind=text", "--set", f"data.sources.0.path={tmp / 'data.txt'}"]
+    if case == "unknown key in a file":
+        (tmp / "c.yaml").write_text("train:\n  max_stepz: 3\n")
+        return ["train", str(tmp / "c.yaml")]
+    if case == "mistyped --set key":
+        return ["train", "--set", "train.lrr=0.1"]
+    if case == "wrong type":
+        return ["train", "--set", "train.max_steps=many"]
+    if case == "wrong type in a file":
+        (tmp / "c.yaml").write_text("model:\n  n_layer: two\n")
+        return ["config", "validate", str(tmp / "c.yaml")]
+    if case == "malformed --set":
+        return ["train", "--set", "train.lr"]
+    if case == "unknown preset":
+        return ["train", "--preset", "huge"]
+    if case == "config and preset":
+        (tmp / "c.yaml").write_text("{}\n")
+        return ["train", str(tmp / "c.yaml"), "--preset", "tiny"]
+    if case == "missing config file":
+        return ["train", str(tmp / "nope.yaml")]
+    if case == "bad yaml":
+        (tmp / "c.yaml").write_text("train: [\n")
+        return ["config", "show", str(tmp / "c.yaml")]
+    if case == "missing data path":
+        return ["train", *tiny, *text]
+    if case == "empty corpus":
+        (tmp / "data.txt").write_text("")
+        return ["train", *tiny, *text]
+    if case == "non-UTF-8 text":
+        (tmp / "data.txt").write_bytes(b"caf\xe9 au lait\n" * 50)
+        return ["train", *tiny, *text]
+    if case == "block size larger than the data":
+        (tmp / "data.txt").write_text("only a few words\n")
+        return ["train", *tiny, *text, "--set", "data.val_fraction=0"]
+    if case == "validation split too small":
+        (tmp / "data.txt").write_text("a few more words in here\n" * 10)
+        return ["train", *tiny, *text]
+    if case == "prepare with a missing path":
+        return ["prepare", *text]
+    if case == "generate from a folder that is no run":
+        return ["generate", str(tmp), "--prompt", "hi"]
+    if case == "generate from a missing run":
+        return ["generate", str(tmp / "runs" / "nope"), "--prompt", "hi"]
+    raise AssertionError(case)
+
+
+CASES = {
+    "unknown key in a file": "unknown key 'train.max_stepz'; did you mean 'max_steps'?",
+    "mistyped --set key": "--set: unknown key 'train.lrr'; did you mean 'lr'?",
+    "wrong type": "train.max_steps: Input should be a valid integer",
+    "wrong type in a file": "model.n_layer: Input should be a valid integer",
+    "malformed --set": "--set needs KEY=VALUE, got 'train.lr'",
+    "unknown preset": "unknown preset 'huge'",
+    "config and preset": "give either a CONFIG file or --preset, not both",
+    "missing config file": "config file not found",
+    "bad yaml": "not valid YAML (line 2",
+    "missing data path": "data path not found:",
+    "empty corpus": "the corpus is empty",
+    "non-UTF-8 text": "not UTF-8 text (invalid byte at offset 3)",
+    "block size larger than the data": "fewer than one window of block_size + 1 (33)",
+    "validation split too small": "the validation split has 12 tokens, fewer than block_size + 1 (33)",
+    "prepare with a missing path": "data path not found:",
+    "generate from a folder that is no run": "is not a run directory",
+    "generate from a missing run": "no such run directory or checkpoint",
+}
+
+
+def assert_one_error_line(code: int, err: str, message: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert err.startswith("error: ")
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+    assert message in err
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_and_exit_2(case: str, run_main: RunMain, tmp_cwd: Path) -> None:
+    code, _, err = run_main(*setup_case(case, tmp_cwd))
+    assert_one_error_line(code, err, CASES[case])
+    assert not (tmp_cwd / "runs" / "tiny").exists()  # nothing half-made is left behind
+
+
+def test_debug_shows_the_traceback(run_main: RunMain, tmp_cwd: Path) -> None:
+    code, _, err = run_main("--debug", *setup_case("missing data path", tmp_cwd))
+    assert code == 2
+    assert "Traceback (most recent call last)" in err
+    assert "DataError" in err
+    assert err.splitlines()[-1].startswith("error: data path not found:")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["mistyped --set key", "non-UTF-8 text", "block size larger than the data"])
+def test_bad_input_in_a_real_process(case: str, cli: Cli, tmp_cwd: Path) -> None:
+    done = cli(*setup_case(case, tmp_cwd))
+    assert_one_error_line(done.returncode, done.stderr, CASES[case])
+
+
+@pytest.mark.slow
+def test_debug_in_a_real_process(cli: Cli, tmp_cwd: Path) -> None:
+    done = cli(*setup_case("empty corpus", tmp_cwd), "--debug")
+    assert done.returncode == 2
+    assert "Traceback (most recent call last)" in done.stderr
+    assert done.stderr.splitlines()[-1].startswith("error: the corpus is empty")

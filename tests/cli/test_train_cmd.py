@@ -1,0 +1,112 @@
+"""`kubetrain train`: the --json summary, the run directory, redaction, --dry-run, and a golden loss curve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kubetrain.config import Config
+from tests.conftest import Cli, RunMain
+
+SECRET = "hf_" + "Zq7" * 8  # shaped like a Hugging Face token
+
+
+@pytest.mark.slow
+def test_train_json_run_directory_and_redaction(cli: Cli, tiny_args: list[str], tmp_cwd: Path) -> None:
+    done = cli("train", *tiny_args, "--set", "train.max_steps=20", "--set", "eval.every_steps=10",
+               "--set", "run.name=json-run", "--set", f"model.revision={SECRET}", "--json")
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert any(line.startswith("model: ") and "parameters" in line for line in lines)  # the startup lines
+    assert any(line.startswith("tokens per step: 128 ") for line in lines)
+    result = json.loads(lines[-1])
+    for key in ["run_dir", "steps", "tokens", "final_train_loss", "final_val_loss", "tokens_per_second"]:
+        assert result[key] is not None, key
+    run = Path(result["run_dir"])
+    assert run == (tmp_cwd / "runs" / "json-run").resolve()
+    assert (result["steps"], result["tokens"]) == (20, 20 * 4 * 32)
+    assert result["tokens_per_second"] > 0
+    assert result["status"] == "finished"
+
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in metrics if m["kind"] == "train"]
+    evals = [m for m in metrics if m["kind"] == "eval"]
+    assert [m["step"] for m in train] == list(range(1, 21))
+    assert [m["step"] for m in evals] == [10, 20]
+    first, last = sum(m["loss"] for m in train[:3]) / 3, sum(m["loss"] for m in train[-3:]) / 3
+    assert last < first - 0.3, (first, last)  # loss falls visibly, even in 20 steps
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    assert result["final_val_loss"] == pytest.approx(evals[-1]["val_loss"])
+    assert result["final_train_loss"] == pytest.approx(train[-1]["loss"])
+
+    cfg = Config.model_validate(yaml.safe_load((run / "config.yaml").read_text()))
+    assert (cfg.train.max_steps, cfg.model.n_layer, cfg.run.threads) == (20, 1, 1)
+    assert cfg.train.beta2 == 0.95  # resolved: defaults the command never named are written too
+
+    meta_text = (run / "meta.json").read_text()
+    meta = json.loads(meta_text)
+    assert SECRET not in meta_text
+    assert "model.revision=***" in meta["argv"]
+    assert "run.name=json-run" in meta["argv"]  # ordinary arguments are kept as they were
+    assert meta["world_size"] == 1
+    assert meta["status"] == "finished"
+    for key in ["kubetrain_version", "torch_version", "python_version", "git_sha", "host", "config_hash"]:
+        assert key in meta, key
+    assert (run / "tokenizer").is_dir()
+    assert (run / "checkpoints" / "latest").is_file()
+
+
+@pytest.mark.slow
+def test_dry_run_writes_no_run_directory(cli: Cli, tiny_args: list[str], tmp_cwd: Path) -> None:
+    done = cli("train", *tiny_args, "--set", "run.name=dry", "--dry-run")
+    assert done.returncode == 0, done.stderr
+    assert "dry run: one forward pass, loss" in done.stdout
+    assert "model: " in done.stdout and "tokens per step: " in done.stdout
+    assert not (tmp_cwd / "runs" / "dry").exists()
+
+
+def test_dry_run_json(run_main: RunMain, tiny_args: list[str], tmp_cwd: Path) -> None:
+    code, out, _ = run_main("train", *tiny_args, "--dry-run", "--json")
+    assert code == 0
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["status"] == "dry-run"
+    assert result["steps"] == 0
+    assert 5.0 < result["final_train_loss"] < 6.0  # about ln(256) before any training
+    assert not (tmp_cwd / "runs" / "tiny").exists()
+
+
+# A fixed tiny config on the CPU, one thread: the loss of each step is checked in, so a change to the
+# numerics (model, init, data order, optimizer, schedule) shows up here. Refresh it only on purpose.
+GOLDEN_ARGS = [
+    "run.seed=1234", "run.threads=1", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
+    "model.block_size=32",
+    "train.max_steps=12", "train.micro_batch_size=4", "train.grad_accum_steps=2", "train.lr=0.01",
+    "train.warmup_steps=3", "train.log_every_steps=1", "eval.every_steps=6", "eval.batches=2",
+    "eval.sample_tokens=8", "checkpoint.every_steps=100",
+]
+GOLDEN_LOSS = [
+    5.550888, 5.384748, 5.010561, 4.628825, 4.241792, 3.921235,
+    3.636974, 3.566851, 3.398649, 3.255366, 3.317875, 3.228364,
+]
+GOLDEN_VAL = {6: 3.654166, 12: 3.185478}
+
+
+def test_golden_loss_curve(run_main: RunMain, tmp_cwd: Path) -> None:
+    args = [a for kv in GOLDEN_ARGS for a in ("--set", kv)]
+    code, out, err = run_main("train", *args, "--set", "run.name=golden")
+    assert code == 0, err
+    lines = (tmp_cwd / "runs" / "golden" / "metrics.jsonl").read_text().splitlines()
+    metrics = [json.loads(line) for line in lines]
+    losses = [m["loss"] for m in metrics if m["kind"] == "train"]
+    vals = {m["step"]: m["val_loss"] for m in metrics if m["kind"] == "eval"}
+    assert losses == pytest.approx(GOLDEN_LOSS, abs=1e-4)
+    assert vals == pytest.approx(GOLDEN_VAL, abs=1e-4)
+    # Without --json the command ends with the sample and the run directory.
+    tail = out.strip().splitlines()
+    assert tail[-1] == f"run directory: {(tmp_cwd / 'runs' / 'golden').resolve()}"
+    assert tail[-2].startswith("done: 12 steps, 3,072 tokens, val loss ")
+    assert "--- sample ---" in out

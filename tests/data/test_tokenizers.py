@@ -1,0 +1,150 @@
+"""Tokenizers: byte-level, BPE trained on a corpus, a Hugging Face tokenizer folder; save and load back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kubetrain.config import TokenizerConfig
+from kubetrain.data.tokenizers import (
+    TOKENIZER_FILE,
+    ByteTokenizer,
+    FastTokenizer,
+    HFTokenizer,
+    build_tokenizer,
+    chunks,
+    load_hf_tokenizer,
+    load_saved_tokenizer,
+    train_bpe,
+)
+from kubetrain.errors import DataError
+
+TEXTS = [
+    "In the beginning God created the heaven and the earth.",
+    "And the earth was without form, and void; and darkness was upon the face of the deep.",
+    "And God said, Let there be light: and there was light.",
+    "Ünïcödé — ok, emoji 🙂 and tabs\tand\nnewlines.",
+] * 20
+
+
+@pytest.mark.parametrize("text", ["", "hello", "Ünïcödé 🙂\n\ttab", "a" * 1000, "\x00 nul"])
+def test_byte_tokenizer_round_trips(text: str) -> None:
+    tok = ByteTokenizer()
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8"))
+    assert all(0 <= i < 256 for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_byte_tokenizer_decodes_partial_utf8_and_out_of_range_ids_without_failing() -> None:
+    tok = ByteTokenizer()
+    assert tok.decode([0xE2, 0x82]) == "\ufffd"  # half of a 3-byte character
+    assert tok.decode([ord("a"), 300, ord("b")]) == "ab"  # ids of the rounded-up vocab are dropped
+
+
+def test_byte_tokenizer_saves_and_loads(tmp_path: Path) -> None:
+    ByteTokenizer().save(tmp_path / "tok")
+    loaded = load_saved_tokenizer(tmp_path / "tok")
+    assert isinstance(loaded, ByteTokenizer)
+    assert (loaded.vocab_size, loaded.eos_id, loaded.fingerprint()) == (256, None, "byte")
+
+
+@pytest.fixture(scope="module")
+def bpe() -> FastTokenizer:
+    return train_bpe(TEXTS, vocab_size=300)
+
+
+def test_bpe_trains_to_the_requested_size_with_an_eos_token(bpe: FastTokenizer) -> None:
+    assert bpe.kind == "bpe"
+    assert bpe.vocab_size == 300
+    assert bpe.eos_id == bpe.tok.token_to_id("<|endoftext|>")
+    # Merges were learned: common words take fewer tokens than bytes.
+    assert len(bpe.encode("And God said")) < len(b"And God said")
+
+
+@pytest.mark.parametrize("text", ["And God said, Let there", "Ünïcödé 🙂 never seen: zqxj", " lead space"])
+def test_bpe_round_trips_any_text(bpe: FastTokenizer, text: str) -> None:
+    assert bpe.decode(bpe.encode(text)) == text
+
+
+def test_bpe_batch_encoding_matches_single(bpe: FastTokenizer) -> None:
+    assert bpe.encode_batch(TEXTS[:3]) == [bpe.encode(t) for t in TEXTS[:3]]
+
+
+def test_bpe_saves_and_loads_with_the_same_ids(bpe: FastTokenizer, tmp_path: Path) -> None:
+    bpe.save(tmp_path / "tok")
+    assert json.loads((tmp_path / "tok" / TOKENIZER_FILE).read_text()) == {"kind": "bpe"}
+    loaded = load_saved_tokenizer(tmp_path / "tok")
+    assert isinstance(loaded, FastTokenizer)
+    assert loaded.fingerprint() == bpe.fingerprint()
+    assert (loaded.vocab_size, loaded.eos_id) == (bpe.vocab_size, bpe.eos_id)
+    for text in TEXTS[:4]:
+        assert loaded.encode(text) == bpe.encode(text)
+
+
+def test_bpe_fingerprint_differs_between_vocabularies(bpe: FastTokenizer) -> None:
+    assert train_bpe(TEXTS, vocab_size=280).fingerprint() != bpe.fingerprint()
+    assert train_bpe(TEXTS, vocab_size=300).fingerprint() == bpe.fingerprint()  # training is deterministic
+
+
+def test_build_tokenizer_follows_the_config() -> None:
+    assert isinstance(build_tokenizer(TokenizerConfig(kind="byte")), ByteTokenizer)
+    tok = build_tokenizer(TokenizerConfig(kind="bpe", vocab_size=270), iter(TEXTS))
+    assert tok.kind == "bpe" and tok.vocab_size == 270
+    with pytest.raises(DataError, match="no corpus"):
+        build_tokenizer(TokenizerConfig(kind="bpe"))
+    with pytest.raises(DataError, match=r"needs data\.tokenizer\.path"):
+        build_tokenizer(TokenizerConfig(kind="hf"))
+
+
+def make_hf_tokenizer_folder(folder: Path) -> Path:
+    """A real Hugging Face tokenizer folder, built here (nothing from a hub)."""
+    from transformers import PreTrainedTokenizerFast
+
+    raw = train_bpe(TEXTS, vocab_size=290).tok
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    hf.save_pretrained(str(folder))
+    return folder
+
+
+def test_hf_tokenizer_folder_loads_encodes_and_saves(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    folder = make_hf_tokenizer_folder(tmp_path / "hf-tok")
+    tok = build_tokenizer(TokenizerConfig(kind="hf", path=str(folder)))
+    assert isinstance(tok, HFTokenizer)
+    assert tok.vocab_size == 290
+    assert tok.eos_id == tok.tok.convert_tokens_to_ids("<|endoftext|>")
+    text = "And God said, Let there be light"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.fingerprint().startswith("hf:")
+
+    tok.save(tmp_path / "copy")
+    again = load_saved_tokenizer(tmp_path / "copy")
+    assert again.encode(text) == ids
+    assert again.fingerprint() == tok.fingerprint()
+
+
+def test_hf_tokenizer_missing_folder_is_a_data_error_offline(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="tokenizer folder not found"):
+        load_hf_tokenizer(str(tmp_path / "nope"), local_files_only=True)
+
+
+def test_hf_tokenizer_folder_that_is_not_a_tokenizer(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "readme.txt").write_text("not a tokenizer")
+    with pytest.raises(DataError, match="could not be loaded"):
+        load_hf_tokenizer(str(tmp_path / "junk"))
+
+
+def test_loading_from_a_folder_without_a_tokenizer(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="no tokenizer saved"):
+        load_saved_tokenizer(tmp_path)
+
+
+def test_chunks() -> None:
+    assert list(chunks(iter("abcde"), 2)) == [["a", "b"], ["c", "d"], ["e"]]
+    assert list(chunks([], 3)) == []
