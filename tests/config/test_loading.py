@@ -13,8 +13,8 @@ from kubetrain.config import (
     config_hash,
     load_config,
     preset_names,
+    phase_config,
     to_yaml,
-    with_overrides,
 )
 from kubetrain.config.loading import DEFAULT_PRESET, read_preset
 from kubetrain.errors import ConfigError, UserInputError
@@ -311,9 +311,13 @@ def test_config_hash_follows_content() -> None:
     assert len(config_hash(a)) == 16
 
 
-def test_with_overrides_deep_merges_and_validates() -> None:
-    cfg = over("train.lr=0.1")
-    merged = with_overrides(cfg, {"train": {"max_steps": 5}, "data": None})
-    assert (merged.train.max_steps, merged.train.lr) == (5, 0.1)
-    with pytest.raises(ConfigError, match="did you mean 'max_steps'"):
-        with_overrides(cfg, {"train": {"max_step": 5}})
+def test_phase_config_deep_merges_and_validates(tmp_path: Path) -> None:
+    path = write(tmp_path, "train: {lr: 0.1}\nphases:\n  - {name: a, train: {max_steps: 5}}\n"
+                 "  - {name: b, data: {val_fraction: 0.2}}\n")
+    cfg = load_config(path)
+    first, second = phase_config(cfg, 0), phase_config(cfg, 1)
+    assert (first.train.max_steps, first.train.lr, first.phases) == (5, 0.1, [])
+    assert second.data.val_fraction == 0.2 and second.train.max_steps == cfg.train.max_steps
+    bad = write(tmp_path, "phases:\n  - {name: a, train: {max_step: 5}}\n", "bad.yaml")
+    with pytest.raises(ConfigError, match="phase 'a'.*did you mean 'max_steps'"):
+        load_config(bad)
