@@ -70,9 +70,10 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
 
     args = parse_args(torchrun_args(opts, train_args))
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per worker unless told otherwise
-    if parse_nnodes(opts.nnodes)[1] > 1:
-        # A node that joins a later rendezvous round deadlocks on the agent-shared store (pytorch#135712).
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # Workers get a fresh store (hosted by rank 0 on a new port) each rendezvous round instead of sharing the
+    # agent's: a node joining a later round deadlocks on the shared one (pytorch#135712), and restarted gloo
+    # workers were seen reading a stale peer address from it.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         run(args)
     except SignalException as e:
