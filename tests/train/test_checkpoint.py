@@ -30,17 +30,38 @@ def _save(root: Path, step: int, keep_last: int = 2, best: bool = False) -> chec
 def test_save_writes_files_pointers_and_checksums(tmp_path: Path) -> None:
     ck = _save(tmp_path, 5, best=True)
     assert ck.path.name == "step-000005"
-    assert sorted(p.name for p in ck.path.iterdir()) == ["meta.json", "model.safetensors", "trainer.pt"]
+    assert sorted(p.name for p in ck.path.iterdir()) == [
+        "meta.json", "model.safetensors", "trainer.pt", "trainer.safetensors"]
     assert checkpoint.pointer(tmp_path, "latest") == "step-000005"
     assert checkpoint.pointer(tmp_path, "best") == "step-000005"
     meta = json.loads((ck.path / "meta.json").read_text())
     assert meta["step"] == 5 and meta["tokens"] == 50
-    assert set(meta["files"]) == {"model.safetensors", "trainer.pt"}
+    assert set(meta["files"]) == {"model.safetensors", "trainer.pt", "trainer.safetensors"}
     # tied weights are stored once
     assert set(meta["shapes"]) == {"embed.weight", "norm.weight"}
     loaded = checkpoint.verify(ck.path)
     assert torch.equal(loaded.model_state()["embed.weight"], _state(5)["embed.weight"])
     assert loaded.trainer_state()["step"] == 5
+    assert loaded.trainer_state()["rng"][0].equal(torch.get_rng_state())
+
+
+def test_files_are_standard_safetensors_and_the_trainer_state_round_trips(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    opt_state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, 3).to(torch.bfloat16)},
+                           1: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(0)}},
+                 "param_groups": [{"lr": 0.1, "params": [0, 1], "betas": (0.9, 0.95)}]}
+    trainer = {"optimizer": opt_state, "loader": {"cursor": 12}, "rng": [torch.get_rng_state()], "flag": None}
+    ck = checkpoint.save(tmp_path, 1, _state(), trainer, {}, keep_last=1)
+    with safe_open(str(ck.path / "model.safetensors"), framework="pt") as f:  # the library reads our writer's file
+        assert sorted(f.keys()) == ["embed.weight", "norm.weight"]
+        assert f.get_tensor("embed.weight").equal(_state()["embed.weight"])
+    back = checkpoint.verify(ck.path).trainer_state()
+    assert back["loader"] == {"cursor": 12} and back["flag"] is None
+    assert back["optimizer"]["param_groups"] == opt_state["param_groups"]
+    assert back["optimizer"]["state"][0]["exp_avg"].equal(opt_state["state"][0]["exp_avg"])
+    assert back["optimizer"]["state"][0]["exp_avg"].dtype == torch.bfloat16
+    assert back["optimizer"]["state"][1]["exp_avg"].shape == (0,)
 
 
 def test_trainer_state_loads_without_pickle_execution(tmp_path: Path) -> None:

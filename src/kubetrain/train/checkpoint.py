@@ -23,13 +23,15 @@ from typing import Any
 import torch
 import xxhash
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from kubetrain.errors import CheckpointError, IncompatibleCheckpointError
 from kubetrain.runs import write_atomic
+from kubetrain.train import tensorfile
 
 MODEL_FILE = "model.safetensors"
-TRAINER_FILE = "trainer.pt"
+TRAINER_FILE = "trainer.pt"  # optimizer, schedule, RNG and data cursor, with its tensors in TRAINER_TENSORS
+TRAINER_TENSORS = "trainer.safetensors"
 META_FILE = "meta.json"
 LATEST = "latest"
 BEST = "best"
@@ -55,7 +57,9 @@ class Checkpoint:
     def trainer_state(self) -> dict[str, Any]:
         # weights_only: a checkpoint from elsewhere cannot run code when it is loaded.
         # mmap: tensors are paged in from the file (already in the page cache after verify) instead of copied.
-        state: dict[str, Any] = torch.load(self.path / TRAINER_FILE, map_location="cpu", weights_only=True, mmap=True)
+        skeleton = torch.load(self.path / TRAINER_FILE, map_location="cpu", weights_only=True)
+        tensors = load_file(self.path / TRAINER_TENSORS) if (self.path / TRAINER_TENSORS).exists() else {}
+        state: dict[str, Any] = tensorfile.join(skeleton, tensors)
         return state
 
 
@@ -123,12 +127,19 @@ def save(
         if not prepared:
             begin(root, step)
         tensors = unique_tensors(model_state)
-        save_file(tensors, str(tmp / MODEL_FILE))
-        torch.save(trainer_state, tmp / TRAINER_FILE)
+        written = {MODEL_FILE: tensorfile.write(tmp / MODEL_FILE, tensors)}
+        # The big optimizer tensors go to a safetensors file at disk speed; trainer.pt keeps the small rest.
+        trainer_tensors: dict[str, torch.Tensor] = {}
+        skeleton = tensorfile.split(trainer_state, trainer_tensors)
+        written[TRAINER_TENSORS] = tensorfile.write(tmp / TRAINER_TENSORS, trainer_tensors)
+        torch.save(skeleton, tmp / TRAINER_FILE)
         files = sorted(f for f in tmp.rglob("*") if f.is_file() and f.name != META_FILE)
-        # Hash and fsync the files at once: xxhash and fsync release the GIL.
+        others = [f for f in files if str(f.relative_to(tmp)) not in written]
+        # The rest (trainer.pt, sharded optimizer files) is hashed and fsynced at once: both release the GIL.
         with ThreadPoolExecutor(max_workers=4) as pool:
-            digests = list(pool.map(_digest_and_sync, files))
+            written.update(zip((str(f.relative_to(tmp)) for f in others), pool.map(_digest_and_sync, others),
+                               strict=True))
+        digests = [written[str(f.relative_to(tmp))] for f in files]
         full_meta = {
             **meta,
             "step": step,
