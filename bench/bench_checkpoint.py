@@ -91,7 +91,7 @@ def main() -> None:
                     ck = checkpoint.save(root, 1, model_state, trainer_state, {"bench": True}, keep_last=1)
                     saves.append(time.perf_counter() - t)
                 else:
-                    writes.append(raw_write(folder / "raw.bin", raw_bytes, block))
+                    writes.append(raw_write(folder / f"raw{r}.bin", raw_bytes, block))
             nbytes = sum(info["bytes"] for info in ck.meta["files"].values())
             cold = drop_caches()
             t = time.perf_counter()
@@ -100,8 +100,11 @@ def main() -> None:
             loaded.trainer_state()
             loads.append(time.perf_counter() - t)
             drop_caches()
-            reads.append(raw_read(folder / "raw.bin"))
+            reads.append(raw_read(folder / f"raw{r}.bin"))
+            # Both sides write fresh files; freeing the old ones happens here, outside the timings.
             shutil.rmtree(root)
+            (folder / f"raw{r}.bin").unlink()
+            os.sync()
         gb = nbytes / 1e9
         s, w, ld, rd = (statistics.median(x) for x in (saves, writes, loads, reads))
         print(f"checkpoint of {n_params / 1e6:.0f}M params + AdamW: {gb:.2f} GB, {args.rounds} rounds (median), "
