@@ -177,7 +177,7 @@ def train(
         with torch.no_grad(), amp():
             first_loss = float(lm_loss(model(batch.input_ids), batch.labels))
         say(f"dry run: one forward pass, loss {first_loss:.4f} (ln(vocab) = {math.log(tokenizer.vocab_size):.4f}); "
-            "nothing was written")
+            "no run directory was written")
         return TrainResult("", 0, 0, first_loss, None, None, 0.0, "dry-run")
 
     path = run_path or runs.run_dir(cfg)
@@ -376,7 +376,7 @@ def train(
         status=status,
         resumed_from=start_step if resumed is not None else None,
         sample=sample,
-        checkpoint=str(last_ckpt.path) if last_ckpt else None,
+        checkpoint=str(last_ckpt.path.resolve()) if last_ckpt else None,
     )
 
 
