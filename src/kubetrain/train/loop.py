@@ -8,12 +8,11 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as td
 from torch import nn
 
 from kubetrain import runs
@@ -34,43 +33,20 @@ from kubetrain.train.device import autocast, memory_gib, peak_flops, resolve_pre
 from kubetrain.train.evaluate import evaluate, lm_loss, perplexity
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
 from kubetrain.train.sharded import full_model_state
-from kubetrain.train.sharded import load_optimizer as load_sharded_optimizer
 from kubetrain.train.sharded import save_optimizer as save_sharded_optimizer
+from kubetrain.train.state import (
+    TrainResult,
+    TrainState,
+    gather_rng,
+    load_model_state,
+    load_optimizer,
+    model_state,
+    set_rng_state,
+    unwrap,
+)
 from kubetrain.train.stop import GracefulStop
 
 Log = Callable[[str], None]
-
-
-@dataclass
-class TrainResult:
-    run_dir: str
-    steps: int
-    tokens: int
-    final_train_loss: float | None
-    final_val_loss: float | None
-    best_val_loss: float | None
-    tokens_per_second: float
-    status: str
-    resumed_from: int | None = None
-    sample: str | None = None
-    checkpoint: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class TrainState:
-    """Everything besides weights and optimizer that a resume needs."""
-
-    step: int = 0
-    tokens: int = 0
-    best_val_loss: float | None = None
-    last_train_loss: float | None = None
-    last_val_loss: float | None = None
-    # The running sum of the current logging window, so a resumed run logs the same averages.
-    window_loss_sum: float = 0.0
-    window_steps: int = 0
 
 
 def configure_torch(cfg: Config) -> None:
@@ -80,34 +56,6 @@ def configure_torch(cfg: Config) -> None:
         # warn_only: a few CUDA kernels have no deterministic version; on the CPU everything does.
         torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(cfg.run.seed)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    inner = getattr(model, "module", model)  # DDP
-    return getattr(inner, "_orig_mod", inner)  # torch.compile
-
-
-def rng_state() -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def gather_rng(world: int) -> list[Any]:
-    """The RNG state of every rank (rank order), so each rank resumes its own stream."""
-    mine = rng_state()
-    if world == 1:
-        return [mine]
-    everyone: list[Any] = [None] * world
-    td.all_gather_object(everyone, mine)
-    return everyone
 
 
 def train(
@@ -201,7 +149,7 @@ def train(
     optimizer = build_optimizer(model, cfg.train, device)
     if resumed is not None:
         trainer = resumed.trainer_state()
-        _load_optimizer(model, optimizer, resumed, trainer, sharded)
+        load_optimizer(model, optimizer, resumed, trainer, sharded)
         try:
             loader.load_state_dict(trainer["loader"])
         except ValueError as e:
@@ -215,7 +163,7 @@ def train(
         say(f"resuming from {resumed.path} (step {state.step}, {state.tokens:,} tokens)")
     elif source is not None:
         if init_optimizer:
-            _load_optimizer(model, optimizer, source, source.trainer_state(), sharded)
+            load_optimizer(model, optimizer, source, source.trainer_state(), sharded)
         say(f"starting from the weights{' and optimizer state' if init_optimizer else ''} of {source.path}")
     if cfg.train.compile:
         model = torch.compile(model)  # type: ignore[assignment]
@@ -378,33 +326,6 @@ def train(
         sample=sample,
         checkpoint=str(last_ckpt.path.resolve()) if last_ckpt else None,
     )
-
-
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What a checkpoint stores: every weight, or only the trainable ones when some are frozen (LoRA adapters)."""
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    if len(trainable) == len(list(model.parameters())):
-        return model.state_dict()
-    return {n: t for n, t in model.state_dict().items() if n in trainable}
-
-
-def _load_optimizer(
-    model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: checkpoint.Checkpoint, trainer: dict[str, Any],
-    sharded: bool,
-) -> None:
-    if trainer.get("optimizer") is not None:
-        if sharded:
-            raise IncompatibleCheckpointError(f"{ckpt.path} was saved without FSDP; resume it with dist.strategy ddp")
-        optimizer.load_state_dict(trainer["optimizer"])
-    elif sharded:
-        load_sharded_optimizer(model, optimizer, ckpt.path)
-    else:
-        raise IncompatibleCheckpointError(f"{ckpt.path} holds a sharded (FSDP) optimizer; resume it with FSDP")
-
-
-def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load checkpointed weights; shapes and names were checked by checkpoint.check_compatible."""
-    model.load_state_dict(state, strict=False)
 
 
 def tokenizer_fingerprint(prepared: Any) -> str:

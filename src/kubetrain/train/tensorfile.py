@@ -46,7 +46,7 @@ def write(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
         for t in flat:
             if t.numel() == 0:
                 continue
-            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy().data)
             written = 0
             while written < len(view):  # an unbuffered write may be partial
                 written += f.write(view[written:])

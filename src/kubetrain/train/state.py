@@ -1,0 +1,101 @@
+"""What the loop carries across a resume: its counters, RNG streams, and the model/optimizer state it saves."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as td
+from torch import nn
+
+from kubetrain.errors import IncompatibleCheckpointError
+from kubetrain.train import checkpoint
+from kubetrain.train.sharded import load_optimizer as load_sharded_optimizer
+
+
+@dataclass
+class TrainResult:
+    run_dir: str
+    steps: int
+    tokens: int
+    final_train_loss: float | None
+    final_val_loss: float | None
+    best_val_loss: float | None
+    tokens_per_second: float
+    status: str
+    resumed_from: int | None = None
+    sample: str | None = None
+    checkpoint: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class TrainState:
+    """Everything besides weights and optimizer that a resume needs."""
+
+    step: int = 0
+    tokens: int = 0
+    best_val_loss: float | None = None
+    last_train_loss: float | None = None
+    last_val_loss: float | None = None
+    # The running sum of the current logging window, so a resumed run logs the same averages.
+    window_loss_sum: float = 0.0
+    window_steps: int = 0
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "module", model)  # DDP
+    return getattr(inner, "_orig_mod", inner)  # torch.compile
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def gather_rng(world: int) -> list[Any]:
+    """The RNG state of every rank (rank order), so each rank resumes its own stream."""
+    mine = rng_state()
+    if world == 1:
+        return [mine]
+    everyone: list[Any] = [None] * world
+    td.all_gather_object(everyone, mine)
+    return everyone
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint stores: every weight, or only the trainable ones when some are frozen (LoRA adapters)."""
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    if len(trainable) == len(list(model.parameters())):
+        return model.state_dict()
+    return {n: t for n, t in model.state_dict().items() if n in trainable}
+
+
+def load_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: checkpoint.Checkpoint, trainer: dict[str, Any],
+    sharded: bool,
+) -> None:
+    if trainer.get("optimizer") is not None:
+        if sharded:
+            raise IncompatibleCheckpointError(f"{ckpt.path} was saved without FSDP; resume it with dist.strategy ddp")
+        optimizer.load_state_dict(trainer["optimizer"])
+    elif sharded:
+        load_sharded_optimizer(model, optimizer, ckpt.path)
+    else:
+        raise IncompatibleCheckpointError(f"{ckpt.path} holds a sharded (FSDP) optimizer; resume it with FSDP")
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load checkpointed weights; shapes and names were checked by checkpoint.check_compatible."""
+    model.load_state_dict(state, strict=False)
