@@ -12,8 +12,8 @@ from kubetrain.config import (
     apply_override,
     config_hash,
     load_config,
-    preset_names,
     phase_config,
+    preset_names,
     to_yaml,
 )
 from kubetrain.config.loading import DEFAULT_PRESET, read_preset
@@ -319,5 +319,5 @@ def test_phase_config_deep_merges_and_validates(tmp_path: Path) -> None:
     assert (first.train.max_steps, first.train.lr, first.phases) == (5, 0.1, [])
     assert second.data.val_fraction == 0.2 and second.train.max_steps == cfg.train.max_steps
     bad = write(tmp_path, "phases:\n  - {name: a, train: {max_step: 5}}\n", "bad.yaml")
-    with pytest.raises(ConfigError, match="phase 'a'.*did you mean 'max_steps'"):
+    with pytest.raises(ConfigError, match=r"phase 'a'.*did you mean 'max_steps'"):
         load_config(bad)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,11 +51,48 @@ def kubetrain(*args: str, cwd: Path, check: bool = True, timeout: float = 300) -
     return proc
 
 
+STARTED: list[subprocess.Popen[str]] = []
+
+
 def start(*args: str, cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    """A `kubetrain` process in the background; whatever is left of it is killed when the test ends."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", "kubetrain", *args], cwd=cwd, env=cli_env(), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )
+    STARTED.append(proc)
+    return proc
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """Kill a process and all its descendants (torchrun starts workers in sessions of their own)."""
+    for child in _children(pid):
+        kill_tree(child)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes() -> Iterator[None]:
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.communicate()
 
 
 @pytest.fixture
