@@ -9,20 +9,11 @@ import pytest
 from matplotlib.image import imread
 
 from kubetrain.cli import main
+from tests.conftest import RunMain
 
 TINY = ["run.threads=1", "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
         "train.max_steps=10", "train.micro_batch_size=4", "train.warmup_steps=2", "train.log_every_steps=5",
         "eval.every_steps=5", "eval.batches=2", "eval.sample_tokens=8"]
-
-
-def kubetrain(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """Run `kubetrain ARGS` in this process: (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exited:
-        main(list(args))
-    out, err = capsys.readouterr()
-    code = exited.value.code
-    return (code if isinstance(code, int) else 0 if code is None else 1), out, err
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +28,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_compare_table(trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = kubetrain(capsys, "runs", "compare", str(trained / "a"), str(trained / "b"))
+def test_compare_table(trained: Path, run_main: RunMain) -> None:
+    code, out, _ = run_main("runs", "compare", str(trained / "a"), str(trained / "b"))
     assert code == 0
     assert "final val" in out and "config differences" in out
     lr_row = next(line for line in out.splitlines() if "train.lr" in line)
@@ -46,8 +37,8 @@ def test_compare_table(trained: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert "model.n_embd" not in out  # equal keys are left out
 
 
-def test_compare_json(trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = kubetrain(capsys, "runs", "compare", str(trained / "a"), str(trained / "b"), "--json")
+def test_compare_json(trained: Path, run_main: RunMain) -> None:
+    code, out, _ = run_main("runs", "compare", str(trained / "a"), str(trained / "b"), "--json")
     assert code == 0
     result = json.loads(out.strip().splitlines()[-1])
     assert [r["run"] for r in result["runs"]] == ["a", "b"]
@@ -55,17 +46,17 @@ def test_compare_json(trained: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert result["config_diff"] == {"run.name": ["a", "b"], "train.lr": [0.003, 0.001]}
 
 
-def test_plot_writes_png(trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plot_writes_png(trained: Path, tmp_path: Path, run_main: RunMain) -> None:
     png = tmp_path / "cmp.png"
-    code, out, _ = kubetrain(capsys, "runs", "plot", str(trained / "a"), str(trained / "b"), "-o", str(png))
+    code, out, _ = run_main("runs", "plot", str(trained / "a"), str(trained / "b"), "-o", str(png))
     assert code == 0 and f"wrote {png}" in out
     assert imread(png).shape == (500, 1200, 4)
 
 
-def test_list_and_show_still_work(trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = kubetrain(capsys, "runs", "list", str(trained), "--json")
+def test_list_and_show_still_work(trained: Path, run_main: RunMain) -> None:
+    code, out, _ = run_main("runs", "list", str(trained), "--json")
     assert code == 0 and [r["name"] for r in json.loads(out.strip().splitlines()[-1])] == ["a", "b"]
-    code, out, _ = kubetrain(capsys, "runs", "show", str(trained / "a"), "--json")
+    code, out, _ = run_main("runs", "show", str(trained / "a"), "--json")
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["step"] == 10
 
 
@@ -78,10 +69,10 @@ def test_list_and_show_still_work(trained: Path, capsys: pytest.CaptureFixture[s
         (["runs", "plot", "{a}", "--x", "time"], "error: --x must be 'step' or 'tokens'"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+def test_bad_input_is_one_line_and_exit_2(trained: Path, tmp_path: Path, run_main: RunMain,
                                           args: list[str], message: str) -> None:
     fill = {"missing": str(tmp_path / "nope"), "root": str(tmp_path), "a": str(trained / "a"),
             "tmp": str(tmp_path)}
-    code, _, err = kubetrain(capsys, *[a.format(**fill) for a in args])
+    code, _, err = run_main(*[a.format(**fill) for a in args])
     assert code == 2
     assert err.strip().count("\n") == 0 and err.startswith(message.format(**fill))

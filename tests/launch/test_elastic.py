@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from safetensors.torch import load_file
 
 from kubetrain.errors import EXIT_STOPPED_RESUMABLE, UserInputError
 from kubetrain.launch.elastic import LaunchOptions, torchrun_args
-from tests.train.conftest import kubetrain, sets, start
+from tests.train.conftest import kubetrain, lines_in, sets, start, wait_until
 
 
 def test_torchrun_command_lines() -> None:
@@ -101,9 +100,7 @@ def test_killed_worker_is_restarted_and_the_run_ends_like_an_uninterrupted_one(t
     proc = start("train", *sets("run.name=elastic", *common), "--nproc", "2", "--max-restarts", "2",
                  cwd=tmp_path)
     latest = tmp_path / "runs" / "elastic" / "checkpoints" / "latest"
-    while not latest.exists():
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.01)
+    wait_until(latest.exists, proc)
     workers = _workers(proc.pid)
     assert len(workers) == 2
     os.kill(max(workers), signal.SIGKILL)
@@ -120,9 +117,7 @@ def test_failed_worker_without_restarts_fails_the_job_fast_with_its_error(tmp_pa
     proc = start("train", *sets("run.name=dies", "train.max_steps=10000", "checkpoint.every_steps=5"),
                  "--nproc", "2", cwd=tmp_path)
     latest = tmp_path / "runs" / "dies" / "checkpoints" / "latest"
-    while not latest.exists():
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.01)
+    wait_until(latest.exists, proc)
     os.kill(max(_workers(proc.pid)), signal.SIGKILL)
     _, err = proc.communicate(timeout=120)  # no hang: the agent tears the job down
     assert proc.returncode == 1
@@ -134,9 +129,7 @@ def test_sigterm_to_the_launcher_saves_and_exits_resumable(tmp_path: Path) -> No
     proc = start("train", *sets("run.name=term", "train.max_steps=10000", "checkpoint.every_steps=10000"),
                  "--nproc", "2", cwd=tmp_path)
     metrics = tmp_path / "runs" / "term" / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.01)
+    wait_until(lambda: lines_in(metrics) >= 3, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_STOPPED_RESUMABLE, err
@@ -153,9 +146,7 @@ def test_resume_with_another_world_size_continues_the_data_without_replay(tmp_pa
     kubetrain("train", *sets("run.name=ref", *common), "--nproc", "2", cwd=tmp_path)
     proc = start("train", *sets("run.name=mixed", *common), "--nproc", "2", cwd=tmp_path)
     metrics = tmp_path / "runs" / "mixed" / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.01)
+    wait_until(lambda: lines_in(metrics) >= 3, proc)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=120)
     assert proc.returncode == EXIT_STOPPED_RESUMABLE

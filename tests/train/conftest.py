@@ -7,7 +7,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,22 @@ def start(*args: str, cwd: Path) -> subprocess.Popen[str]:
     )
     STARTED.append(proc)
     return proc
+
+
+def wait_until(ready: Callable[[], bool], proc: subprocess.Popen[str], poll: float = 0.01) -> None:
+    """Poll `ready` while `proc` runs; a process that ends first fails the test with its output.
+
+    No deadline of its own: pytest-timeout bounds the test, and the processes die with it.
+    """
+    while not ready():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"process ended ({proc.returncode}) before the condition held:\n{out}\n{err}")
+        time.sleep(poll)
+
+
+def lines_in(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def _children(pid: int) -> list[int]:

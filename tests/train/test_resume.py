@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from kubetrain.errors import EXIT_STOPPED_RESUMABLE
-from tests.train.conftest import kubetrain, sets, start
+from tests.train.conftest import kubetrain, lines_in, sets, start, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -60,14 +60,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return cwd / "runs" / "ref", cache
 
 
-def _wait_for_checkpoint(run: Path, proc: object, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not (run / "checkpoints" / "latest").exists():
-        assert proc.poll() is None, proc.communicate()  # type: ignore[attr-defined]
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-
-
 def _last_step(run: Path) -> int:
     try:
         lines = (run / "metrics.jsonl").read_text().splitlines()
@@ -89,9 +81,7 @@ def test_sigkill_at_random_moments_then_resume_is_bitwise_identical(
     targets = sorted(rng.sample(range(2, STEPS - 2), 3))
     for target in targets:
         proc = start(*_args("killed", cache), cwd=tmp_path)
-        while _last_step(run) < target:
-            assert proc.poll() is None, proc.communicate()
-            time.sleep(0.002)
+        wait_until(lambda t=target: _last_step(run) >= t, proc, poll=0.002)
         time.sleep(rng.uniform(0.0, 0.05))
         assert proc.poll() is None
         proc.send_signal(signal.SIGKILL)
@@ -129,9 +119,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_resumable(reference: tuple[Path, P
     # checkpoints only at the end, so the one SIGTERM writes is the only way to keep the work
     proc = start(*_args("term", cache, "checkpoint.every_steps=1000", "eval.every_steps=1000"), cwd=tmp_path)
     metrics = run / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
-        assert proc.poll() is None
-        time.sleep(0.01)
+    wait_until(lambda: lines_in(metrics) >= 5, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_STOPPED_RESUMABLE, err
@@ -153,9 +141,7 @@ def test_second_signal_exits_at_once_and_latest_stays_whole(reference: tuple[Pat
     _, cache = reference
     run = tmp_path / "runs" / "twice"
     proc = start(*_args("twice", cache), cwd=tmp_path)
-    while _last_step(run) < 6:
-        assert proc.poll() is None
-        time.sleep(0.002)
+    wait_until(lambda: _last_step(run) >= 6, proc, poll=0.002)
     proc.send_signal(signal.SIGTERM)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)

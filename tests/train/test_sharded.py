@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ from safetensors.torch import load_file
 
 from tests.launch.test_elastic import _train_losses as _losses
 from tests.launch.test_elastic import _workers
-from tests.train.conftest import kubetrain, sets, start
+from tests.train.conftest import kubetrain, sets, start, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +32,7 @@ def test_fsdp_checkpoints_resume_exactly_and_match_ddp(tmp_path: Path) -> None:
     proc = start("train", *sets("run.name=cut", "dist.strategy=fsdp", cache, *COMMON), "--nproc", "2",
                  "--max-restarts", "1", cwd=tmp_path)
     latest = tmp_path / "runs" / "cut" / "checkpoints" / "latest"
-    while not latest.exists():
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.01)
+    wait_until(latest.exists, proc)
     os.kill(min(_workers(proc.pid)), signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
