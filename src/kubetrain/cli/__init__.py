@@ -21,6 +21,16 @@ app = typer.Typer(
 )
 
 
+# Packages of the optional extras (pyproject.toml), for a one-line hint when one is missing.
+OPTIONAL_EXTRAS = {
+    "transformers": "hf", "peft": "hf", "datasets": "hf", "accelerate": "hf",
+    "mlflow": "track", "tensorboard": "track", "prometheus_client": "track", "matplotlib": "track",
+    "psycopg": "postgres", "psycopg2": "postgres",
+    "kubernetes": "k8s", "kubernetes_validate": "k8s", "jsonschema": "k8s",
+    "gguf": "export",
+}
+
+
 def _register() -> None:
     from kubetrain.cli import config_cmd, data_cmd, export_cmd, generate_cmd, k8s_cmd, runs_cmd, train_cmd
 
@@ -48,11 +58,21 @@ def main(argv: list[str] | None = None) -> None:
         record_worker_error(e)
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
-    except Exception as e:  # a bug: keep the traceback, and tell the elastic launcher which rank failed
-        record_worker_error(e)
-        raise
+    except ModuleNotFoundError as e:
+        extra = OPTIONAL_EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            record_worker_error(e)
+            raise
+        if debug:
+            traceback.print_exc()
+        print(f"error: this needs the optional package '{e.name}': pip install 'kubetrain[{extra}]'",
+              file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_INPUT)
     except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
         if debug:
             traceback.print_exc()
         print(f"error: {e.strerror}: {e.filename}", file=sys.stderr, flush=True)
         sys.exit(EXIT_BAD_INPUT)
+    except Exception as e:  # a bug: keep the traceback, and tell the elastic launcher which rank failed
+        record_worker_error(e)
+        raise

@@ -1,0 +1,23 @@
+"""The entry point: a missing optional package is one line naming the extra to install, exit 2."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY, RunMain
+
+
+def test_missing_optional_package_names_its_extra(
+    run_main: RunMain, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sets = [x for kv in (*TINY, f"run.output_dir={tmp_path}", "run.name=r") for x in ("--set", kv)]
+    code, _, _ = run_main("train", *sets)
+    assert code == 0
+    monkeypatch.setitem(sys.modules, "gguf", None)  # as if kubetrain[export] were not installed
+    code, _, err = run_main("export", str(tmp_path / "r"), "--format", "gguf", "-o", str(tmp_path / "m.gguf"))
+    assert code == 2
+    assert err.strip() == "error: this needs the optional package 'gguf': pip install 'kubetrain[export]'"
+    assert not (tmp_path / "m.gguf").exists()
