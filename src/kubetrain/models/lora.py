@@ -7,6 +7,7 @@ target modules fits both.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -57,6 +58,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
 
 def is_lora(model: nn.Module) -> bool:
     """True for a model that carries LoRA adapters (from apply_lora)."""
+    if "peft" not in sys.modules:  # nothing can carry adapters if PEFT was never imported (or is not installed)
+        return False
     from peft import PeftModel
 
     inner = model.lm if isinstance(model, HFCausalLM) else model
