@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import cli_env
+
 TINY = [
     "run.threads=1",
     "model.n_layer=2",
@@ -32,14 +34,6 @@ def sets(*items: str) -> list[str]:
     for item in (*TINY, *items):
         out += ["--set", item]
     return out
-
-
-def cli_env() -> dict[str, str]:
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("KUBETRAIN_DEBUG", None)
-    return env
 
 
 def kubetrain(*args: str, cwd: Path, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:

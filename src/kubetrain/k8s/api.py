@@ -106,29 +106,12 @@ class Cluster:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        query: list[tuple[str, str]] | None = None,
-        body: Any = None,
-        content_type: str = "application/json",
-        what: str = "",
-        stream: bool = False,
-        timeout: float | None = 30.0,
-    ) -> Any:
-        """One HTTP round-trip; JSON back (or the raw streaming response with stream=True)."""
-        return self.exchange(
-            method,
-            path,
-            query=query,
-            body=body,
-            content_type=content_type,
-            what=what,
-            stream=stream,
-            timeout=timeout,
-        )[1]
+    def request(self, method: str, path: str, **options: Any) -> Any:
+        """One HTTP round-trip; JSON back (or the raw streaming response with stream=True).
+
+        Takes the keyword options of `exchange`, which also returns the HTTP status.
+        """
+        return self.exchange(method, path, **options)[1]
 
     def exchange(
         self,
