@@ -7,7 +7,7 @@ on the same synthetic chat set (prompt tokens masked) with the same micro-batch 
 settings and fp32 on this CPU. Throughput is counted in real tokens per second: tokens that are not padding,
 from the end of the warm-up steps to the last step. Each variant runs in its own process, so its peak RSS is
 its own. Variants:
-  kubetrain-packed    the real training loop (kubetrain.train.loop.train), data.chat.packing: true
+  kubetrain-packed    the real training loop (kubetrain.train.trainer.train), data.chat.packing: true
   kubetrain-unpacked  the same with one conversation per window (padded to 256)
   hf-trainer          transformers.Trainer + peft, conversations padded to the longest in each batch
   hf-trainer-grouped  the same with train_sampling_strategy group_by_length (less padding)
@@ -102,7 +102,7 @@ def run_kubetrain(root: Path, packing: bool, warmup: int, steps: int, threads: i
     from kubetrain.data.chat import pad_id
     from kubetrain.data.loader import TokenWindows, TrainLoader
     from kubetrain.data.shards import prepare
-    from kubetrain.train.loop import train
+    from kubetrain.train.trainer import train
 
     cfg = kubetrain_config(root, packing, warmup + steps, threads)
     shutil.rmtree(root / "runs" / cfg.run.name, ignore_errors=True)  # a fresh run, not a resume of the last

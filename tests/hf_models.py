@@ -133,7 +133,7 @@ def make_lora_config() -> Callable[..., Config]:
 @pytest.fixture(scope="session")
 def lora_run(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path, chat_file: Path) -> Path:
     """A finished 24-step LoRA run (checkpoints at steps 8, 16, 24)."""
-    from kubetrain.train.loop import train
+    from kubetrain.train.trainer import train
 
     cfg = lora_config(tmp_path_factory.mktemp("runs"), llama_dir, chat_file)
     return Path(train(cfg, log=lambda m: None).run_dir)
@@ -143,7 +143,7 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path, chat_fil
 def hf_full_run(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path, chat_file: Path) -> Path:
     """A full fine-tune (no LoRA) of the tiny Llama: 3 steps."""
     from kubetrain.config.loading import validate
-    from kubetrain.train.loop import train
+    from kubetrain.train.trainer import train
 
     cfg = validate({
         "run": {"name": "full", "output_dir": str(tmp_path_factory.mktemp("full")), "threads": 1},
@@ -160,7 +160,7 @@ def hf_full_run(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path, chat_
 def gpt_lora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Our GPT with LoRA on every projection and a trained copy of the (tied) lm_head; 4 steps."""
     from kubetrain.config.loading import validate
-    from kubetrain.train.loop import train
+    from kubetrain.train.trainer import train
 
     root = tmp_path_factory.mktemp("gpt-lora")
     text = root / "corpus.txt"

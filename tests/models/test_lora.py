@@ -28,7 +28,7 @@ from kubetrain.runs import read_meta
 from kubetrain.train import checkpoint
 from kubetrain.train.device import autocast
 from kubetrain.train.evaluate import evaluate
-from kubetrain.train.loop import train
+from kubetrain.train.trainer import train
 
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

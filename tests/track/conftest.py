@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kubetrain.config import load_config
-from kubetrain.train.loop import TrainResult, train
+from kubetrain.train.trainer import TrainResult, train
 
 # A 1-layer model that trains 20 steps in a second or two on one thread: logs at 5, 10, 15, 20 and
 # evaluates (and, while val loss improves, checkpoints) at the same steps.

@@ -11,7 +11,7 @@ from kubetrain.config.schema import Config
 from kubetrain.dist import setup as dist
 from kubetrain.errors import UserInputError
 from kubetrain.train import checkpoint
-from kubetrain.train.loop import TrainResult, train
+from kubetrain.train.trainer import TrainResult, train
 
 
 def train_all(

@@ -1,0 +1,441 @@
+"""The training spine: a Trainer that sets up, steps, evaluates, saves and finishes; `train` runs one to the end."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kubetrain import runs
+from kubetrain.config.loading import config_hash
+from kubetrain.config.schema import Config
+from kubetrain.data.loader import TokenWindows, TrainLoader
+from kubetrain.data.shards import Prepared, prepare
+from kubetrain.dist import setup as dist
+from kubetrain.errors import IncompatibleCheckpointError, TrainingStopped, UserInputError
+from kubetrain.models import build_model
+from kubetrain.models.lora import apply_lora
+from kubetrain.models.sampling import generate
+from kubetrain.track import Fanout
+from kubetrain.track.build import build_sinks
+from kubetrain.track.console import Throughput
+from kubetrain.track.jsonl import truncate_after
+from kubetrain.train import checkpoint
+from kubetrain.train.device import autocast, memory_gib, peak_flops, resolve_precision
+from kubetrain.train.evaluate import evaluate, lm_loss, perplexity
+from kubetrain.train.optim import build_optimizer, lr_at, set_lr
+from kubetrain.train.sharded import full_model_state
+from kubetrain.train.sharded import save_optimizer as save_sharded_optimizer
+from kubetrain.train.state import (
+    TrainResult,
+    TrainState,
+    gather_rng,
+    load_model_state,
+    load_optimizer,
+    model_state,
+    set_rng_state,
+    unwrap,
+)
+from kubetrain.train.stop import GracefulStop
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class RunOptions:
+    """How one call trains a config: where it resumes from, what it starts from, which phase it is."""
+
+    argv: list[str] | None = None
+    resume: str = "auto"  # auto | never | a checkpoint or run directory
+    dry_run: bool = False
+    run_path: Path | None = None  # default: the config's run directory
+    init_weights: Path | None = None  # start from these weights (a phase chained to the previous one)
+    init_optimizer: bool = False
+    phase: str | None = None
+
+
+def train(cfg: Config, *, log: Log | None = None, **options: Any) -> TrainResult:
+    """Train `cfg` to the end (or until stopped), resuming from the run's checkpoints when there are some.
+
+    Under a launcher this joins the process group; the caller tears it down (phases share one group).
+    """
+    return Trainer(cfg, RunOptions(**options), log=log).run()
+
+
+def configure_torch(cfg: Config) -> None:
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    if cfg.train.deterministic:
+        # warn_only: a few CUDA kernels have no deterministic version; on the CPU everything does.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.manual_seed(cfg.run.seed)
+
+
+class Trainer:
+    """One run of a config. `run` is the spine; each other method is one part of it, usable on its own."""
+
+    # setup(): data and model
+    prepared: Prepared
+    tokenizer: Any
+    train_windows: TokenWindows
+    val_windows: TokenWindows | None
+    model: nn.Module
+    base: nn.Module  # the single-device model (no DDP/FSDP/compile wrapper): what checkpoints and samples use
+    max_steps: int
+    tokens_per_step: int
+    # open(): the run directory, optimizer and loop state
+    path: Path
+    loader: TrainLoader
+    optimizer: torch.optim.Optimizer
+    resumed: checkpoint.Checkpoint | None = None
+    sinks: Fanout | None = None
+
+    def __init__(self, cfg: Config, opts: RunOptions | None = None, log: Log | None = None) -> None:
+        self.cfg, self.opts = cfg, opts or RunOptions()
+        configure_torch(cfg)
+        self.device = dist.local_device(cfg.run.device)
+        self.penv = dist.init(cfg.dist, self.device)
+        self.main = self.penv.is_main
+        self.prefix = f"[rank {self.penv.rank}] " if self.penv.distributed else ""
+        self.out: Log = log or (lambda m: print(self.prefix + m, flush=True))
+        self.say: Log = self.out if self.main else (lambda m: None)
+        self.sharded = self.penv.distributed and cfg.dist.strategy == "fsdp"
+        self.state = TrainState()
+        self.last_checkpoint: checkpoint.Checkpoint | None = None
+
+    def run(self) -> TrainResult:
+        """Set up, then step until max_steps: log, evaluate and checkpoint when due; stop cleanly on a signal."""
+        self.setup()
+        if self.opts.dry_run:
+            return self.dry_run()
+        self.open()
+        cfg, state = self.cfg, self.state
+        status, sample = "failed", None
+        try:
+            with GracefulStop(cfg.checkpoint.grace_seconds) as stop:
+                while state.step < self.max_steps:
+                    self.train_step()
+                    final = state.step >= self.max_steps
+                    if state.step % cfg.train.log_every_steps == 0 or final:
+                        self.log_train()
+                    t_side = time.perf_counter()
+                    best = self.evaluate() if state.step % cfg.eval.every_steps == 0 or final else False
+                    stopping = dist.broadcast_flag(stop.requested, self.device)
+                    if best or final or stopping or state.step % cfg.checkpoint.every_steps == 0:
+                        self.save(is_best=best)
+                    self.side_seconds += time.perf_counter() - t_side
+                    if stopping:
+                        stop.done()
+                        status = "stopped"
+                        raise TrainingStopped(
+                            f"stopped by {stop.signal_name or 'a signal on another rank'} at step {state.step}; "
+                            f"checkpoint saved, resume with the same command"
+                        )
+                self.t_end = time.perf_counter()
+                if self.main and cfg.dist.strategy != "fsdp":
+                    sample = self.sample(cfg.eval.sample_prompt or "\n", cfg.eval.sample_tokens * 3)
+                status = "finished"
+        finally:
+            self.finish(status)
+        return self.result(status, sample)
+
+    # --- setup: everything a dry run needs too -------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Data (rank 0 tokenizes, the others find it in the content-addressed cache), model, step arithmetic."""
+        cfg, penv = self.cfg, self.penv
+        need = cfg.model.block_size + 1
+        if self.main:
+            self.prepared = prepare(cfg, min_tokens=need, log=self.say)
+        dist.barrier()
+        if not self.main:
+            self.prepared = prepare(cfg, min_tokens=need)
+        if penv.distributed:
+            self.out(f"process {penv.rank}/{penv.world_size} on {self.device} (local rank {penv.local_rank})")
+        prepared = self.prepared
+        self.tokenizer = prepared.tokenizer()
+        self.train_windows = TokenWindows(prepared, "train", cfg.model.block_size)
+        self.val_windows = TokenWindows(prepared, "val", cfg.model.block_size) if prepared.n_val > need else None
+
+        self.model = build_model(cfg.model, self.tokenizer.vocab_size).to(self.device)
+        if cfg.model.lora is not None:
+            self.model = apply_lora(self.model, cfg.model.lora)
+        self.base = unwrap(self.model)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        self.n_params = n_params
+        t = cfg.train
+        self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * penv.world_size * cfg.model.block_size
+        self.max_steps = t.max_steps
+        if t.max_tokens:
+            self.max_steps = min(self.max_steps, math.ceil(t.max_tokens / self.tokens_per_step))
+        self.precision = resolve_precision(t.precision, self.device)
+        self.amp = autocast(self.precision, self.device)
+        self.flops_per_token = getattr(self.base, "flops_per_token", lambda: 6.0 * n_trainable)()
+        self.peak = peak_flops(self.device)
+        self.say(
+            f"model: {n_params / 1e6:.2f}M parameters ({n_trainable / 1e6:.2f}M trainable) | "
+            f"device {self.device.type} x{penv.world_size} | precision {self.precision}"
+        )
+        self.say(
+            f"tokens per step: {self.tokens_per_step:,} ({t.micro_batch_size} seq x {cfg.model.block_size} tok x "
+            f"{t.grad_accum_steps} accum x {penv.world_size} ranks) | steps {self.max_steps} | "
+            f"data {prepared.n_train:,} train / {prepared.n_val:,} val tokens ({self.tokenizer.kind} tokenizer)"
+        )
+
+    def dry_run(self) -> TrainResult:
+        """One forward pass on the first batch; nothing is written."""
+        cfg = self.cfg
+        batch = TrainLoader(self.train_windows, cfg.train.micro_batch_size, cfg.run.seed).next_batch().to(self.device)
+        with torch.no_grad(), self.amp():
+            first_loss = float(lm_loss(self.model(batch.input_ids), batch.labels))
+        self.say(f"dry run: one forward pass, loss {first_loss:.4f} (ln(vocab) = "
+                 f"{math.log(self.tokenizer.vocab_size):.4f}); no run directory was written")
+        return TrainResult("", 0, 0, first_loss, None, None, 0.0, "dry-run")
+
+    # --- open: the run directory, resume, wrapping, optimizer, sinks ----------------------------------------
+
+    def open(self) -> None:
+        """Resume or start the run directory, wrap the model for this world, build the optimizer and sinks."""
+        cfg, penv = self.cfg, self.penv
+        self.path = self.opts.run_path or runs.run_dir(cfg)
+        self.ckpt_root = self.path / runs.CHECKPOINTS
+        self.loader = TrainLoader(self.train_windows, cfg.train.micro_batch_size, cfg.run.seed, penv.rank,
+                                  penv.world_size)
+        self.shapes = {k: list(v.shape) for k, v in checkpoint.unique_tensors(model_state(self.base)).items()}
+        source = self.restore_weights()
+        self.model = dist.wrap(self.model, cfg.dist, penv, self.device)
+        # Built on the wrapped model's parameters (FSDP replaces them with shards), its state loaded after.
+        self.optimizer = build_optimizer(self.model, cfg.train, self.device)
+        if self.resumed is not None:
+            self.restore_trainer(self.resumed)
+        elif source is not None:
+            if self.opts.init_optimizer:
+                load_optimizer(self.model, self.optimizer, source, source.trainer_state(), self.sharded)
+            self.say(f"starting from the weights{' and optimizer state' if self.opts.init_optimizer else ''} "
+                     f"of {source.path}")
+        if cfg.train.compile:
+            self.model = torch.compile(self.model)  # type: ignore[assignment]
+        self.start_run_files()
+        self.model.train()
+        self.t_start, self.side_seconds = time.perf_counter(), 0.0  # side: evaluation and checkpoints
+        self.start_step = self.state.step
+        self.meter = Throughput()
+        self.meter.tokens0 = self.state.tokens
+        self.loss_sum = torch.tensor(self.state.window_loss_sum, device=self.device)
+        self.loss_count = self.state.window_steps
+
+    def restore_weights(self) -> checkpoint.Checkpoint | None:
+        """Load the checkpoint to resume from (or the initial weights) into the single-device model."""
+        mode = self.opts.resume
+        if mode == "never" and checkpoint.complete_checkpoints(self.ckpt_root):
+            raise UserInputError(
+                f"{self.path} already has checkpoints; resume it (--resume auto), or choose another run.name"
+            )
+        if mode == "auto":
+            self.resumed = checkpoint.find_resumable(self.ckpt_root, warn=lambda m: self.say(f"warning: {m}"))
+        elif mode != "never":
+            if not Path(mode).exists():
+                raise UserInputError(f"--resume: no such checkpoint or run directory: {mode}")
+            self.resumed = checkpoint.resolve(Path(mode))
+        init = self.opts.init_weights
+        source = self.resumed or (checkpoint.resolve(init) if init is not None else None)
+        if source is not None:
+            checkpoint.check_compatible(source, self.shapes, tokenizer_fingerprint(self.prepared))
+            load_model_state(self.base, source.model_state())
+        return source
+
+    def restore_trainer(self, ckpt: checkpoint.Checkpoint) -> None:
+        """Optimizer, data cursor, counters and RNG streams of the checkpoint we resume."""
+        trainer = ckpt.trainer_state()
+        load_optimizer(self.model, self.optimizer, ckpt, trainer, self.sharded)
+        try:
+            self.loader.load_state_dict(trainer["loader"])
+        except ValueError as e:
+            raise IncompatibleCheckpointError(f"cannot resume {ckpt.path}: {e}") from None
+        self.state = TrainState(**trainer["state"])
+        rngs = trainer["rng"]
+        if len(rngs) == self.penv.world_size:
+            set_rng_state(rngs[self.penv.rank])
+        else:
+            self.say(f"note: the checkpoint has RNG states of {len(rngs)} ranks, this run has {self.penv.world_size}")
+        self.say(f"resuming from {ckpt.path} (step {self.state.step}, {self.state.tokens:,} tokens)")
+
+    def start_run_files(self) -> None:
+        """Rank 0: meta.json, metrics and samples cut back to the resumed step, the tokenizer, the sinks."""
+        if not self.main:
+            return
+        cfg, path, step = self.cfg, self.path, self.state.step
+        argv = self.opts.argv if self.opts.argv is not None else sys.argv[1:]
+        meta = runs.start(path, cfg, argv, self.penv.world_size, phase=self.opts.phase)
+        for change in meta["config_changes"]:
+            self.say(f"config changed since the last start: {change}")
+        truncate_after(path / runs.METRICS_FILE, step)
+        truncate_after(path / runs.SAMPLES_FILE, step)
+        self.tokenizer.save(path / "tokenizer")
+        self.sinks = build_sinks(cfg, path, self.max_steps, prefix=self.prefix)
+        self.sinks.start({"run_dir": str(path), "run": cfg.run.name, "start_step": step, "params": self.n_params,
+                          "phase": self.opts.phase, "config": cfg, "max_steps": self.max_steps,
+                          "restarts": self.penv.restart_count, "world_size": self.penv.world_size})
+
+    # --- the parts of a step ---------------------------------------------------------------------------------
+
+    def train_step(self) -> None:
+        """One optimizer step over grad_accum_steps micro-batches; gradients all-reduced on the last one."""
+        accum = self.cfg.train.grad_accum_steps
+        model, optimizer = self.model, self.optimizer
+        ddp_sync = getattr(model, "no_sync", None)
+        fsdp_sync = getattr(model, "set_requires_gradient_sync", None)
+        set_lr(optimizer, lr_at(self.state.step, self.cfg.train))
+        for micro in range(accum):
+            batch = self.loader.next_batch().to(self.device)
+            last = micro == accum - 1
+            if fsdp_sync is not None:
+                fsdp_sync(last)
+            sync = ddp_sync() if ddp_sync is not None and not last else contextlib.nullcontext()
+            with sync, self.amp():
+                loss = lm_loss(model(batch.input_ids), batch.labels) / accum
+            loss.backward()
+            self.loss_sum += loss.detach()
+        if self.cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+        self.state.tokens += self.tokens_per_step
+        self.loss_count += 1
+        if self.sinks:
+            self.sinks.heartbeat(self.state.step)
+
+    def log_train(self) -> None:
+        """The mean loss of the window since the last log (over every rank), throughput, MFU, memory, ETA."""
+        state = self.state
+        state.last_train_loss = float(dist.all_reduce_mean(self.loss_sum / self.loss_count))
+        self.loss_sum.zero_()
+        self.loss_count = 0
+        rate, _ = self.meter.window(state.tokens)
+        if not self.sinks:
+            return
+        done = state.step - self.start_step
+        elapsed = time.perf_counter() - self.t_start
+        self.sinks.log({
+            "kind": "train", "step": state.step, "loss": state.last_train_loss,
+            "lr": self.optimizer.param_groups[0]["lr"], "tokens": state.tokens, "tokens_per_second": rate,
+            "mfu": rate * self.flops_per_token / (self.peak * self.penv.world_size) if self.peak else None,
+            "memory_gib": memory_gib(self.device),
+            "eta_seconds": elapsed / done * (self.max_steps - state.step) if done else None,
+            "epoch": self.loader.epoch, "phase": self.opts.phase, "time": time.time(),
+        })
+
+    def evaluate(self) -> bool:
+        """Validation loss on every rank (and a sample on rank 0); True when it is the best so far."""
+        if self.val_windows is None:
+            return False
+        cfg, state = self.cfg, self.state
+        val = evaluate(self.model, self.val_windows, cfg.train.micro_batch_size, cfg.eval.batches, self.device,
+                       self.amp, self.penv.rank, self.penv.world_size)
+        state.last_val_loss = val
+        improved = state.best_val_loss is None or val < state.best_val_loss
+        if improved:
+            state.best_val_loss = val
+        if self.sinks:
+            self.sinks.log({"kind": "eval", "step": state.step, "val_loss": val, "val_ppl": perplexity(val),
+                            "tokens": state.tokens, "phase": self.opts.phase, "time": time.time()})
+            self.write_sample()
+        return improved
+
+    def save(self, is_best: bool = False) -> checkpoint.Checkpoint | None:
+        """A checkpoint of this step (collective: every rank calls it); rank 0 gets it back."""
+        state, cfg = self.state, self.cfg
+        state.window_loss_sum, state.window_steps = float(self.loss_sum), self.loss_count
+        rngs = gather_rng(self.penv.world_size)
+        saved = None
+        if self.sharded:  # every rank writes its optimizer shard into the temporary folder rank 0 made
+            if self.main:
+                checkpoint.begin(self.ckpt_root, state.step)
+            dist.barrier()
+            save_sharded_optimizer(self.model, self.optimizer, checkpoint.tmp_dir(self.ckpt_root, state.step))
+            # gathered tied weights come back as separate tensors: keep the names the model checkpoints
+            weights = {k: v for k, v in full_model_state(self.model).items() if k in self.shapes}
+        else:
+            weights = model_state(self.base) if self.main else {}
+        if self.main:
+            saved = checkpoint.save(
+                self.ckpt_root,
+                state.step,
+                weights,
+                {"optimizer": None if self.sharded else self.optimizer.state_dict(),
+                 "loader": self.loader.state_dict(), "state": asdict(state), "rng": rngs},
+                {"tokens": state.tokens, "train_loss": state.last_train_loss, "val_loss": state.last_val_loss,
+                 "best_val_loss": state.best_val_loss, "config_hash": config_hash(cfg), "phase": self.opts.phase,
+                 "tokenizer": tokenizer_fingerprint(self.prepared), "world_size": self.penv.world_size},
+                keep_last=cfg.checkpoint.keep_last,
+                is_best=is_best,
+                prepared=self.sharded,
+            )
+            runs.update_meta(self.path, step=state.step, tokens=state.tokens, last_checkpoint=saved.path.name,
+                             best_val_loss=state.best_val_loss)
+            if self.sinks:
+                self.sinks.log({"kind": "checkpoint", "step": state.step, "path": str(saved.path), "best": is_best,
+                                "phase": self.opts.phase, "time": time.time()})
+            self.last_checkpoint = saved
+        dist.barrier()
+        return saved
+
+    def finish(self, status: str) -> None:
+        """Record how the run ended: meta.json first (sinks such as MLflow keep it as an artifact), then sinks."""
+        state = self.state
+        if self.main and self.path.exists():
+            runs.update_meta(self.path, status=status, step=state.step, tokens=state.tokens,
+                             best_val_loss=state.best_val_loss, final_val_loss=state.last_val_loss,
+                             final_train_loss=state.last_train_loss, finished_at=time.time())
+        if self.sinks:
+            self.sinks.finish(status)
+
+    def result(self, status: str, sample: str | None = None) -> TrainResult:
+        state = self.state
+        elapsed = self.t_end - self.t_start - self.side_seconds
+        trained = (state.step - self.start_step) * self.tokens_per_step
+        return TrainResult(
+            run_dir=str(self.path.resolve()),
+            steps=state.step,
+            tokens=state.tokens,
+            final_train_loss=state.last_train_loss,
+            final_val_loss=state.last_val_loss,
+            best_val_loss=state.best_val_loss,
+            tokens_per_second=trained / elapsed if elapsed > 0 else 0.0,
+            status=status,
+            resumed_from=self.start_step if self.resumed is not None else None,
+            sample=sample,
+            checkpoint=str(self.last_checkpoint.path.resolve()) if self.last_checkpoint else None,
+        )
+
+    # --- samples --------------------------------------------------------------------------------------------
+
+    def sample(self, prompt: str, n: int) -> str:
+        """`prompt` continued by `n` tokens of the single-device model (temperature 0.8, top-k 50, run seed)."""
+        ids = self.tokenizer.encode(prompt)
+        out = generate(self.base, ids, n, self.cfg.model.block_size, temperature=0.8, top_k=50,
+                       eos_id=self.tokenizer.eos_id, seed=self.cfg.run.seed)
+        return prompt + self.tokenizer.decode(out)
+
+    def write_sample(self) -> None:
+        cfg = self.cfg
+        if cfg.eval.sample_prompt is None or cfg.dist.strategy == "fsdp":
+            return
+        text = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens)
+        with open(self.path / runs.SAMPLES_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": self.state.step, "sample": text}) + "\n")
+
+
+def tokenizer_fingerprint(prepared: Prepared) -> str:
+    return str(prepared.meta["tokenizer"])

@@ -1,0 +1,130 @@
+"""The Trainer: through the real CLI (resume modes, refusal of foreign checkpoints, logged config changes), and
+each of its parts on its own."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kubetrain.config.loading import validate
+from kubetrain.config.schema import Config
+from kubetrain.train.trainer import RunOptions, Trainer
+from tests.train.conftest import kubetrain, sets
+
+@pytest.mark.slow
+def test_resume_modes_and_incompatible_checkpoints(tmp_path: Path) -> None:
+    base = sets("run.name=r", "train.max_steps=4", "checkpoint.every_steps=2", "eval.every_steps=2")
+    kubetrain("train", *base, cwd=tmp_path)
+    run = tmp_path / "runs" / "r"
+
+    # the same command again continues the same run: nothing left to do, same step
+    again = kubetrain("train", *base, "--set", "train.max_steps=6", "--set", "train.lr=0.001", "--json", cwd=tmp_path)
+    assert "resuming from" in again.stdout and "step 4" in again.stdout
+    assert "config changed since the last start: train.lr: 0.003 -> 0.001" in again.stdout
+    assert json.loads(again.stdout.splitlines()[-1])["steps"] == 6
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["starts"] == 2 and any("train.lr" in c for c in meta["config_changes"])
+
+    # never: refuses to overwrite a run that has checkpoints
+    never = kubetrain("train", *base, "--resume", "never", cwd=tmp_path, check=False)
+    assert never.returncode == 2 and "already has checkpoints" in never.stderr
+
+    # a different model shape is refused with a clear message and the run is untouched
+    wider = kubetrain("train", *base, "--set", "train.max_steps=8", "--set", "model.n_embd=48", cwd=tmp_path,
+                      check=False)
+    assert wider.returncode == 2, wider.stderr
+    assert wider.stderr.startswith("error: checkpoint") and "does not fit the model" in wider.stderr
+    assert "Traceback" not in wider.stderr
+    assert (run / "checkpoints" / "step-000006" / "meta.json").is_file()
+
+    # a different tokenizer is refused too
+    (tmp_path / "t.txt").write_text("hello world, hello tokens. " * 400)
+    bpe = kubetrain("train", *base, "--set", "train.max_steps=8", "--set", "data.tokenizer.kind=bpe",
+                    "--set", "data.tokenizer.vocab_size=300", "--set", "model.vocab_size=256", cwd=tmp_path,
+                    check=False)
+    assert bpe.returncode == 2 and "tokenizer" in bpe.stderr
+
+    # PATH: a new run warm-started from another run's checkpoint continues its step count
+    other = kubetrain("train", *sets("run.name=other", "train.max_steps=8"), "--resume",
+                      str(run / "checkpoints" / "step-000006"), "--json", cwd=tmp_path)
+    assert json.loads(other.stdout.splitlines()[-1])["resumed_from"] == 6
+    missing = kubetrain("train", *base, "--resume", "nope/step-1", cwd=tmp_path, check=False)
+    assert missing.returncode == 2 and "no such checkpoint" in missing.stderr
+
+
+# --- the Trainer's parts, each on its own (in-process, one tiny model) -------------------------------------
+
+
+def tiny_config(root: Path, **train: Any) -> Config:
+    return validate({
+        "run": {"name": "parts", "output_dir": str(root), "threads": 1},
+        "model": {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16},
+        "train": {"max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2, "warmup_steps": 1,
+                  "log_every_steps": 1, **train},
+        "eval": {"every_steps": 100, "batches": 1, "sample_tokens": 4},
+        "checkpoint": {"every_steps": 100},
+        "track": {"console": False},
+    })
+
+
+def opened(root: Path, **train: Any) -> Trainer:
+    trainer = Trainer(tiny_config(root, **train), RunOptions(argv=[]), log=lambda m: None)
+    trainer.setup()
+    trainer.open()
+    return trainer
+
+
+def test_dry_run_writes_nothing(tmp_path: Path) -> None:
+    trainer = Trainer(tiny_config(tmp_path), RunOptions(dry_run=True), log=lambda m: None)
+    result = trainer.run()
+    assert result.status == "dry-run" and result.final_train_loss is not None
+    # an untrained model predicts about uniformly: the loss is near ln(vocab)
+    assert abs(result.final_train_loss - math.log(trainer.tokenizer.vocab_size)) < 1.0
+    assert not (tmp_path / "parts").exists()
+
+
+def test_train_step_moves_weights_counters_and_the_loss_window(tmp_path: Path) -> None:
+    trainer = opened(tmp_path)
+    before = {k: v.clone() for k, v in trainer.base.state_dict().items()}
+    trainer.train_step()
+    assert (trainer.state.step, trainer.state.tokens) == (1, 2 * 2 * 16)
+    assert trainer.loss_count == 1 and float(trainer.loss_sum) > 0
+    assert any(not torch.equal(before[k], v) for k, v in trainer.base.state_dict().items())
+    window = float(trainer.loss_sum)
+    trainer.log_train()
+    assert trainer.state.last_train_loss == pytest.approx(window)
+    assert trainer.loss_count == 0 and float(trainer.loss_sum) == 0.0
+    records = [json.loads(line) for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1]
+
+
+def test_evaluate_reports_only_improvements(tmp_path: Path) -> None:
+    trainer = opened(tmp_path)
+    assert trainer.evaluate() is True
+    first = trainer.state.best_val_loss
+    assert first is not None and trainer.state.last_val_loss == first
+    assert trainer.evaluate() is False  # same weights, same batches: not better
+    assert trainer.state.best_val_loss == first
+
+
+def test_save_then_a_new_trainer_resumes_the_same_state(tmp_path: Path) -> None:
+    trainer = opened(tmp_path)
+    trainer.train_step()
+    trainer.train_step()
+    saved = trainer.save(is_best=True)
+    assert saved is not None and saved.path.name == "step-000002" and trainer.last_checkpoint == saved
+    trainer.finish("stopped")
+    assert json.loads((tmp_path / "parts" / "meta.json").read_text())["status"] == "stopped"
+
+    again = opened(tmp_path)
+    assert again.resumed is not None and again.resumed.path == saved.path
+    assert (again.state.step, again.state.tokens) == (2, trainer.state.tokens)
+    assert again.loader.state_dict() == trainer.loader.state_dict()
+    for k, v in trainer.base.state_dict().items():
+        assert torch.equal(v, again.base.state_dict()[k]), k
+    assert again.run().steps == 3
