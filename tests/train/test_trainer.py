@@ -16,6 +16,7 @@ from kubetrain.config.schema import Config
 from kubetrain.train.trainer import RunOptions, Trainer
 from tests.train.conftest import kubetrain, sets
 
+
 @pytest.mark.slow
 def test_resume_modes_and_incompatible_checkpoints(tmp_path: Path) -> None:
     base = sets("run.name=r", "train.max_steps=4", "checkpoint.every_steps=2", "eval.every_steps=2")
