@@ -37,6 +37,12 @@ class IncompatibleCheckpointError(UserInputError):
     """A checkpoint whose model shape or tokenizer differs from the config."""
 
 
+class TrainingFailed(KubetrainError):
+    """Training started and then failed on something outside the config (a disk gone, permission lost). Exit 1."""
+
+    exit_code = EXIT_FAILURE
+
+
 class TrainingStopped(KubetrainError):
     """Training stopped on a signal after saving a checkpoint; resumable."""
 

@@ -13,6 +13,7 @@ import torch
 
 from kubetrain.config.loading import validate
 from kubetrain.config.schema import Config
+from kubetrain.errors import TrainingFailed
 from kubetrain.train.trainer import RunOptions, Trainer
 from tests.train.conftest import kubetrain, sets
 
@@ -129,3 +130,63 @@ def test_save_then_a_new_trainer_resumes_the_same_state(tmp_path: Path) -> None:
     for k, v in trainer.base.state_dict().items():
         assert torch.equal(v, again.base.state_dict()[k]), k
     assert again.run().steps == 3
+
+
+def test_max_tokens_ends_the_run_at_the_lr_floor(tmp_path: Path) -> None:
+    # 3 steps of 64 tokens: the run ends at step 3 of max_steps 50, and the last step's lr is the floor
+    result = Trainer(tiny_config(tmp_path, max_steps=50, max_tokens=3 * 64, warmup_steps=0, min_lr=1e-5),
+                     RunOptions(argv=[]), log=lambda m: None).run()
+    assert result.steps == 3
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()
+           if json.loads(line)["kind"] == "train"]
+    assert lrs[-1] == pytest.approx(1e-5 + 0.5 * (1 + math.cos(math.pi * 2 / 3)) * (3e-3 - 1e-5))
+    assert lrs == sorted(lrs, reverse=True)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_on_the_cpu(tmp_path: Path, precision: str) -> None:
+    trainer = Trainer(tiny_config(tmp_path, precision=precision), RunOptions(argv=[]), log=lambda m: None)
+    result = trainer.run()
+    assert result.status == "finished" and result.final_train_loss is not None
+    assert math.isfinite(result.final_train_loss)
+    assert trainer.scaler.is_enabled() == (precision == "fp16")
+
+
+def test_fp16_counts_skipped_steps_and_resumes_the_scaler(tmp_path: Path) -> None:
+    trainer = opened(tmp_path, precision="fp16")
+    # a loss scale far past fp16's range: the gradients overflow, the step is skipped, the scale shrinks
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=1000)
+    before = {k: v.clone() for k, v in trainer.base.state_dict().items()}
+    trainer.train_step()
+    assert trainer.state.skipped_steps == 1 and trainer.state.step == 1
+    assert trainer.scaler.get_scale() == 2.0**39
+    assert all(torch.equal(before[k], v) for k, v in trainer.base.state_dict().items())
+    trainer.log_train()
+    train = [json.loads(line) for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert train["skipped_steps"] == 1 and train["loss_scale"] == 2.0**39
+    trainer.save()
+    again = opened(tmp_path, precision="fp16")
+    assert again.state.skipped_steps == 1 and again.scaler.get_scale() == 2.0**39
+
+
+class MetaLostAfterStep1(Trainer):
+    """meta.json cannot be written after the first step (here: a folder took its place; a lost mount or
+    permission looks the same to the writer)."""
+
+    def train_step(self) -> None:
+        super().train_step()
+        if self.state.step == 1:
+            meta = self.path / "meta.json"
+            meta.unlink()
+            meta.mkdir()
+
+
+def test_an_io_error_while_running_is_a_failure_not_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trainer = MetaLostAfterStep1(tiny_config(tmp_path, max_steps=2), RunOptions(argv=[]))
+    with pytest.raises(TrainingFailed, match=r"failed while running at step 2: Is a directory: .*meta.json") as e:
+        trainer.run()
+    assert e.value.exit_code == 1
+    assert "warning: could not record the end of the run (failed)" in capsys.readouterr().out
+    assert (tmp_path / "parts" / "checkpoints" / "step-000002").is_dir()  # what was written stays

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -11,15 +13,20 @@ from torch import nn
 from kubetrain.config.loading import validate
 from kubetrain.config.schema import Config
 from kubetrain.data.tokenizers import Tokenizer, load_saved_tokenizer
-from kubetrain.errors import UserInputError
+from kubetrain.errors import KubetrainError, UserInputError
 from kubetrain.models import build_model
 from kubetrain.models.lora import apply_lora
 from kubetrain.runs import CHECKPOINTS, CONFIG_FILE
 from kubetrain.train import checkpoint
 
 
-def locate(target: Path, which: str = "best") -> tuple[Path, checkpoint.Checkpoint]:
-    """(run directory, checkpoint) for a run directory (its best, else latest) or a checkpoint folder."""
+def locate(target: Path, which: str = "best", warn: Callable[[str], None] | None = None
+           ) -> tuple[Path, checkpoint.Checkpoint]:
+    """(run directory, checkpoint) for a run directory (its best, else latest) or a checkpoint folder.
+
+    A pointed-to checkpoint that does not verify is skipped with a warning naming it and why.
+    """
+    warn = warn or (lambda m: print(m, file=sys.stderr, flush=True))
     if not target.exists():
         raise UserInputError(f"no such run directory or checkpoint: {target}")
     if (target / checkpoint.META_FILE).is_file() and (target / checkpoint.MODEL_FILE).exists():
@@ -27,16 +34,18 @@ def locate(target: Path, which: str = "best") -> tuple[Path, checkpoint.Checkpoi
     root = target / CHECKPOINTS
     if not (target / CONFIG_FILE).is_file():
         raise UserInputError(f"{target} is not a run directory (no {CONFIG_FILE})")
-    for name in (checkpoint.pointer(root, which), checkpoint.pointer(root, checkpoint.LATEST)):
-        if name and (root / name).is_dir():
-            try:
-                return target, checkpoint.verify(root / name)
-            except Exception:
-                continue
-    found = checkpoint.find_resumable(root)
-    if found is None:
+    # the pointer asked for, then latest, then every complete checkpoint newest first: the first that verifies
+    names = [checkpoint.pointer(root, which), checkpoint.pointer(root, checkpoint.LATEST),
+             *(p.name for p in reversed(checkpoint.complete_checkpoints(root)))]
+    candidates = list(dict.fromkeys(n for n in names if n and (root / n).is_dir()))
+    if not candidates:
         raise UserInputError(f"{target} has no complete checkpoint yet")
-    return target, found
+    for name in candidates:
+        try:
+            return target, checkpoint.verify(root / name)
+        except (KubetrainError, OSError, ValueError) as e:
+            warn(f"warning: checkpoint {name} does not verify ({e}); looking for another")
+    raise UserInputError(f"{target} has no checkpoint that verifies")
 
 
 def run_config(run: Path) -> Config:

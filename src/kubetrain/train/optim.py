@@ -24,12 +24,16 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, **kwargs)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup over warmup_steps, then cosine from lr down to min_lr at max_steps."""
+def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
+    """Linear warmup over warmup_steps, then cosine from lr down to min_lr at `total_steps`.
+
+    `total_steps` is where the run really ends (max_tokens may end it before max_steps), so the cosine reaches
+    its floor on the last step. A pure function of the step: a resumed run continues the same curve.
+    """
     floor = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.max_steps - cfg.warmup_steps)
+    span = max(1, total_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - floor)
 

@@ -44,6 +44,8 @@ class TrainState:
     # The running sum of the current logging window, so a resumed run logs the same averages.
     window_loss_sum: float = 0.0
     window_steps: int = 0
+    # fp16: optimizer steps the gradient scaler skipped because a gradient overflowed
+    skipped_steps: int = 0
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -21,7 +21,7 @@ from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import Prepared, prepare
 from kubetrain.dist import setup as dist
-from kubetrain.errors import IncompatibleCheckpointError, TrainingStopped, UserInputError
+from kubetrain.errors import IncompatibleCheckpointError, TrainingFailed, TrainingStopped, UserInputError
 from kubetrain.models import build_model
 from kubetrain.models.lora import apply_lora
 from kubetrain.models.sampling import generate
@@ -96,6 +96,7 @@ class Trainer:
     path: Path
     loader: TrainLoader
     optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
     resumed: checkpoint.Checkpoint | None = None
     sinks: Fanout | None = None
 
@@ -144,6 +145,9 @@ class Trainer:
                 if self.main and cfg.dist.strategy != "fsdp":
                     sample = self.sample(cfg.eval.sample_prompt or "\n", cfg.eval.sample_tokens * 3)
                 status = "finished"
+        except OSError as e:  # bad input was refused before the first step: this is the machine, not the config
+            where = f": {e.filename}" if e.filename else ""
+            raise TrainingFailed(f"failed while running at step {state.step}: {e.strerror or e}{where}") from e
         finally:
             self.finish(status)
         return self.result(status, sample)
@@ -216,6 +220,8 @@ class Trainer:
         self.model = dist.wrap(self.model, cfg.dist, penv, self.device)
         # Built on the wrapped model's parameters (FSDP replaces them with shards), its state loaded after.
         self.optimizer = build_optimizer(self.model, cfg.train, self.device)
+        # fp16 gradients underflow without loss scaling; bf16 and fp32 need none (the scaler is then a no-op)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         if self.resumed is not None:
             self.restore_trainer(self.resumed)
         elif source is not None:
@@ -263,6 +269,8 @@ class Trainer:
         except ValueError as e:
             raise IncompatibleCheckpointError(f"cannot resume {ckpt.path}: {e}") from None
         self.state = TrainState(**trainer["state"])
+        if self.scaler.is_enabled() and trainer.get("scaler"):
+            self.scaler.load_state_dict(trainer["scaler"])
         rngs = trainer["rng"]
         if len(rngs) == self.penv.world_size:
             set_rng_state(rngs[self.penv.rank])
@@ -292,10 +300,10 @@ class Trainer:
     def train_step(self) -> None:
         """One optimizer step over grad_accum_steps micro-batches; gradients all-reduced on the last one."""
         accum = self.cfg.train.grad_accum_steps
-        model, optimizer = self.model, self.optimizer
+        model, optimizer, scaler = self.model, self.optimizer, self.scaler
         ddp_sync = getattr(model, "no_sync", None)
         fsdp_sync = getattr(model, "set_requires_gradient_sync", None)
-        set_lr(optimizer, lr_at(self.state.step, self.cfg.train))
+        set_lr(optimizer, lr_at(self.state.step, self.cfg.train, self.max_steps))
         for micro in range(accum):
             batch = self.loader.next_batch().to(self.device)
             last = micro == accum - 1
@@ -304,11 +312,18 @@ class Trainer:
             sync = ddp_sync() if ddp_sync is not None and not last else contextlib.nullcontext()
             with sync, self.amp():
                 loss = lm_loss(model(batch.input_ids), batch.labels) / accum
-            loss.backward()
+            scaler.scale(loss).backward()
             self.loss_sum += loss.detach()
         if self.cfg.train.grad_clip > 0:
+            scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.train.grad_clip)
-        optimizer.step()
+        if scaler.is_enabled():
+            scale = scaler.get_scale()
+            scaler.step(optimizer)  # skipped when a gradient is inf/nan; the scale then shrinks
+            scaler.update()
+            self.state.skipped_steps += int(scaler.get_scale() < scale)
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.tokens += self.tokens_per_step
@@ -334,6 +349,8 @@ class Trainer:
             "memory_gib": memory_gib(self.device),
             "eta_seconds": elapsed / done * (self.max_steps - state.step) if done else None,
             "epoch": self.loader.epoch, "phase": self.opts.phase, "time": time.time(),
+            **({"skipped_steps": state.skipped_steps, "loss_scale": self.scaler.get_scale()}
+               if self.scaler.is_enabled() else {}),
         })
 
     def evaluate(self) -> bool:
@@ -374,7 +391,8 @@ class Trainer:
                 state.step,
                 weights,
                 {"optimizer": None if self.sharded else self.optimizer.state_dict(),
-                 "loader": self.loader.state_dict(), "state": asdict(state), "rng": rngs},
+                 "loader": self.loader.state_dict(), "state": asdict(state), "rng": rngs,
+                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None},
                 {"tokens": state.tokens, "train_loss": state.last_train_loss, "val_loss": state.last_val_loss,
                  "best_val_loss": state.best_val_loss, "config_hash": config_hash(cfg), "phase": self.opts.phase,
                  "tokenizer": tokenizer_fingerprint(self.prepared), "world_size": self.penv.world_size},
@@ -395,9 +413,12 @@ class Trainer:
         """Record how the run ended: meta.json first (sinks such as MLflow keep it as an artifact), then sinks."""
         state = self.state
         if self.main and self.path.exists():
-            runs.update_meta(self.path, status=status, step=state.step, tokens=state.tokens,
-                             best_val_loss=state.best_val_loss, final_val_loss=state.last_val_loss,
-                             final_train_loss=state.last_train_loss, finished_at=time.time())
+            try:
+                runs.update_meta(self.path, status=status, step=state.step, tokens=state.tokens,
+                                 best_val_loss=state.best_val_loss, final_val_loss=state.last_val_loss,
+                                 final_train_loss=state.last_train_loss, finished_at=time.time())
+            except OSError as e:  # the error that ends the run matters more than this record of it
+                self.say(f"warning: could not record the end of the run ({status}) in meta.json: {e}")
         if self.sinks:
             self.sinks.finish(status)
 
