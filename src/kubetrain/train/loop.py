@@ -20,7 +20,7 @@ from kubetrain.config.loading import config_hash
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import prepare
-from kubetrain.dist import setup as dist
+from kubetrain.distributed import setup as dist
 from kubetrain.errors import IncompatibleCheckpointError, TrainingStopped, UserInputError
 from kubetrain.models import build_model
 from kubetrain.models.lora import apply_lora

@@ -8,7 +8,7 @@ from typing import Any
 from kubetrain import runs
 from kubetrain.config.loading import phase_config
 from kubetrain.config.schema import Config
-from kubetrain.dist import setup as dist
+from kubetrain.distributed import setup as dist
 from kubetrain.errors import UserInputError
 from kubetrain.train import checkpoint
 from kubetrain.train.loop import TrainResult, train
