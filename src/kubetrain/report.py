@@ -6,8 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kubetrain import runs
-from kubetrain.train import checkpoint
+from kubetrain import checkpoint, runs
 
 
 def _status(meta: dict[str, Any]) -> str:

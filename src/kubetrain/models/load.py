@@ -8,6 +8,7 @@ import torch
 import yaml
 from torch import nn
 
+from kubetrain import checkpoint
 from kubetrain.config.loading import validate
 from kubetrain.config.schema import Config
 from kubetrain.data.tokenizers import Tokenizer, load_saved_tokenizer
@@ -15,7 +16,6 @@ from kubetrain.errors import UserInputError
 from kubetrain.models import build_model
 from kubetrain.models.lora import apply_lora
 from kubetrain.runs import CHECKPOINTS, CONFIG_FILE
-from kubetrain.train import checkpoint
 
 
 def locate(target: Path, which: str = "best") -> tuple[Path, checkpoint.Checkpoint]:

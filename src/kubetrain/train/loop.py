@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from kubetrain import runs
+from kubetrain import checkpoint, runs
+from kubetrain.checkpoint.sharded import full_model_state
+from kubetrain.checkpoint.sharded import save_optimizer as save_sharded_optimizer
 from kubetrain.config.loading import config_hash
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader
@@ -28,12 +30,9 @@ from kubetrain.models.sampling import generate
 from kubetrain.track.build import build_sinks
 from kubetrain.track.console import Throughput
 from kubetrain.track.jsonl import truncate_after
-from kubetrain.train import checkpoint
 from kubetrain.train.device import autocast, memory_gib, peak_flops, resolve_precision
 from kubetrain.train.evaluate import evaluate, lm_loss, perplexity
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
-from kubetrain.train.sharded import full_model_state
-from kubetrain.train.sharded import save_optimizer as save_sharded_optimizer
 from kubetrain.train.state import (
     TrainResult,
     TrainState,

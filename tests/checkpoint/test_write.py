@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kubetrain import checkpoint
+from kubetrain.checkpoint import write
 from kubetrain.errors import CheckpointError, IncompatibleCheckpointError
-from kubetrain.train import checkpoint
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -185,7 +186,7 @@ def test_write_failure_midway_keeps_the_previous_checkpoint(tmp_path: Path, monk
         Path(str(f)).write_bytes(b"partial")
         raise OSError(28, os.strerror(28))
 
-    monkeypatch.setattr(checkpoint.torch, "save", failing_save)
+    monkeypatch.setattr(write.torch, "save", failing_save)
     with pytest.raises(CheckpointError, match=r"No space left"):
         checkpoint.save(tmp_path, 2, _state(), {"x": 1}, {}, keep_last=2)
     assert checkpoint.pointer(tmp_path, "latest") == "step-000001"

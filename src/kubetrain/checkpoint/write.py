@@ -25,9 +25,9 @@ import xxhash
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from kubetrain.checkpoint import tensorfile
 from kubetrain.errors import CheckpointError, IncompatibleCheckpointError
 from kubetrain.runs import write_atomic
-from kubetrain.train import tensorfile
 
 MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"  # optimizer, schedule, RNG and data cursor, with its tensors in TRAINER_TENSORS
