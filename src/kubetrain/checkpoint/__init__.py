@@ -4,8 +4,7 @@ Callers say `from kubetrain import checkpoint` and `checkpoint.save(...)`, `chec
 Nothing here imports from train/, models/, cli/ or k8s/: every one of them imports this.
 """
 
-from kubetrain.checkpoint.sharded import OPTIMIZER_DIR, full_model_state, load_optimizer, save_optimizer
-from kubetrain.checkpoint.write import (
+from kubetrain.checkpoint.layout import (
     BEST,
     CHECKSUM,
     LATEST,
@@ -13,21 +12,15 @@ from kubetrain.checkpoint.write import (
     MODEL_FILE,
     TRAINER_FILE,
     TRAINER_TENSORS,
-    Checkpoint,
-    begin,
-    check_compatible,
     complete_checkpoints,
     file_digest,
-    find_resumable,
     pointer,
-    prune,
-    resolve,
-    save,
     step_name,
     tmp_dir,
-    unique_tensors,
-    verify,
 )
+from kubetrain.checkpoint.read import Checkpoint, check_compatible, find_resumable, resolve, verify
+from kubetrain.checkpoint.sharded import OPTIMIZER_DIR, full_model_state, load_optimizer, save_optimizer
+from kubetrain.checkpoint.write import begin, prune, save, unique_tensors
 
 __all__ = [
     "BEST",

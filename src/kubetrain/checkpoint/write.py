@@ -1,9 +1,7 @@
-"""Checkpoints that never lose work: written to a temporary folder, fsynced, renamed; verified on load.
+"""Write checkpoints that never lose work: into a temporary folder, checksummed, fsynced, renamed.
 
-checkpoints/
-  step-000200/ model.safetensors  trainer.pt  meta.json (step, tokens, losses, config hash, checksums)
-  latest       name of the newest complete checkpoint
-  best         name of the checkpoint with the lowest val loss
+The model weights and the optimizer tensors go out through our safetensors writer (tensorfile); meta.json
+lists the xxh3-128 digest and size of every file, which is what `read.verify` checks before anything loads.
 """
 
 from __future__ import annotations
@@ -11,56 +9,32 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
-import warnings
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from kubetrain.checkpoint import tensorfile
-from kubetrain.errors import CheckpointError, IncompatibleCheckpointError
+from kubetrain.checkpoint.layout import (
+    BEST,
+    CHECKSUM,
+    LATEST,
+    META_FILE,
+    MODEL_FILE,
+    TRAINER_FILE,
+    TRAINER_TENSORS,
+    complete_checkpoints,
+    file_digest,
+    pointer,
+    step_name,
+    tmp_dir,
+)
+from kubetrain.checkpoint.read import Checkpoint
+from kubetrain.errors import CheckpointError
 from kubetrain.runs import write_atomic
-
-MODEL_FILE = "model.safetensors"
-TRAINER_FILE = "trainer.pt"  # optimizer, schedule, RNG and data cursor, with its tensors in TRAINER_TENSORS
-TRAINER_TENSORS = "trainer.safetensors"
-META_FILE = "meta.json"
-LATEST = "latest"
-BEST = "best"
-_STEP_DIR = re.compile(r"^step-(\d{6,})$")
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    path: Path
-    meta: dict[str, Any]
-
-    @property
-    def step(self) -> int:
-        return int(self.meta["step"])
-
-    def model_state(self) -> dict[str, torch.Tensor]:
-        return load_file(self.path / MODEL_FILE)
-
-    def trainer_state(self) -> dict[str, Any]:
-        # weights_only: a checkpoint from elsewhere cannot run code when it is loaded.
-        # mmap: tensors are paged in from the file (already in the page cache after verify) instead of copied.
-        skeleton = torch.load(self.path / TRAINER_FILE, map_location="cpu", weights_only=True)
-        tensors = load_file(self.path / TRAINER_TENSORS) if (self.path / TRAINER_TENSORS).exists() else {}
-        state: dict[str, Any] = tensorfile.join(skeleton, tensors)
-        return state
 
 
 def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -74,20 +48,6 @@ def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         seen.add(key)
         out[name] = t.detach().to("cpu").contiguous()
     return out
-
-
-# xxh3-128 detects torn and corrupted files at memory speed; sha256 would make loading CPU-bound.
-CHECKSUM = "xxh3_128"
-
-
-def file_digest(path: Path) -> str:
-    h = xxhash.xxh3_128()
-    buf = bytearray(16 << 20)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def _fsync_file(path: Path) -> None:
@@ -170,10 +130,6 @@ def save(
     return Checkpoint(final, full_meta)
 
 
-def tmp_dir(root: Path, step: int) -> Path:
-    return root / f"{step_name(step)}.tmp"
-
-
 def begin(root: Path, step: int) -> Path:
     """A fresh temporary folder for the checkpoint of `step` (what a killed save left there is discarded)."""
     tmp = tmp_dir(root, step)
@@ -190,22 +146,6 @@ def _digest_and_sync(path: Path) -> str:
     return digest
 
 
-def pointer(root: Path, which: str) -> str | None:
-    try:
-        name = (root / which).read_text().strip()
-    except OSError:
-        return None
-    return name or None
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Finished checkpoint folders (not .tmp), oldest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))  # type: ignore[union-attr]
-
-
 def prune(root: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` checkpoints, plus the ones `latest` and `best` name."""
     keep = {pointer(root, LATEST), pointer(root, BEST)}
@@ -215,74 +155,3 @@ def prune(root: Path, keep_last: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
     for p in root.glob("*.tmp"):  # leftovers of a save that was killed
         shutil.rmtree(p, ignore_errors=True)
-
-
-def verify(path: Path, deep: bool = True) -> Checkpoint:
-    """The checkpoint in `path` if its meta and files are whole and match their checksums."""
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path.name}: unreadable meta.json ({e})") from None
-    files = meta.get("files") or {}
-    if not files:
-        raise CheckpointError(f"{path.name}: meta.json lists no files")
-    for fname, info in files.items():
-        f = path / fname
-        if not f.is_file():
-            raise CheckpointError(f"{path.name}: {fname} is missing")
-        if f.stat().st_size != info["bytes"]:
-            raise CheckpointError(f"{path.name}: {fname} has {f.stat().st_size} bytes, expected {info['bytes']}")
-    if deep:
-        with ThreadPoolExecutor(max_workers=len(files)) as pool:
-            digests = dict(zip(files, pool.map(file_digest, (path / f for f in files)), strict=True))
-        for fname, info in files.items():
-            if digests[fname] != info.get(CHECKSUM):
-                raise CheckpointError(f"{path.name}: {fname} fails its checksum")
-    return Checkpoint(path, meta)
-
-
-def find_resumable(root: Path, warn: Callable[[str], None] | None = None) -> Checkpoint | None:
-    """The newest checkpoint that verifies; broken or half-written ones are skipped with a warning.
-
-    Newest by step, not by the `latest` pointer: a kill between the rename and the pointer update leaves
-    a complete checkpoint that `latest` does not name yet.
-    """
-    warn = warn or (lambda m: warnings.warn(m, stacklevel=2))
-    for path in reversed(complete_checkpoints(root)):
-        try:
-            return verify(path)
-        except CheckpointError as e:
-            warn(f"skipping checkpoint {e}")
-    return None
-
-
-def resolve(path: Path) -> Checkpoint:
-    """A checkpoint named by the user: a checkpoint folder, or a run/checkpoints folder (its newest good one)."""
-    if (path / META_FILE).is_file() and (path / MODEL_FILE).exists():
-        return verify(path)
-    for root in (path / "checkpoints", path):
-        if root.is_dir() and complete_checkpoints(root):
-            found = find_resumable(root)
-            if found:
-                return found
-    raise IncompatibleCheckpointError(f"no usable checkpoint at {path}")
-
-
-def check_compatible(ckpt: Checkpoint, shapes: dict[str, list[int]], tokenizer: str | None) -> None:
-    """Refuse a checkpoint whose model shape or tokenizer differs from the config's."""
-    theirs = ckpt.meta.get("shapes", {})
-    for name, shape in theirs.items():
-        if name in shapes and shapes[name] != shape:
-            raise IncompatibleCheckpointError(
-                f"checkpoint {ckpt.path} does not fit the model: {name} is {shape} there, {shapes[name]} in the config"
-            )
-    if set(theirs) != set(shapes):
-        differ = sorted(set(theirs) ^ set(shapes))
-        raise IncompatibleCheckpointError(
-            f"checkpoint {ckpt.path} does not fit the model: weights differ ({', '.join(differ[:3])})"
-        )
-    old_tok = ckpt.meta.get("tokenizer")
-    if tokenizer and old_tok and old_tok != tokenizer:
-        raise IncompatibleCheckpointError(
-            f"checkpoint {ckpt.path} was trained with tokenizer {old_tok}, the config gives {tokenizer}"
-        )
