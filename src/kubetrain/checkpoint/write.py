@@ -6,7 +6,6 @@ lists the xxh3-128 digest and size of every file, which is what `read.verify` ch
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -34,7 +33,7 @@ from kubetrain.checkpoint.layout import (
 )
 from kubetrain.checkpoint.read import Checkpoint
 from kubetrain.errors import CheckpointError
-from kubetrain.runs import write_atomic
+from kubetrain.files import fsync_dir, fsync_file, write_atomic
 
 
 def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -48,19 +47,6 @@ def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         seen.add(key)
         out[name] = t.detach().to("cpu").contiguous()
     return out
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # some filesystems do not fsync directories
-        _fsync_file(path)
 
 
 def save(
@@ -110,15 +96,15 @@ def save(
             "shapes": {k: list(v.shape) for k, v in tensors.items()},
         }
         write_atomic(tmp / META_FILE, json.dumps(full_meta, indent=2))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # an earlier save of the same step (a resumed run re-saving): replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         write_atomic(root / LATEST, name + "\n")
         if is_best:
             write_atomic(root / BEST, name + "\n")
-        _fsync_dir(root)
+        fsync_dir(root)
     except (OSError, RuntimeError, SafetensorError) as e:
         # torch.save reports a full disk as RuntimeError and safetensors as SafetensorError.
         shutil.rmtree(tmp, ignore_errors=True)
@@ -142,7 +128,7 @@ def begin(root: Path, step: int) -> Path:
 
 def _digest_and_sync(path: Path) -> str:
     digest = file_digest(path)
-    _fsync_file(path)
+    fsync_file(path)
     return digest
 
 
