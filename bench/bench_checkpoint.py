@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from kubetrain import checkpoint
 from kubetrain.config.schema import TrainConfig
 from kubetrain.models.gpt import GPT, GPTConfig
-from kubetrain.train import checkpoint
 from kubetrain.train.optim import build_optimizer
 
 

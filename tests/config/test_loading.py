@@ -16,7 +16,7 @@ from kubetrain.config import (
     preset_names,
     to_yaml,
 )
-from kubetrain.config.loading import DEFAULT_PRESET, read_preset
+from kubetrain.config.loading import DEFAULT_PRESET, flatten, read_preset
 from kubetrain.errors import ConfigError, UserInputError
 
 
@@ -321,3 +321,10 @@ def test_phase_config_deep_merges_and_validates(tmp_path: Path) -> None:
     bad = write(tmp_path, "phases:\n  - {name: a, train: {max_step: 5}}\n", "bad.yaml")
     with pytest.raises(ConfigError, match=r"phase 'a'.*did you mean 'max_steps'"):
         load_config(bad)
+
+
+def test_flatten() -> None:
+    nested = {"train": {"lr": 0.1, "betas": [0.9, 0.95]}, "phases": [], "model": {"lora": None},
+              "data": {"sources": [{"kind": "text", "path": "a"}]}}
+    assert flatten(nested) == {"train.lr": 0.1, "train.betas": [0.9, 0.95], "data.sources.0.kind": "text",
+                               "data.sources.0.path": "a", "phases": [], "model.lora": None}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kubetrain.cli import main
-from kubetrain.dist.env import NodeEnv
+from kubetrain.distributed.env import NodeEnv
 from kubetrain.errors import UserInputError
 from kubetrain.k8s import entrypoint
 

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import kubetrain
+from kubetrain import checkpoint
 from kubetrain.config.loading import to_yaml
 from kubetrain.config.schema import Config, LoraConfig, ModelConfig
 from kubetrain.data.loader import TokenWindows
@@ -25,7 +26,6 @@ from kubetrain.models.hf import load_hf_model
 from kubetrain.models.load import load_trained, run_config
 from kubetrain.models.lora import apply_lora, is_lora, merge_lora
 from kubetrain.runs import read_meta
-from kubetrain.train import checkpoint
 from kubetrain.train.device import autocast
 from kubetrain.train.evaluate import evaluate
 from kubetrain.train.trainer import train

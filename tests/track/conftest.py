@@ -50,14 +50,3 @@ def train_tiny(tmp_path: Path, data_cache: Path) -> TrainTiny:
         return train(load_config(None, None, sets), argv=[], log=lambda _: None)
 
     return run
-
-
-@pytest.fixture(scope="session")
-def two_runs(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> tuple[Path, Path]:
-    """Two finished tiny runs that differ in name and learning rate only: 'obs' (3e-3) and 'slow' (1e-3)."""
-    out = tmp_path_factory.mktemp("two-runs")
-    paths = []
-    for extra in (["run.name=obs"], ["run.name=slow", "train.lr=1e-3"]):
-        sets = [*TINY, f"run.output_dir={out}", f"data.cache_dir={data_cache}", *extra]
-        paths.append(Path(train(load_config(None, None, sets), argv=[], log=lambda _: None).run_dir))
-    return paths[0], paths[1]

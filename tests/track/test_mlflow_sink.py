@@ -18,8 +18,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from kubetrain.config import load_config
+from kubetrain.runs.reader import read_metrics
 from kubetrain.track import Fanout
-from kubetrain.track.jsonl import read_metrics
 from kubetrain.track.mlflow_sink import MlflowSink, default_artifact_location, tracking_uri
 
 from .conftest import TrainTiny

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubetrain.track.jsonl import read_metrics
+from kubetrain.runs.reader import read_metrics
 from kubetrain.track.prometheus import GAUGES, PrometheusSink
 
 from .conftest import TOKENS_PER_STEP, TrainTiny

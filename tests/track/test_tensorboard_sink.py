@@ -9,7 +9,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from kubetrain.config import load_config
-from kubetrain.track.jsonl import read_metrics
+from kubetrain.runs.reader import read_metrics
 from kubetrain.track.tensorboard_sink import TensorboardSink
 
 from .conftest import TrainTiny

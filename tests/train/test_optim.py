@@ -41,4 +41,4 @@ def test_a_resume_in_the_middle_continues_the_same_curve() -> None:
     uninterrupted = [lr_at(s, cfg, 100) for s in range(100)]
     resumed = [lr_at(s, cfg, 100) for s in range(37)] + [lr_at(s, cfg, 100) for s in range(37, 100)]
     assert resumed == uninterrupted
-    assert all(a >= b for a, b in itertools.pairwise(uninterrupted))
+    assert all(a >= b for a, b in itertools.pairwise(uninterrupted[10:]))

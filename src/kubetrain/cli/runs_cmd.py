@@ -20,7 +20,7 @@ def list_runs(
     json_: JsonOpt = False,
 ) -> None:
     """Every run under FOLDER with its status, step, tokens, best val loss and latest checkpoint."""
-    from kubetrain.report import list_runs as find
+    from kubetrain.runs.reader import list_runs as find
 
     rows = find(folder)
     if json_:
@@ -43,7 +43,7 @@ def list_runs(
 @app.command()
 def show(run_dir: Annotated[Path, typer.Argument(help="A run directory.")], json_: JsonOpt = False) -> None:
     """Status, progress, losses and checkpoints of one run."""
-    from kubetrain.report import describe_run
+    from kubetrain.runs.reader import describe_run
 
     if not run_dir.is_dir():
         raise UserInputError(f"no such run directory: {run_dir}")
@@ -69,7 +69,7 @@ def compare(run_dirs: RunDirsArg, json_: JsonOpt = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kubetrain.track.compare import compare as collect
+    from kubetrain.runs.compare import compare as collect
 
     result = collect(run_dirs)
     if json_:
@@ -106,7 +106,7 @@ def plot(
     x: XOpt = "step",
 ) -> None:
     """Train and validation loss curves of one or several runs, as a PNG."""
-    from kubetrain.track.plots import plot_losses
+    from kubetrain.runs.plots import plot_losses
 
     if x not in ("step", "tokens"):
         raise UserInputError(f"--x must be 'step' or 'tokens', not '{x}'")

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
-from kubetrain.dist.env import process_env
+from kubetrain.distributed.env import process_env
 
 
 def train(

@@ -202,6 +202,25 @@ def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as dotted keys, the form --set takes: {"train": {"lr": 1e-3}} -> {"train.lr": 1e-3}.
+
+    Lists of mappings (data.sources, phases) go by index ("data.sources.0.path"); lists of plain values stay
+    whole ("train.betas": [0.9, 0.95]), and so do empty ones.
+    """
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(value, list) and value and any(isinstance(v, dict | list) for v in value):
+        out = {}
+        for i, v in enumerate(value):
+            out.update(flatten(v, f"{prefix}.{i}" if prefix else str(i)))
+        return out
+    return {prefix: value} if prefix else {}
+
+
 def config_hash(cfg: Config) -> str:
     """A short digest of the resolved config (which checkpoints record)."""
     blob = json.dumps(cfg.model_dump(mode="json"), sort_keys=True).encode()

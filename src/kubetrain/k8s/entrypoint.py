@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kubetrain.dist.env import NodeEnv, node_env
+from kubetrain.distributed.env import NodeEnv, node_env
 from kubetrain.errors import KubetrainError, UserInputError
 
 Log = Callable[[str], None]

@@ -10,7 +10,7 @@ from kubetrain.config.loading import validate as validate_config
 from kubetrain.config.schema import Config
 from kubetrain.k8s.context import CONFIG_FILE, RenderContext, RenderError
 from kubetrain.k8s.podspec import METRICS_PORT_NAME
-from kubetrain.runs import redact, redact_text
+from kubetrain.secrets import redact, redact_text
 
 
 def pod_config(ctx: RenderContext) -> Config:

@@ -93,7 +93,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
 
 
 def _run_status(run_dir: Path) -> str:
-    from kubetrain.report import describe_run
+    from kubetrain.runs.reader import describe_run
 
     return str(describe_run(run_dir)["status"]) if run_dir.is_dir() else "unknown"
 

@@ -1,6 +1,6 @@
 """kubetrain's own GPT decoder: RoPE, RMSNorm, SwiGLU, tied embeddings, causal SDPA, scaled init.
 
-Single-device code: DDP/FSDP, compile and mixed precision are applied from outside (dist/, train/).
+Single-device code: DDP/FSDP, compile and mixed precision are applied from outside (distributed/, train/).
 It is the Llama architecture, so export/ maps it onto a Llama config for Hugging Face and GGUF.
 """
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from kubetrain.config.schema import ModelConfig
 from kubetrain.errors import ConfigError, UserInputError
-from kubetrain.runs import redact_text
+from kubetrain.secrets import redact_text
 
 # Trainable weights stay fp32 under "auto": AdamW updates vanish in bf16 weights; autocast gives bf16 compute.
 _DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,

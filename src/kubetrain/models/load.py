@@ -10,6 +10,7 @@ import torch
 import yaml
 from torch import nn
 
+from kubetrain import checkpoint
 from kubetrain.config.loading import validate
 from kubetrain.config.schema import Config
 from kubetrain.data.tokenizers import Tokenizer, load_saved_tokenizer
@@ -17,7 +18,6 @@ from kubetrain.errors import KubetrainError, UserInputError
 from kubetrain.models import build_model
 from kubetrain.models.lora import apply_lora
 from kubetrain.runs import CHECKPOINTS, CONFIG_FILE
-from kubetrain.train import checkpoint
 
 
 def locate(target: Path, which: str = "best", warn: Callable[[str], None] | None = None

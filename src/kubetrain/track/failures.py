@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from kubetrain.runs import redact_text
+from kubetrain.secrets import redact_text
 
 # "[Errno 111] Connection refused" buried in a page of urllib3/requests wrapping is the part a user needs
 _ERRNO = re.compile(r"\[Errno -?\d+\] [^'\")\]\n]+")

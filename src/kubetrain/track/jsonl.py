@@ -28,18 +28,6 @@ def truncate_after(path: Path, step: int) -> None:
     os.replace(tmp, path)
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
 class JsonlSink(Sink):
     name = "metrics.jsonl"
 

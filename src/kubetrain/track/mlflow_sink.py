@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kubetrain.runs import CONFIG_FILE, META_FILE, redact, redact_text
+from kubetrain.config.loading import flatten
+from kubetrain.runs import CONFIG_FILE, META_FILE
+from kubetrain.secrets import redact, redact_text
 from kubetrain.track import Sink
-from kubetrain.track.compare import flatten
 from kubetrain.track.failures import TrackerUnavailable, missing_package, one_line
 
 # MLflow's HTTP client retries for minutes by default; a tracker that is down must cost seconds, not the run.

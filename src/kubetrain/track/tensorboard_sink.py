@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from kubetrain.runs import redact
+from kubetrain.secrets import redact
 from kubetrain.track import Sink
 from kubetrain.track.failures import missing_package
 

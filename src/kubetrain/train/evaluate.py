@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kubetrain.data.loader import IGNORE_INDEX, TokenWindows, val_batches
-from kubetrain.dist.setup import all_reduce_mean
+from kubetrain.distributed.setup import all_reduce_mean
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kubetrain import runs
+from kubetrain import checkpoint, runs
 from kubetrain.config.loading import phase_config
 from kubetrain.config.schema import Config
-from kubetrain.dist import setup as dist
+from kubetrain.distributed import setup as dist
 from kubetrain.errors import UserInputError
-from kubetrain.train import checkpoint
 from kubetrain.train.trainer import TrainResult, train
 
 

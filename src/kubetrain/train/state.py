@@ -9,9 +9,9 @@ import torch
 import torch.distributed as td
 from torch import nn
 
+from kubetrain import checkpoint
+from kubetrain.checkpoint.sharded import load_optimizer as load_sharded_optimizer
 from kubetrain.errors import IncompatibleCheckpointError
-from kubetrain.train import checkpoint
-from kubetrain.train.sharded import load_optimizer as load_sharded_optimizer
 
 
 @dataclass

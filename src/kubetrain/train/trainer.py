@@ -15,12 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from kubetrain import runs
+from kubetrain import checkpoint, runs
+from kubetrain.checkpoint.sharded import full_model_state
+from kubetrain.checkpoint.sharded import save_optimizer as save_sharded_optimizer
 from kubetrain.config.loading import config_hash
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import Prepared, prepare
-from kubetrain.dist import setup as dist
+from kubetrain.distributed import setup as dist
 from kubetrain.errors import IncompatibleCheckpointError, TrainingFailed, TrainingStopped, UserInputError
 from kubetrain.models import build_model
 from kubetrain.models.lora import apply_lora
@@ -29,12 +31,9 @@ from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
 from kubetrain.track.console import Throughput
 from kubetrain.track.jsonl import truncate_after
-from kubetrain.train import checkpoint
 from kubetrain.train.device import autocast, memory_gib, peak_flops, resolve_precision
 from kubetrain.train.evaluate import evaluate, lm_loss, perplexity
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
-from kubetrain.train.sharded import full_model_state
-from kubetrain.train.sharded import save_optimizer as save_sharded_optimizer
 from kubetrain.train.state import (
     TrainResult,
     TrainState,

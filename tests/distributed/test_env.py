@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kubetrain.dist.env import DEFAULT_MASTER_PORT, node_env, process_env
+from kubetrain.distributed.env import DEFAULT_MASTER_PORT, node_env, process_env
 
 
 def test_single_process_defaults() -> None:

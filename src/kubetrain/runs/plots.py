@@ -6,8 +6,7 @@ from pathlib import Path
 from typing import Literal
 
 from kubetrain.errors import UserInputError
-from kubetrain.track.compare import RunRecords, expand
-from kubetrain.track.failures import missing_package
+from kubetrain.runs.reader import RunRecords, expand
 
 WIDTH_PX, HEIGHT_PX, DPI = 1200, 500, 100
 XAxis = Literal["step", "tokens"]
@@ -25,7 +24,7 @@ def plot_losses(paths: list[Path], out: Path, x: XAxis = "step") -> Path:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise UserInputError(str(missing_package("matplotlib"))) from None
+        raise UserInputError("the 'matplotlib' package is not installed (pip install 'kubetrain[track]')") from None
 
     fig = Figure(figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI)
     FigureCanvasAgg(fig)

@@ -10,7 +10,7 @@ import torch.distributed as td
 from torch import nn
 
 from kubetrain.config.schema import DistConfig
-from kubetrain.dist.env import ProcessEnv, process_env
+from kubetrain.distributed.env import ProcessEnv, process_env
 
 
 def init(cfg: DistConfig, device: torch.device) -> ProcessEnv:

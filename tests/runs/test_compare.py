@@ -10,17 +10,10 @@ import yaml
 
 from kubetrain import runs
 from kubetrain.errors import UserInputError
-from kubetrain.track.compare import compare, expand, flatten
-from kubetrain.track.jsonl import read_metrics
+from kubetrain.runs.compare import compare
+from kubetrain.runs.reader import expand, read_metrics
 
 from .conftest import TOKENS_PER_STEP
-
-
-def test_flatten() -> None:
-    nested = {"train": {"lr": 0.1, "betas": [0.9, 0.95]}, "phases": [], "model": {"lora": None},
-              "data": {"sources": [{"kind": "text", "path": "a"}]}}
-    assert flatten(nested) == {"train.lr": 0.1, "train.betas": [0.9, 0.95], "data.sources.0.kind": "text",
-                               "data.sources.0.path": "a", "phases": [], "model.lora": None}
 
 
 def test_compare_two_runs(two_runs: tuple[Path, Path]) -> None:

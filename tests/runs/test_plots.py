@@ -10,7 +10,7 @@ from matplotlib.image import imread
 
 from kubetrain import runs
 from kubetrain.errors import UserInputError
-from kubetrain.track.plots import HEIGHT_PX, WIDTH_PX, plot_losses
+from kubetrain.runs.plots import HEIGHT_PX, WIDTH_PX, plot_losses
 
 
 def test_png_of_two_runs(two_runs: tuple[Path, Path], tmp_path: Path) -> None:

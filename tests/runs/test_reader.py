@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kubetrain import runs
-from kubetrain.report import describe_run, list_runs
+from kubetrain.runs.reader import describe_run, list_runs
 from tests.train.conftest import kubetrain, sets
 
 

@@ -1,0 +1,51 @@
+"""The checkpoint format: layout, write, verify, read, newest-that-verifies, sharded optimizer state.
+
+Callers say `from kubetrain import checkpoint` and `checkpoint.save(...)`, `checkpoint.find_resumable(...)`.
+Nothing here imports from train/, models/, cli/ or k8s/: every one of them imports this.
+"""
+
+from kubetrain.checkpoint.layout import (
+    BEST,
+    CHECKSUM,
+    LATEST,
+    META_FILE,
+    MODEL_FILE,
+    TRAINER_FILE,
+    TRAINER_TENSORS,
+    complete_checkpoints,
+    file_digest,
+    pointer,
+    step_name,
+    tmp_dir,
+)
+from kubetrain.checkpoint.read import Checkpoint, check_compatible, find_resumable, resolve, verify
+from kubetrain.checkpoint.sharded import OPTIMIZER_DIR, full_model_state, load_optimizer, save_optimizer
+from kubetrain.checkpoint.write import begin, prune, save, unique_tensors
+
+__all__ = [
+    "BEST",
+    "CHECKSUM",
+    "LATEST",
+    "META_FILE",
+    "MODEL_FILE",
+    "OPTIMIZER_DIR",
+    "TRAINER_FILE",
+    "TRAINER_TENSORS",
+    "Checkpoint",
+    "begin",
+    "check_compatible",
+    "complete_checkpoints",
+    "file_digest",
+    "find_resumable",
+    "full_model_state",
+    "load_optimizer",
+    "pointer",
+    "prune",
+    "resolve",
+    "save",
+    "save_optimizer",
+    "step_name",
+    "tmp_dir",
+    "unique_tensors",
+    "verify",
+]

@@ -1,0 +1,122 @@
+"""Read checkpoints back: verify every file against its checksum, pick the newest that verifies, check fit.
+
+Nothing here unpickles anything but plain data: weights come from safetensors, the trainer state through
+`torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from kubetrain.checkpoint import tensorfile
+from kubetrain.checkpoint.layout import (
+    CHECKSUM,
+    META_FILE,
+    MODEL_FILE,
+    TRAINER_FILE,
+    TRAINER_TENSORS,
+    complete_checkpoints,
+    file_digest,
+)
+from kubetrain.errors import CheckpointError, IncompatibleCheckpointError
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    meta: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return load_file(self.path / MODEL_FILE)
+
+    def trainer_state(self) -> dict[str, Any]:
+        # weights_only: a checkpoint from elsewhere cannot run code when it is loaded.
+        # mmap: tensors are paged in from the file (already in the page cache after verify) instead of copied.
+        skeleton = torch.load(self.path / TRAINER_FILE, map_location="cpu", weights_only=True)
+        tensors = load_file(self.path / TRAINER_TENSORS) if (self.path / TRAINER_TENSORS).exists() else {}
+        state: dict[str, Any] = tensorfile.join(skeleton, tensors)
+        return state
+
+
+def verify(path: Path, deep: bool = True) -> Checkpoint:
+    """The checkpoint in `path` if its meta and files are whole and match their checksums."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path.name}: unreadable meta.json ({e})") from None
+    files = meta.get("files") or {}
+    if not files:
+        raise CheckpointError(f"{path.name}: meta.json lists no files")
+    for fname, info in files.items():
+        f = path / fname
+        if not f.is_file():
+            raise CheckpointError(f"{path.name}: {fname} is missing")
+        if f.stat().st_size != info["bytes"]:
+            raise CheckpointError(f"{path.name}: {fname} has {f.stat().st_size} bytes, expected {info['bytes']}")
+    if deep:
+        with ThreadPoolExecutor(max_workers=len(files)) as pool:
+            digests = dict(zip(files, pool.map(file_digest, (path / f for f in files)), strict=True))
+        for fname, info in files.items():
+            if digests[fname] != info.get(CHECKSUM):
+                raise CheckpointError(f"{path.name}: {fname} fails its checksum")
+    return Checkpoint(path, meta)
+
+
+def find_resumable(root: Path, warn: Callable[[str], None] | None = None) -> Checkpoint | None:
+    """The newest checkpoint that verifies; broken or half-written ones are skipped with a warning.
+
+    Newest by step, not by the `latest` pointer: a kill between the rename and the pointer update leaves
+    a complete checkpoint that `latest` does not name yet.
+    """
+    warn = warn or (lambda m: warnings.warn(m, stacklevel=2))
+    for path in reversed(complete_checkpoints(root)):
+        try:
+            return verify(path)
+        except CheckpointError as e:
+            warn(f"skipping checkpoint {e}")
+    return None
+
+
+def resolve(path: Path) -> Checkpoint:
+    """A checkpoint named by the user: a checkpoint folder, or a run/checkpoints folder (its newest good one)."""
+    if (path / META_FILE).is_file() and (path / MODEL_FILE).exists():
+        return verify(path)
+    for root in (path / "checkpoints", path):
+        if root.is_dir() and complete_checkpoints(root):
+            found = find_resumable(root)
+            if found:
+                return found
+    raise IncompatibleCheckpointError(f"no usable checkpoint at {path}")
+
+
+def check_compatible(ckpt: Checkpoint, shapes: dict[str, list[int]], tokenizer: str | None) -> None:
+    """Refuse a checkpoint whose model shape or tokenizer differs from the config's."""
+    theirs = ckpt.meta.get("shapes", {})
+    for name, shape in theirs.items():
+        if name in shapes and shapes[name] != shape:
+            raise IncompatibleCheckpointError(
+                f"checkpoint {ckpt.path} does not fit the model: {name} is {shape} there, {shapes[name]} in the config"
+            )
+    if set(theirs) != set(shapes):
+        differ = sorted(set(theirs) ^ set(shapes))
+        raise IncompatibleCheckpointError(
+            f"checkpoint {ckpt.path} does not fit the model: weights differ ({', '.join(differ[:3])})"
+        )
+    old_tok = ckpt.meta.get("tokenizer")
+    if tokenizer and old_tok and old_tok != tokenizer:
+        raise IncompatibleCheckpointError(
+            f"checkpoint {ckpt.path} was trained with tokenizer {old_tok}, the config gives {tokenizer}"
+        )

@@ -1,0 +1,143 @@
+"""Write checkpoints that never lose work: into a temporary folder, checksummed, fsynced, renamed.
+
+The model weights and the optimizer tensors go out through our safetensors writer (tensorfile); meta.json
+lists the xxh3-128 digest and size of every file, which is what `read.verify` checks before anything loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+
+from kubetrain.checkpoint import tensorfile
+from kubetrain.checkpoint.layout import (
+    BEST,
+    CHECKSUM,
+    LATEST,
+    META_FILE,
+    MODEL_FILE,
+    TRAINER_FILE,
+    TRAINER_TENSORS,
+    complete_checkpoints,
+    file_digest,
+    pointer,
+    step_name,
+    tmp_dir,
+)
+from kubetrain.checkpoint.read import Checkpoint
+from kubetrain.errors import CheckpointError
+from kubetrain.files import fsync_dir, fsync_file, write_atomic
+
+
+def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies, each storage once (tied weights are saved under their first name)."""
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = t.detach().to("cpu").contiguous()
+    return out
+
+
+def save(
+    root: Path,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    trainer_state: dict[str, Any],
+    meta: dict[str, Any],
+    *,
+    keep_last: int,
+    is_best: bool = False,
+    prepared: bool = False,
+) -> Checkpoint:
+    """Write one checkpoint atomically, move `latest` (and `best`) to it, prune old ones.
+
+    A failure at any point (full disk, no permission, a kill) leaves the previous checkpoint and the
+    `latest` pointer as they were. `prepared`: the caller made the temporary folder with `begin` and
+    wrote more into it (sharded optimizer state); those files are checksummed too.
+    """
+    name = step_name(step)
+    final = root / name
+    tmp = tmp_dir(root, step)
+    try:
+        if not prepared:
+            begin(root, step)
+        tensors = unique_tensors(model_state)
+        written = {MODEL_FILE: tensorfile.write(tmp / MODEL_FILE, tensors)}
+        # The big optimizer tensors go to a safetensors file at disk speed; trainer.pt keeps the small rest.
+        trainer_tensors: dict[str, torch.Tensor] = {}
+        skeleton = tensorfile.split(trainer_state, trainer_tensors)
+        written[TRAINER_TENSORS] = tensorfile.write(tmp / TRAINER_TENSORS, trainer_tensors)
+        torch.save(skeleton, tmp / TRAINER_FILE)
+        files = sorted(f for f in tmp.rglob("*") if f.is_file() and f.name != META_FILE)
+        others = [f for f in files if str(f.relative_to(tmp)) not in written]
+        # The rest (trainer.pt, sharded optimizer files) is hashed and fsynced at once: both release the GIL.
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            written.update(zip((str(f.relative_to(tmp)) for f in others), pool.map(_digest_and_sync, others),
+                               strict=True))
+        digests = [written[str(f.relative_to(tmp))] for f in files]
+        full_meta = {
+            **meta,
+            "step": step,
+            "files": {
+                str(f.relative_to(tmp)): {CHECKSUM: d, "bytes": f.stat().st_size}
+                for f, d in zip(files, digests, strict=True)
+            },
+            "shapes": {k: list(v.shape) for k, v in tensors.items()},
+        }
+        write_atomic(tmp / META_FILE, json.dumps(full_meta, indent=2))
+        fsync_dir(tmp)
+        if final.exists():  # an earlier save of the same step (a resumed run re-saving): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fsync_dir(root)
+        write_atomic(root / LATEST, name + "\n")
+        if is_best:
+            write_atomic(root / BEST, name + "\n")
+        fsync_dir(root)
+    except (OSError, RuntimeError, SafetensorError) as e:
+        # torch.save reports a full disk as RuntimeError and safetensors as SafetensorError.
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e).splitlines()[0]
+        raise CheckpointError(
+            f"could not save checkpoint {name} in {root}: {why}; the previous checkpoint is intact"
+        ) from None
+    prune(root, keep_last)
+    return Checkpoint(final, full_meta)
+
+
+def begin(root: Path, step: int) -> Path:
+    """A fresh temporary folder for the checkpoint of `step` (what a killed save left there is discarded)."""
+    tmp = tmp_dir(root, step)
+    root.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def _digest_and_sync(path: Path) -> str:
+    digest = file_digest(path)
+    fsync_file(path)
+    return digest
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Keep the newest `keep_last` checkpoints, plus the ones `latest` and `best` name."""
+    keep = {pointer(root, LATEST), pointer(root, BEST)}
+    ckpts = complete_checkpoints(root)
+    for p in ckpts[: max(0, len(ckpts) - keep_last)]:
+        if p.name not in keep:
+            shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob("*.tmp"):  # leftovers of a save that was killed
+        shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,34 @@
+"""Writing files so that a kill or a full disk never leaves a torn one: atomic replace, fsync.
+
+A leaf module: run files (runs/) and checkpoints (checkpoint/) both need it, and runs/ reads checkpoints,
+so it cannot live in either without the two importing each other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a small file so that readers see the old or the new content, never half of it."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems do not fsync directories
+        fsync_file(path)

@@ -1,0 +1,50 @@
+"""The run directory: layout (runs.layout), starting it and keeping its meta.json (runs.rundir), and reading
+runs back for `kubetrain runs list/show/compare/plot` (runs.reader, runs.compare, runs.plots).
+
+Callers say `from kubetrain import runs` and `runs.start(...)`, `runs.read_meta(...)`, `runs.CHECKPOINTS`.
+"""
+
+from kubetrain.runs.layout import (
+    CHECKPOINTS,
+    CONFIG_FILE,
+    META_FILE,
+    METRICS_FILE,
+    PHASES,
+    SAMPLES_FILE,
+    STATUSES,
+    run_dir,
+)
+from kubetrain.runs.reader import (
+    RunRecords,
+    describe_run,
+    expand,
+    list_runs,
+    phase_dirs,
+    read_config,
+    read_meta,
+    read_metrics,
+)
+from kubetrain.runs.rundir import config_changes, git_sha, start, update_meta
+
+__all__ = [
+    "CHECKPOINTS",
+    "CONFIG_FILE",
+    "META_FILE",
+    "METRICS_FILE",
+    "PHASES",
+    "SAMPLES_FILE",
+    "STATUSES",
+    "RunRecords",
+    "config_changes",
+    "describe_run",
+    "expand",
+    "git_sha",
+    "list_runs",
+    "phase_dirs",
+    "read_config",
+    "read_meta",
+    "read_metrics",
+    "run_dir",
+    "start",
+    "update_meta",
+]

@@ -1,0 +1,23 @@
+"""Where a run directory is and what its files are called.
+
+runs/<run-id>/  config.yaml  meta.json  metrics.jsonl  samples.txt  tokenizer/  checkpoints/  phases/<phase>/
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kubetrain.config.schema import Config
+
+CONFIG_FILE = "config.yaml"
+META_FILE = "meta.json"
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.txt"
+CHECKPOINTS = "checkpoints"
+PHASES = "phases"
+
+STATUSES = ("running", "stopped", "finished", "failed")
+
+
+def run_dir(cfg: Config) -> Path:
+    return Path(cfg.run.output_dir).expanduser() / cfg.run.name

@@ -1,0 +1,90 @@
+"""Start a run directory and keep its meta.json: who started it, with what, what changed; secrets redacted.
+
+Reading runs back (list, show, compare, plot) is runs.reader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import kubetrain
+from kubetrain.config.loading import config_hash, flatten, to_yaml
+from kubetrain.config.schema import Config
+from kubetrain.files import write_atomic
+from kubetrain.runs.layout import CONFIG_FILE, META_FILE
+from kubetrain.runs.reader import read_meta
+from kubetrain.secrets import redact
+
+
+def git_sha() -> str | None:
+    here = Path(kubetrain.__file__).resolve().parent
+    for cwd in (Path.cwd(), here):
+        try:
+            out = subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if out.returncode == 0:
+            return out.stdout.strip()
+    return None
+
+
+def config_changes(path: Path, cfg: Config) -> list[str]:
+    """What differs between the config a run was last started with and this one ("train.lr: 0.003 -> 0.001")."""
+    import yaml
+
+    try:
+        old = yaml.safe_load((path / CONFIG_FILE).read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    before, after = flatten(old or {}), flatten(cfg.model_dump(mode="json"))
+    keys = sorted(set(before) | set(after))
+    changed = [k for k in keys if before.get(k) != after.get(k)]
+    return [f"{k}: {redact(before.get(k), k)!r} -> {redact(after.get(k), k)!r}" for k in changed]
+
+
+def start(path: Path, cfg: Config, argv: list[str], world_size: int, phase: str | None = None) -> dict[str, Any]:
+    """Create (or reopen) a run directory and record who started it, with what (and what changed since)."""
+    import torch
+
+    path.mkdir(parents=True, exist_ok=True)
+    previous = read_meta(path)
+    changes = config_changes(path, cfg)
+    write_atomic(path / CONFIG_FILE, to_yaml(cfg))
+    meta = {
+        "run": cfg.run.name,
+        "kubetrain_version": kubetrain.__version__,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "git_sha": git_sha(),
+        "argv": redact([Path(sys.argv[0]).name, *argv]),
+        "host": socket.gethostname(),
+        "world_size": world_size,
+        "config_hash": config_hash(cfg),
+        "created_at": previous.get("created_at", time.time()),
+        "started_at": time.time(),
+        "starts": int(previous.get("starts", 0)) + 1,
+        "status": "running",
+        "phase": phase,
+        "pid": os.getpid(),
+        "config_changes": changes,
+        "history": [*previous.get("history", []), *([{"at": time.time(), "changes": changes}] if changes else [])],
+    }
+    write_atomic(path / META_FILE, json.dumps(redact(meta), indent=2))
+    return meta
+
+
+def update_meta(path: Path, **fields: Any) -> None:
+    meta = read_meta(path)
+    meta.update(fields)
+    meta["updated_at"] = time.time()
+    write_atomic(path / META_FILE, json.dumps(redact(meta), indent=2))

@@ -1,0 +1,71 @@
+"""checkpoint.read: verification, the newest checkpoint that verifies, refusal of broken or foreign ones."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kubetrain import checkpoint
+from kubetrain.errors import IncompatibleCheckpointError
+from tests.checkpoint.conftest import save_step, tiny_state
+
+
+def test_trainer_state_loads_without_pickle_execution(tmp_path: Path) -> None:
+    ck = save_step(tmp_path, 1)
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, ("true",))
+
+    torch.save({"x": Evil()}, ck.path / "trainer.pt")
+    with pytest.raises(Exception, match=r"[Ww]eights only"):
+        ck.trainer_state()
+
+
+def test_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path: Path) -> None:
+    save_step(tmp_path, 1)
+    ck2 = save_step(tmp_path, 2)
+    data = bytearray((ck2.path / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF  # same size, different bytes: only the checksum can tell
+    (ck2.path / "model.safetensors").write_bytes(bytes(data))
+    warnings: list[str] = []
+    found = checkpoint.find_resumable(tmp_path, warn=warnings.append)
+    assert found is not None and found.step == 1
+    assert any("checksum" in w for w in warnings)
+
+
+def test_half_written_checkpoints_are_never_loaded(tmp_path: Path) -> None:
+    save_step(tmp_path, 1)
+    ck2 = save_step(tmp_path, 2)
+    (ck2.path / "trainer.pt").write_bytes(b"truncated")  # a torn file
+    half = tmp_path / "step-000003.tmp"  # a save killed before its rename
+    shutil.copytree(ck2.path, half)
+    no_meta = tmp_path / "step-000004"  # a folder with no meta.json
+    no_meta.mkdir()
+    found = checkpoint.find_resumable(tmp_path, warn=lambda m: None)
+    assert found is not None and found.step == 1
+
+
+def test_newest_complete_checkpoint_wins_over_a_stale_latest_pointer(tmp_path: Path) -> None:
+    save_step(tmp_path, 1)
+    save_step(tmp_path, 2)
+    (tmp_path / "latest").write_text("step-000001\n")  # killed between the rename and the pointer update
+    found = checkpoint.find_resumable(tmp_path)
+    assert found is not None and found.step == 2
+
+
+def test_incompatible_shapes_and_tokenizer_are_refused(tmp_path: Path) -> None:
+    ck = save_step(tmp_path, 1)
+    shapes = {k: list(v.shape) for k, v in checkpoint.unique_tensors(tiny_state()).items()}
+    checkpoint.check_compatible(ck, shapes, None)
+    with pytest.raises(IncompatibleCheckpointError, match=r"embed\.weight"):
+        checkpoint.check_compatible(ck, {**shapes, "embed.weight": [32, 8]}, None)
+    with pytest.raises(IncompatibleCheckpointError, match="weights differ"):
+        checkpoint.check_compatible(ck, {**shapes, "extra.weight": [1]}, None)
+    ck.meta["tokenizer"] = "byte"
+    with pytest.raises(IncompatibleCheckpointError, match="tokenizer"):
+        checkpoint.check_compatible(ck, shapes, "bpe:abc")

@@ -1,0 +1,107 @@
+"""checkpoint.write: atomic saves, checksums, pointers, pruning; a failed save keeps the previous checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kubetrain import checkpoint
+from kubetrain.checkpoint import write
+from kubetrain.errors import CheckpointError
+from tests.checkpoint.conftest import save_step, tiny_state
+
+
+def test_save_writes_files_pointers_and_checksums(tmp_path: Path) -> None:
+    ck = save_step(tmp_path, 5, best=True)
+    assert ck.path.name == "step-000005"
+    assert sorted(p.name for p in ck.path.iterdir()) == [
+        "meta.json", "model.safetensors", "trainer.pt", "trainer.safetensors"]
+    assert checkpoint.pointer(tmp_path, "latest") == "step-000005"
+    assert checkpoint.pointer(tmp_path, "best") == "step-000005"
+    meta = json.loads((ck.path / "meta.json").read_text())
+    assert meta["step"] == 5 and meta["tokens"] == 50
+    assert set(meta["files"]) == {"model.safetensors", "trainer.pt", "trainer.safetensors"}
+    # tied weights are stored once
+    assert set(meta["shapes"]) == {"embed.weight", "norm.weight"}
+    loaded = checkpoint.verify(ck.path)
+    assert torch.equal(loaded.model_state()["embed.weight"], tiny_state(5)["embed.weight"])
+    assert loaded.trainer_state()["step"] == 5
+    assert loaded.trainer_state()["rng"][0].equal(torch.get_rng_state())
+
+
+def test_keep_last_prunes_but_keeps_best(tmp_path: Path) -> None:
+    save_step(tmp_path, 1, best=True)
+    for step in (2, 3, 4):
+        save_step(tmp_path, step)
+    names = [p.name for p in checkpoint.complete_checkpoints(tmp_path)]
+    assert names == ["step-000001", "step-000003", "step-000004"]
+    assert checkpoint.pointer(tmp_path, "best") == "step-000001"
+
+
+def test_resave_of_same_step_replaces_it(tmp_path: Path) -> None:
+    save_step(tmp_path, 3)
+    again = save_step(tmp_path, 3)
+    assert checkpoint.verify(again.path).step == 3
+    assert [p.name for p in checkpoint.complete_checkpoints(tmp_path)] == ["step-000003"]
+
+
+def test_unwritable_folder_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    save_step(tmp_path, 1)
+    # Root ignores permission bits, so make the folder unwritable by putting a file where the save needs a dir.
+    (tmp_path / "step-000002.tmp").write_text("in the way")
+    os.chmod(tmp_path, 0o500)
+    try:
+        with pytest.raises(CheckpointError, match="could not save checkpoint step-000002"):
+            checkpoint.save(tmp_path, 2, tiny_state(), {"x": 1}, {}, keep_last=2)
+    finally:
+        os.chmod(tmp_path, 0o700)
+    assert checkpoint.pointer(tmp_path, "latest") == "step-000001"
+    assert checkpoint.find_resumable(tmp_path).step == 1  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def _small_filesystem(path: Path, size: str) -> object:
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, check=False).returncode == 0
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_full_disk_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    root = tmp_path / "small"
+    with _small_filesystem(root, "160k") as mounted:
+        if not mounted:
+            pytest.skip("mounting a tmpfs needs root (the simulated failure test below still runs)")
+        small = {"w": torch.zeros(8, 1024)}  # 32 KiB
+        checkpoint.save(root, 1, small, {"x": 1}, {}, keep_last=5)
+        big = {"w": torch.zeros(40, 1024)}  # 160 KiB: cannot fit next to the first
+        with pytest.raises(CheckpointError, match="No space left on device"):
+            checkpoint.save(root, 2, big, {"x": 1}, {}, keep_last=5)
+        assert checkpoint.pointer(root, "latest") == "step-000001"
+        assert not (root / "step-000002.tmp").exists()
+        assert checkpoint.find_resumable(root).step == 1  # type: ignore[union-attr]
+
+
+def test_write_failure_midway_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    save_step(tmp_path, 1)
+
+    def failing_save(obj: object, f: object) -> None:
+        Path(str(f)).write_bytes(b"partial")
+        raise OSError(28, os.strerror(28))
+
+    monkeypatch.setattr(write.torch, "save", failing_save)
+    with pytest.raises(CheckpointError, match=r"No space left"):
+        checkpoint.save(tmp_path, 2, tiny_state(), {"x": 1}, {}, keep_last=2)
+    assert checkpoint.pointer(tmp_path, "latest") == "step-000001"
+    assert not (tmp_path / "step-000002.tmp").exists()
+    assert not (tmp_path / "step-000002").exists()

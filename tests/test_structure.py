@@ -1,0 +1,102 @@
+"""The shape of the package: imports between folders point one way only, and functions fit on a screen."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import kubetrain
+
+SRC = Path(kubetrain.__file__).parent
+MAX_FUNCTION_LINES = 80
+# Functions allowed to be longer, each with its reason (keep this list short).
+LONG_FUNCTIONS: dict[str, str] = {}
+
+
+def room(module: str) -> str | None:
+    """The folder (or top-level module) of `kubetrain.a.b`: `a`; None outside the package."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "kubetrain" and len(parts) > 1 else None
+
+
+def python_files() -> Iterator[tuple[str, Path]]:
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC)
+        yield ".".join(("kubetrain", *rel.with_suffix("").parts)), path
+
+
+def imported_modules(module: str, path: Path) -> Iterator[str]:
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            yield target
+            yield from (f"{target}.{alias.name}" for alias in node.names)
+
+
+def folder_graph() -> dict[str, set[str]]:
+    """room -> the rooms it imports (inside functions too: a lazy import is still a dependency)."""
+    graph: dict[str, set[str]] = {}
+    for module, path in python_files():
+        here = room(module)
+        if here is None or path.parent == SRC:  # top-level modules (errors.py, __main__.py) are not folders
+            continue
+        for target in imported_modules(module, path):
+            there = room(target)
+            if there and there != here and (SRC / there).is_dir():
+                graph.setdefault(here, set()).add(there)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as a path [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_no_two_folders_import_each_other() -> None:
+    graph = folder_graph()
+    assert "train" in graph and "config" in graph["train"]  # the walk sees real imports
+    cycle = find_cycle(graph)
+    assert cycle is None, "folders import each other: " + " -> ".join(cycle or [])
+
+
+def test_no_function_is_longer_than_a_screen() -> None:
+    long = []
+    for module, path in python_files():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                name = f"{module}.{node.name}"
+                if lines > MAX_FUNCTION_LINES and name not in LONG_FUNCTIONS:
+                    long.append(f"{name} ({lines} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {', '.join(long)}"
