@@ -11,8 +11,7 @@ import yaml
 from kubetrain import runs
 from kubetrain.errors import UserInputError
 from kubetrain.runs.compare import compare
-from kubetrain.runs.reader import expand
-from kubetrain.runs.reader import read_metrics
+from kubetrain.runs.reader import expand, read_metrics
 
 from .conftest import TOKENS_PER_STEP
 
