@@ -11,7 +11,13 @@ from typing import Any
 
 REDACTED = "***"
 
-_SECRET_KEY = re.compile(r"(token|password|passwd|secret|api[_-]?key|credential|auth)", re.IGNORECASE)
+# A key names a secret when its last word is a secret word: `token`, `hf_token`, `HF_TOKEN`, `accessToken`,
+# `db_password`, `api_key`; not `tokenizer`, `sample_tokens`, `max_tokens`, `secret_name`, `hf_token_env`.
+# Words are separated by `.`, `_`, `-` or a camelCase hump; only the last word of the last segment counts.
+_SECRET_WORDS = r"token|password|passwd|pwd|passphrase|secret|credentials?|auth|authorization"
+_SECRET_KEY = re.compile(rf"(?:^|[._-])(?:{_SECRET_WORDS}|(?:api|access|private|secret)[_-]?key)$", re.IGNORECASE)
+_SECRET_CAMEL = re.compile(r"[a-z0-9](?:Token|Password|Passwd|Passphrase|Secret|Credentials?|Auth|Authorization"
+                           r"|(?:Api|Access|Private|Secret)Key)$")
 _SECRET_VALUE = [
     re.compile(r"hf_[A-Za-z0-9]{16,}"),  # Hugging Face tokens
     re.compile(r"gh[pousr]_[A-Za-z0-9]{20,}"),  # GitHub tokens
@@ -19,6 +25,7 @@ _SECRET_VALUE = [
     re.compile(r"AKIA[0-9A-Z]{16}"),  # AWS access key ids
     re.compile(r"eyJ[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}\.[A-Za-z0-9_-]{10,}"),  # JWTs (service account tokens)
 ]
+_KEY_VALUE = re.compile(r"(?P<k>[\w.-]+)=(?P<v>[^\s,]+)")
 _URL_PASSWORD = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<user>[^:/@\s]+):(?P<pw>[^@/\s]+)@", re.IGNORECASE)
 
 
@@ -28,12 +35,12 @@ def redact_text(text: str) -> str:
     for pattern in _SECRET_VALUE:
         text = pattern.sub(REDACTED, text)
     # KEY=VALUE pairs (argv overrides, env) whose key names a secret
-    return re.sub(
-        r"(?P<k>[\w.-]*(?:token|password|passwd|secret|api[_-]?key)[\w.-]*)=(?P<v>[^\s,]+)",
-        lambda m: f"{m['k']}={REDACTED}",
-        text,
-        flags=re.IGNORECASE,
-    )
+    return _KEY_VALUE.sub(lambda m: f"{m['k']}={REDACTED}" if is_secret_key(m["k"]) else m[0], text)
+
+
+def is_secret_key(key: str) -> bool:
+    """Whether a field, variable or dotted config key names a secret (by its last word, not a substring)."""
+    return bool(_SECRET_KEY.search(key) or _SECRET_CAMEL.search(key))
 
 
 def redact(value: Any, key: str = "") -> Any:
@@ -43,7 +50,7 @@ def redact(value: Any, key: str = "") -> Any:
     if isinstance(value, list):
         return [redact(v, key) for v in value]
     if isinstance(value, str):
-        if key and _SECRET_KEY.search(key) and not key.endswith(("_env", "_key_name", "secret_name", "_field")):
+        if key and is_secret_key(key):
             return REDACTED if value else value
         return redact_text(value)
     return value

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 
 from kubetrain.config import load_config
@@ -203,3 +204,43 @@ def test_postgresql_store(train_tiny: TrainTiny, postgres_uri: str, tmp_path: Pa
     assert result.status == "finished"
     client, run_id = only_run(postgres_uri)
     check_tracked_run(client, run_id, Path(result.run_dir), tmp_path)
+
+
+SECRET = "hf_" + "Qx9" * 8  # shaped like a Hugging Face token
+
+
+@pytest.mark.slow
+def test_config_artifact_and_config_yaml_hold_no_secret(train_tiny: TrainTiny, tmp_path: Path, sqlite_uri: str) -> None:
+    """A token pasted into a free-text field: config.yaml on disk and the artifact MLflow stores both hide it."""
+    result = train_tiny("track.mlflow.enabled=true", f"track.mlflow.tracking_uri={sqlite_uri}",
+                        "track.mlflow.experiment=secrets", f"eval.sample_prompt=say {SECRET} twice")
+    on_disk = (Path(result.run_dir) / "config.yaml").read_text()
+    client, run_id = only_run(sqlite_uri, "secrets")
+    stored = Path(client.download_artifacts(run_id, "config.yaml", str(tmp_path))).read_text()
+    for text in (on_disk, stored):
+        assert SECRET not in text
+        config = yaml.safe_load(text)
+        assert config["eval"]["sample_prompt"] == "say *** twice"
+        assert config["model"]["n_embd"] == 32 and config["data"]["tokenizer"]["kind"] == "byte"
+    assert client.get_run(run_id).data.params["eval.sample_prompt"] == "say *** twice"  # the same redaction
+    for name in ("meta.json", "metrics.jsonl"):
+        assert SECRET not in (Path(result.run_dir) / name).read_text()
+
+
+def test_artifacts_are_redacted_even_when_the_run_files_are_not(tmp_path: Path, sqlite_uri: str) -> None:
+    """A run directory an older kubetrain wrote (secrets on disk): what reaches MLflow is still redacted."""
+    run_dir = tmp_path / "old"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"eval": {"sample_prompt": SECRET},
+                                                         "data": {"tokenizer": {"path": "tok/v2"}}}))
+    (run_dir / "meta.json").write_text(json.dumps({"argv": ["train", "--set", f"HF_TOKEN={SECRET}"],
+                                                   "hf_token": "plain-but-secret", "status": "finished"}))
+    sink = MlflowSink(sqlite_uri, "old-files", stream=io.StringIO())
+    sink.start({"run_dir": str(run_dir), "run": "old", "config": load_config(None, None, []), "params": 1})
+    sink.finish("finished")
+    client, run_id = only_run(sqlite_uri, "old-files")
+    config = Path(client.download_artifacts(run_id, "config.yaml", str(tmp_path / "a"))).read_text()
+    meta = Path(client.download_artifacts(run_id, "meta.json", str(tmp_path / "b"))).read_text()
+    assert SECRET not in config and SECRET not in meta and "plain-but-secret" not in meta
+    assert yaml.safe_load(config) == {"eval": {"sample_prompt": "***"}, "data": {"tokenizer": {"path": "tok/v2"}}}
+    assert json.loads(meta) == {"argv": ["train", "--set", "HF_TOKEN=***"], "hf_token": "***", "status": "finished"}

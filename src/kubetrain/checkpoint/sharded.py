@@ -28,11 +28,19 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: P
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Collective: read the sharded optimizer state back, resharded to this world size."""
+    """Collective: read the sharded optimizer state back, resharded to this world size.
+
+    Nothing in the checkpoint can run code: its optimizer files must match the digests in its meta.json, and
+    DCP reads them through safe_dcp (metadata through a restricted unpickler, values as plain data only).
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+    from kubetrain.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, load_metadata, verify_files
+
+    verify_files(folder, OPTIMIZER_DIR)
+    load_metadata(folder / OPTIMIZER_DIR / ".metadata")  # refused here, with our message, before DCP starts
     # get_optimizer_state_dict initialises empty AdamW state (a zero-lr step), giving DCP tensors to load into.
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=str(folder / OPTIMIZER_DIR))
+    dcp.load(state, storage_reader=SafeFileSystemReader(folder / OPTIMIZER_DIR), planner=SafeLoadPlanner())
     set_optimizer_state_dict(model, optimizer, state["optimizer"])

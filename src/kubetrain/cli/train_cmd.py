@@ -55,18 +55,22 @@ def train(
                              shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30)
         raise typer.Exit(launch(opts, forwarded, runs.run_dir(cfg)))
 
+    from kubetrain.secrets import redact, redact_text
+    from kubetrain.track.console import console_log
     from kubetrain.train.phases import train_all
 
-    result = train_all(cfg, argv=sys.argv[1:], resume=resume, dry_run=dry_run, only_phase=phase)
-    if not process_env().is_main:
+    penv = process_env()
+    log = console_log(f"[rank {penv.rank}] " if penv.distributed else "")
+    result = train_all(cfg, argv=sys.argv[1:], resume=resume, dry_run=dry_run, only_phase=phase, log=log)
+    if not penv.is_main:
         return  # rank 0 reports for the job
     if json_:
-        typer.echo(json.dumps(result.to_json()))
+        typer.echo(json.dumps(redact(result.to_json())))
         return
     if dry_run:
         return
     if result.sample:
-        typer.echo("\n--- sample ---\n" + result.sample.strip() + "\n--------------")
+        typer.echo("\n--- sample ---\n" + redact_text(result.sample.strip()) + "\n--------------")
     val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
     typer.echo(f"done: {result.steps} steps, {result.tokens:,} tokens, val loss {val}")
     typer.echo(f"run directory: {Path(result.run_dir)}")

@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 import kubetrain
-from kubetrain.config.loading import config_hash, flatten, to_yaml
+from kubetrain.config.loading import config_hash, flatten
 from kubetrain.config.schema import Config
 from kubetrain.files import write_atomic
 from kubetrain.runs.layout import CONFIG_FILE, META_FILE
@@ -40,16 +42,21 @@ def git_sha() -> str | None:
 
 def config_changes(path: Path, cfg: Config) -> list[str]:
     """What differs between the config a run was last started with and this one ("train.lr: 0.003 -> 0.001")."""
-    import yaml
-
     try:
         old = yaml.safe_load((path / CONFIG_FILE).read_text())
     except (OSError, yaml.YAMLError):
         return []
-    before, after = flatten(old or {}), flatten(cfg.model_dump(mode="json"))
+    # both sides redacted: config.yaml on disk is, and a secret must not show up as a change (or in one)
+    before, after = flatten(redact(old if isinstance(old, dict) else {})), flatten(redacted_config(cfg))
     keys = sorted(set(before) | set(after))
     changed = [k for k in keys if before.get(k) != after.get(k)]
-    return [f"{k}: {redact(before.get(k), k)!r} -> {redact(after.get(k), k)!r}" for k in changed]
+    return [f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed]
+
+
+def redacted_config(cfg: Config) -> dict[str, Any]:
+    """The resolved config as config.yaml holds it: every default filled in, secrets redacted."""
+    data: dict[str, Any] = redact(cfg.model_dump(mode="json"))
+    return data
 
 
 def start(path: Path, cfg: Config, argv: list[str], world_size: int, phase: str | None = None) -> dict[str, Any]:
@@ -59,7 +66,7 @@ def start(path: Path, cfg: Config, argv: list[str], world_size: int, phase: str 
     path.mkdir(parents=True, exist_ok=True)
     previous = read_meta(path)
     changes = config_changes(path, cfg)
-    write_atomic(path / CONFIG_FILE, to_yaml(cfg))
+    write_atomic(path / CONFIG_FILE, yaml.safe_dump(redacted_config(cfg), sort_keys=False))
     meta = {
         "run": cfg.run.name,
         "kubetrain_version": kubetrain.__version__,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
+from kubetrain.secrets import redact_text
 from kubetrain.track import Sink
 
 
@@ -31,6 +33,15 @@ def _duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def console_log(prefix: str = "", stream: Any = None) -> Callable[[str], None]:
+    """The training log on stdout: each line prefixed (the rank, when there are several) and secrets redacted."""
+
+    def say(message: str) -> None:
+        print(prefix + redact_text(message), file=stream or sys.stdout, flush=True)
+
+    return say
 
 
 class ConsoleSink(Sink):
@@ -66,7 +77,7 @@ class ConsoleSink(Sink):
     def log(self, record: dict[str, Any]) -> None:
         if record["kind"] not in ("train", "eval"):
             return
-        line = format_record(record, self.total)
+        line = redact_text(format_record(record, self.total))
         if self.progress is not None:
             if record["kind"] == "eval":
                 self.progress.console.print(line)

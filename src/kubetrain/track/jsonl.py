@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kubetrain.secrets import redact
 from kubetrain.track import Sink
 
 
@@ -36,7 +37,7 @@ class JsonlSink(Sink):
         self.file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the whole run
 
     def log(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(redact(record)) + "\n")
         self.file.flush()
 
     def finish(self, status: str) -> None:

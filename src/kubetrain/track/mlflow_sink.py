@@ -7,11 +7,14 @@ a digest of the run directory, so pod restarts do not scatter one training run o
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from kubetrain.config.loading import flatten
 from kubetrain.runs import CONFIG_FILE, META_FILE
@@ -101,7 +104,7 @@ class MlflowSink(Sink):
         key = run_key(info["run_dir"])
         found = client.search_runs([exp_id], filter_string=f"tags.{RUN_KEY_TAG} = '{key}'", max_results=1)
         phase = info.get("phase")
-        tags = {RUN_KEY_TAG: key, "kubetrain.run_dir": str(Path(info["run_dir"]).resolve()),
+        tags = {RUN_KEY_TAG: key, "kubetrain.run_dir": redact_text(str(Path(info["run_dir"]).resolve())),
                 "kubetrain.phase": phase or "", "kubetrain.restarts": str(info.get("restarts", 0)),
                 "kubetrain.start_step": str(info.get("start_step", 0))}
         if found:
@@ -109,7 +112,7 @@ class MlflowSink(Sink):
             client.update_run(run_id, status="RUNNING")
             logged = dict(found[0].data.params)
         else:
-            name = f"{info.get('run')}/{phase}" if phase else str(info.get("run"))
+            name = redact_text(f"{info.get('run')}/{phase}" if phase else str(info.get("run")))
             run_id = str(client.create_run(exp_id, run_name=name, tags=tags).info.run_id)
             logged = {}
         params = self.params(info)
@@ -154,10 +157,23 @@ class MlflowSink(Sink):
         try:
             for name in (CONFIG_FILE, META_FILE):
                 if self.run_dir is not None and (self.run_dir / name).is_file():
-                    self.client.log_artifact(self.run_id, str(self.run_dir / name))
+                    # the redacted text, not the file: a run directory written by an older kubetrain (or edited
+                    # by hand) may hold secrets that must not reach the tracking server
+                    self.client.log_text(self.run_id, redacted_file_text(self.run_dir / name), name)
         finally:
             # the status must reach MLflow even when an artifact upload fails
             self.client.set_terminated(self.run_id, STATUS.get(status, "FAILED"))
+
+
+def redacted_file_text(path: Path) -> str:
+    """A YAML or JSON file's text with its secrets redacted the way the params are (by key and by value)."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".json":
+            return json.dumps(redact(json.loads(text)), indent=2)
+        return yaml.safe_dump(redact(yaml.safe_load(text)), sort_keys=False)
+    except (ValueError, yaml.YAMLError):
+        return redact_text(text)  # not what it claims to be: still never sent as it is
 
 
 def _param_text(value: Any) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kubetrain import runs
+from kubetrain.secrets import redact_text
 from kubetrain.track import Sink
 from kubetrain.track.failures import TrackerUnavailable, missing_package
 
@@ -82,7 +83,7 @@ class PrometheusSink(Sink):
             raise missing_package("prometheus-client") from None
         self.registry = CollectorRegistry(auto_describe=True)
         self.gauges = {name: Gauge(name, doc, LABELS, registry=self.registry) for name, doc in GAUGES.items()}
-        self.labels = {"run": str(info.get("run") or ""), "phase": str(info.get("phase") or NO_PHASE)}
+        self.labels = {"run": redact_text(str(info.get("run") or "")), "phase": str(info.get("phase") or NO_PHASE)}
         self.step = int(info.get("start_step", 0))
         self._set("kubetrain_step", self.step)
         self._set("kubetrain_max_steps", info.get("max_steps"))
