@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kubetrain.train.trainer import train
 
 from kubetrain.config import load_config
+from kubetrain.train.trainer import train
 from tests.track.conftest import TINY, TOKENS_PER_STEP
 
 __all__ = ["TOKENS_PER_STEP"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import yaml
+
 from kubetrain import runs
 from kubetrain.config import load_config
 
@@ -29,3 +31,29 @@ def test_update_meta_keeps_what_start_wrote(tmp_path: Path) -> None:
     meta = runs.read_meta(path)
     assert (meta["step"], meta["status"], meta["starts"]) == (7, "finished", 1)
     assert "updated_at" in meta
+
+
+SECRET = "hf_" + "Mn5" * 8  # shaped like a Hugging Face token
+
+
+def test_config_yaml_and_meta_hide_secrets_but_not_harmless_token_words(tmp_path: Path) -> None:
+    path = tmp_path / "run"
+    first = load_config(None, None, [f"eval.sample_prompt=say {SECRET}", "data.tokenizer.path=tok/v1"])
+    runs.start(path, first, ["train", "--set", "data.tokenizer.path=tok/v1"], world_size=1)
+    on_disk = (path / runs.CONFIG_FILE).read_text()
+    assert SECRET not in on_disk
+    config = yaml.safe_load(on_disk)
+    assert config["eval"]["sample_prompt"] == "say ***"
+    assert config["data"]["tokenizer"]["path"] == "tok/v1" and config["eval"]["sample_tokens"] == 80
+
+    argv = ["train", "--set", "data.tokenizer.path=tok/v2", "--set", "eval.sample_tokens=9",
+            "--set", "hf_token=plain-but-secret", "--set", f"model.revision={SECRET}"]
+    again = load_config(None, None, [f"eval.sample_prompt=say {SECRET}", "data.tokenizer.path=tok/v2",
+                                     "eval.sample_tokens=9"])
+    meta = runs.start(path, again, argv[1:], world_size=1)
+    # the secret in the prompt did not change, so it is no change; harmless keys are shown as they are
+    assert meta["config_changes"] == ["data.tokenizer.path: 'tok/v1' -> 'tok/v2'", "eval.sample_tokens: 80 -> 9"]
+    text = (path / runs.META_FILE).read_text()
+    assert SECRET not in text and "plain-but-secret" not in text
+    assert json.loads(text)["argv"][1:] == ["--set", "data.tokenizer.path=tok/v2", "--set", "eval.sample_tokens=9",
+                                            "--set", "hf_token=***", "--set", "model.revision=***"]

@@ -190,3 +190,18 @@ def test_an_io_error_while_running_is_a_failure_not_bad_input(
     assert e.value.exit_code == 1
     assert "warning: could not record the end of the run (failed)" in capsys.readouterr().out
     assert (tmp_path / "parts" / "checkpoints" / "step-000002").is_dir()  # what was written stays
+
+
+def test_samples_and_the_default_log_hide_secret_looking_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    secret = "hf_" + "A1b2C3d4E5f6G7h8I9j0"
+    cfg = tiny_config(tmp_path, max_steps=1)
+    cfg.eval.sample_prompt = f"token {secret} says"
+    cfg.eval.every_steps = 1
+    Trainer(cfg, RunOptions(argv=[])).run()
+    samples = (tmp_path / "parts" / "samples.txt").read_text()
+    assert "says" in samples and secret not in samples
+    trainer = Trainer(cfg, RunOptions(argv=[]))
+    trainer.say(f"a line with {secret}")
+    assert secret not in capsys.readouterr().out

@@ -27,9 +27,10 @@ from kubetrain.errors import IncompatibleCheckpointError, TrainingFailed, Traini
 from kubetrain.models import build_model
 from kubetrain.models.lora import apply_lora
 from kubetrain.models.sampling import generate
+from kubetrain.secrets import redact_text
 from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
-from kubetrain.track.console import Throughput
+from kubetrain.track.console import Throughput, console_log
 from kubetrain.track.jsonl import truncate_after
 from kubetrain.train.device import autocast, memory_gib, peak_flops, resolve_precision
 from kubetrain.train.evaluate import evaluate, lm_loss, perplexity
@@ -106,7 +107,7 @@ class Trainer:
         self.penv = dist.init(cfg.dist, self.device)
         self.main = self.penv.is_main
         self.prefix = f"[rank {self.penv.rank}] " if self.penv.distributed else ""
-        self.out: Log = log or (lambda m: print(self.prefix + m, flush=True))
+        self.out: Log = log or console_log(self.prefix)
         self.say: Log = self.out if self.main else (lambda m: None)
         self.sharded = self.penv.distributed and cfg.dist.strategy == "fsdp"
         self.state = TrainState()
@@ -454,7 +455,7 @@ class Trainer:
             return
         text = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens)
         with open(self.path / runs.SAMPLES_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": self.state.step, "sample": text}) + "\n")
+            f.write(json.dumps({"step": self.state.step, "sample": redact_text(text)}) + "\n")
 
 
 def tokenizer_fingerprint(prepared: Prepared) -> str:
