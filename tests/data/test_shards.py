@@ -165,3 +165,15 @@ def test_builtin_default_prepares(tmp_path: Path) -> None:
     assert p.n_train > 500_000 and p.n_val > 10_000
     assert p.meta["sources"] == [{"kind": "builtin", "path": None, "text_field": "text", "split": "train",
                                   "name": None, "weight": 1.0}]
+
+
+def test_a_source_given_only_as_a_path_trains_on_that_file(tmp_path: Path) -> None:
+    f = tmp_path / "corpus.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text(f"data:\n  cache_dir: {tmp_path / 'cache'}\n  sources:\n    - path: {f}\n")
+    p = prepare(load_config(yaml_file))
+    assert tokens(p).tobytes() == np.frombuffer((TEXT + "\n\n").encode(), np.uint8).astype(np.uint16).tobytes()
+    assert p.meta["sources"][0]["kind"] == "text"
+    # The same file named with its kind is the same data: one shard, one key.
+    assert data_key(text_config(tmp_path)) == data_key(load_config(yaml_file))

@@ -27,10 +27,12 @@ class RunConfig(Section):
 
 
 class SourceConfig(Section):
-    kind: Literal["builtin", "text", "jsonl", "chat", "hf"] = Field(
-        "builtin",
-        description="builtin: the corpus shipped with kubetrain; text: files/globs; jsonl: a text field; "
-        "chat: messages or prompt/response JSONL; hf: a Hugging Face dataset (hub id or local)."
+    kind: Literal["auto", "builtin", "text", "jsonl", "chat", "hf"] = Field(
+        "auto",
+        description="auto: told from the path's files when the data is prepared (text, jsonl, chat, or hf "
+        "for a save_to_disk folder), the builtin corpus when there is no path; builtin: the corpus shipped "
+        "with kubetrain; text: files/globs; jsonl: a text field; chat: messages or prompt/response JSONL; "
+        "hf: a Hugging Face dataset (hub id or local)."
     )
     path: str | None = Field(
         None, description="File, folder or glob (text/jsonl/chat), or dataset id/folder (hf)."
@@ -42,7 +44,12 @@ class SourceConfig(Section):
 
     @model_validator(mode="after")
     def _path_needed(self) -> SourceConfig:
-        if self.kind != "builtin" and not self.path:
+        if self.kind == "builtin" and self.path:
+            raise ValueError(
+                f"a source of kind 'builtin' is the corpus shipped with kubetrain and takes no path "
+                f"(got '{self.path}'): set kind to text, jsonl, chat, hf or auto"
+            )
+        if self.kind not in ("builtin", "auto") and not self.path:
             raise ValueError(f"a data source of kind '{self.kind}' needs a path")
         return self
 

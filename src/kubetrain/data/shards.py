@@ -55,8 +55,17 @@ def cache_root(cfg: Config) -> Path:
     return Path(cfg.data.cache_dir or Path(cfg.run.output_dir) / ".data").expanduser()
 
 
+def with_resolved_sources(cfg: Config) -> Config:
+    """The config with every source of kind 'auto' given the kind its files hold."""
+    if all(src.kind != "auto" for src in cfg.data.sources):
+        return cfg
+    resolved = [sources.resolve_kind(src) for src in cfg.data.sources]
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"sources": resolved})})
+
+
 def data_key(cfg: Config) -> str:
     """Content hash of everything that decides the tokens: sources' bytes, tokenizer, split."""
+    cfg = with_resolved_sources(cfg)
     h = hashlib.sha256(f"v{FORMAT_VERSION}".encode())
     h.update(json.dumps(cfg.data.tokenizer.model_dump(mode="json"), sort_keys=True).encode())
     h.update(json.dumps(cfg.data.chat.model_dump(mode="json"), sort_keys=True).encode())
@@ -81,6 +90,7 @@ def _unpacked_chat(cfg: Config) -> bool:
 
 def prepare(cfg: Config, min_tokens: int | None = None, log: Any = None) -> Prepared:
     """Tokenize the sources once; later calls with the same content return the cached shard at once."""
+    cfg = with_resolved_sources(cfg)
     key = data_key(cfg)
     folder = cache_root(cfg) / key
     if (folder / "meta.json").is_file():
