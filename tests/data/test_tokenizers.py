@@ -17,6 +17,7 @@ from kubetrain.data.tokenizers import (
     chunks,
     load_hf_tokenizer,
     load_saved_tokenizer,
+    tiktoken_cache_file,
     train_bpe,
 )
 from kubetrain.errors import DataError
@@ -148,3 +149,39 @@ def test_loading_from_a_folder_without_a_tokenizer(tmp_path: Path) -> None:
 def test_chunks() -> None:
     assert list(chunks(iter("abcde"), 2)) == [["a", "b"], ["c", "d"], ["e"]]
     assert list(chunks([], 3)) == []
+
+
+def test_tiktoken_offline_never_downloads_and_names_the_cache_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("tiktoken")
+    import tiktoken.load
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken"))
+    real = tiktoken.load.read_file
+    url = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
+    expected = tiktoken_cache_file(url)
+    assert expected.parent == tmp_path / "tiktoken"
+    with pytest.raises(DataError) as err:
+        build_tokenizer(TokenizerConfig(kind="tiktoken", path="r50k_base"))
+    message = str(err.value)
+    assert message.startswith("tiktoken encoding 'r50k_base' is not in the local cache and downloads are off")
+    assert f"save {url} as {expected}" in message
+    assert "local_files_only: false" in message
+    assert tiktoken.load.read_file is real  # the refusal is undone after the call
+    assert not (tmp_path / "tiktoken").exists()  # nothing was fetched or written
+
+
+def test_tiktoken_offline_still_reads_its_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("tiktoken")
+    import tiktoken.load
+
+    from kubetrain.data.tokenizers import _tiktoken_downloads
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    url = "https://example.invalid/enc.tiktoken"
+    tiktoken_cache_file(url).write_bytes(b"cached")
+    with _tiktoken_downloads(allowed=False):
+        assert tiktoken.load.read_file_cached(url) == b"cached"  # the cache lookup is tiktoken's own
+        with pytest.raises(Exception, match=r"example\.invalid/other"):
+            tiktoken.load.read_file_cached("https://example.invalid/other")

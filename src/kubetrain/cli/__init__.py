@@ -27,7 +27,7 @@ OPTIONAL_EXTRAS = {
     "mlflow": "track", "tensorboard": "track", "prometheus_client": "track", "matplotlib": "track",
     "psycopg": "postgres", "psycopg2": "postgres",
     "kubernetes": "k8s", "kubernetes_validate": "k8s", "jsonschema": "k8s",
-    "gguf": "export",
+    "gguf": "export", "tiktoken": "tiktoken",
 }
 
 

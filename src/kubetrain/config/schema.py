@@ -58,11 +58,13 @@ class TokenizerConfig(Section):
     kind: Literal["byte", "bpe", "hf", "tiktoken"] = Field(
         "byte",
         description="byte: 256 byte ids, no files; bpe: trained on the corpus; hf: a tokenizer folder/id; "
-        "tiktoken: a named encoding whose files are present."
+        "tiktoken: a named encoding, read from TIKTOKEN_CACHE_DIR (fetched only when local_files_only is false)."
     )
     path: str | None = Field(None, description="Tokenizer folder or hub id (hf); encoding name (tiktoken).")
     vocab_size: int = Field(4096, ge=260, description="Vocabulary size when training a BPE tokenizer.")
-    local_files_only: bool = Field(True, description="Never reach a model hub for the tokenizer.")
+    local_files_only: bool = Field(
+        True, description="Never reach a model hub (or tiktoken's download site) for the tokenizer."
+    )
 
 
 class ChatConfig(Section):

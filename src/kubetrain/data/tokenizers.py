@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
+import threading
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -101,26 +104,32 @@ class HFTokenizer:
 
 
 class TiktokenTokenizer:
-    """A tiktoken encoding; its files must already be in TIKTOKEN_CACHE_DIR (nothing is fetched)."""
+    """A tiktoken encoding, read from tiktoken's cache; fetched only when the config allows downloads."""
 
     kind = "tiktoken"
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, local_files_only: bool = True) -> None:
         try:
             import tiktoken
         except ImportError:
             raise DataError(
-                "tokenizer kind 'tiktoken' needs the tiktoken package: pip install tiktoken"
+                "tokenizer kind 'tiktoken' needs the tiktoken package: pip install 'kubetrain[tiktoken]'"
             ) from None
         try:
-            self.enc = tiktoken.get_encoding(name)
-        except Exception as e:
+            with _tiktoken_downloads(allowed=not is_offline(local_files_only)):
+                self.enc = tiktoken.get_encoding(name)
+        except _DownloadRefused as e:
             raise DataError(
-                f"tiktoken encoding '{name}' could not be loaded from its local files: {e}"
+                f"tiktoken encoding '{name}' is not in the local cache and downloads are off "
+                f"(data.tokenizer.local_files_only / HF_HUB_OFFLINE): save {e.url} as "
+                f"{tiktoken_cache_file(e.url)} (TIKTOKEN_CACHE_DIR chooses the folder), "
+                "or set data.tokenizer.local_files_only: false"
             ) from None
+        except Exception as e:
+            raise DataError(f"tiktoken encoding '{name}' could not be loaded: {e}") from None
         self.name = name
         self.vocab_size = int(self.enc.n_vocab)
-        self.eos_id = self.enc.eot_token
+        self.eos_id: int | None = self.enc.eot_token
 
     def encode(self, text: str) -> list[int]:
         return list(self.enc.encode_ordinary(text))
@@ -134,6 +143,54 @@ class TiktokenTokenizer:
 
     def fingerprint(self) -> str:
         return f"tiktoken:{self.name}"
+
+
+def is_offline(local_files_only: bool) -> bool:
+    """The one offline rule for every hub access: the config's local_files_only, or HF_HUB_OFFLINE=1."""
+    return local_files_only or os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+def tiktoken_cache_file(url: str) -> Path:
+    """Where tiktoken looks for the file it would download from `url` (tiktoken.load.read_file_cached)."""
+    folder = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
+    root = Path(folder) if folder else Path(tempfile.gettempdir()) / "data-gym-cache"
+    return root / hashlib.sha1(url.encode()).hexdigest()
+
+
+class _DownloadRefused(Exception):
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.url = url
+
+
+@contextmanager
+def _tiktoken_downloads(allowed: bool) -> Iterator[None]:
+    """Offline, turn tiktoken's one fetch point (tiktoken.load.read_file, called on a cache miss) into a refusal.
+
+    read_file_cached reads the cache itself and calls the module-level read_file only for what is missing
+    (tiktoken 0.7-0.14), so replacing that name refuses exactly the downloads and nothing else.
+    """
+    import tiktoken.load
+
+    real = tiktoken.load.read_file
+    if allowed:
+        yield
+        return
+
+    def local_only(blobpath: str) -> bytes:
+        if "://" in blobpath:
+            raise _DownloadRefused(blobpath)
+        return real(blobpath)
+
+    with _TIKTOKEN_LOCK:
+        tiktoken.load.read_file = local_only
+        try:
+            yield
+        finally:
+            tiktoken.load.read_file = real
+
+
+_TIKTOKEN_LOCK = threading.Lock()
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> FastTokenizer:
@@ -156,7 +213,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> FastTokenizer:
 
 def load_hf_tokenizer(path: str, local_files_only: bool = True) -> HFTokenizer | FastTokenizer:
     """A Hugging Face tokenizer: via transformers when installed (chat templates), else its tokenizer.json."""
-    offline = local_files_only or os.environ.get("HF_HUB_OFFLINE") == "1"
+    offline = is_offline(local_files_only)
     local = Path(path).expanduser()
     if offline and not local.exists():
         raise DataError(f"tokenizer folder not found: {path} (offline: no hub download)")
@@ -187,7 +244,7 @@ def build_tokenizer(cfg: TokenizerConfig, corpus: Iterable[str] | None = None) -
             raise DataError("a BPE tokenizer is trained during prepare; no corpus was given")
         return train_bpe(corpus, cfg.vocab_size)
     if cfg.kind == "tiktoken":
-        return TiktokenTokenizer(cfg.path or "gpt2")
+        return TiktokenTokenizer(cfg.path or "gpt2", cfg.local_files_only)
     if not cfg.path:
         raise DataError("data.tokenizer.kind 'hf' needs data.tokenizer.path (a folder or hub id)")
     return load_hf_tokenizer(cfg.path, cfg.local_files_only)
