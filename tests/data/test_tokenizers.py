@@ -185,3 +185,24 @@ def test_tiktoken_offline_still_reads_its_cache(tmp_path: Path, monkeypatch: pyt
         assert tiktoken.load.read_file_cached(url) == b"cached"  # the cache lookup is tiktoken's own
         with pytest.raises(Exception, match=r"example\.invalid/other"):
             tiktoken.load.read_file_cached("https://example.invalid/other")
+
+
+def test_prompts_start_with_bos_when_the_tokenizer_adds_one(hf_tokenizer_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as RawTokenizer
+
+    from kubetrain.data.tokenizers import prompt_ids
+
+    text = "reverse: red cat"
+    with_bos = load_hf_tokenizer(str(hf_tokenizer_dir))
+    assert isinstance(with_bos, HFTokenizer)
+    bos = with_bos.tok.bos_token_id
+    assert prompt_ids(with_bos, text) == [bos, *with_bos.encode(text)]
+    assert prompt_ids(with_bos, text) == with_bos.tok(text)["input_ids"]  # what transformers feeds the model
+    # The same tokenizer.json read without transformers follows the same rule (its post-processor).
+    fast = FastTokenizer(RawTokenizer.from_file(str(hf_tokenizer_dir / "tokenizer.json")), kind="hf", eos_token=None)
+    assert prompt_ids(fast, text) == [bos, *fast.encode(text)]
+    # Tokenizers that add nothing get nothing.
+    no_bos = build_tokenizer(TokenizerConfig(kind="hf", path=str(make_hf_tokenizer_folder(tmp_path / "plain"))))
+    assert prompt_ids(no_bos, text) == no_bos.encode(text)
+    assert prompt_ids(ByteTokenizer(), text) == list(text.encode())

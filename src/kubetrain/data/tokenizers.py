@@ -193,6 +193,30 @@ def _tiktoken_downloads(allowed: bool) -> Iterator[None]:
 _TIKTOKEN_LOCK = threading.Lock()
 
 
+def added_special_ids(tok: Tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer itself adds before and after a text (its BOS/EOS rule, e.g. add_bos_token).
+
+    Found by encoding a probe with and without special tokens, so every tokenizer's own setting decides.
+    """
+    if isinstance(tok, HFTokenizer):
+        bare = list(tok.tok("a", add_special_tokens=False)["input_ids"])
+        full = list(tok.tok("a", add_special_tokens=True)["input_ids"])
+    elif isinstance(tok, FastTokenizer):
+        bare = list(tok.tok.encode("a", add_special_tokens=False).ids)
+        full = list(tok.tok.encode("a", add_special_tokens=True).ids)
+    else:
+        return [], []
+    for i in range(len(full) - len(bare) + 1):
+        if full[i : i + len(bare)] == bare:
+            return full[:i], full[i + len(bare) :]
+    return [], []
+
+
+def prompt_ids(tok: Tokenizer, text: str) -> list[int]:
+    """A prompt as the model's tokenizer feeds it (BOS first when it adds one), as transformers and llama.cpp do."""
+    return added_special_ids(tok)[0] + tok.encode(text)
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int) -> FastTokenizer:
     """Train a byte-level BPE on the corpus (GPT-2 style pre-tokenizer, one <|endoftext|> special)."""
     from tokenizers import Tokenizer as RawTokenizer

@@ -20,6 +20,7 @@ from kubetrain.config.loading import config_hash
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import prepare
+from kubetrain.data.tokenizers import prompt_ids
 from kubetrain.dist import setup as dist
 from kubetrain.errors import IncompatibleCheckpointError, TrainingStopped, UserInputError
 from kubetrain.models import build_model
@@ -352,7 +353,7 @@ def _finish(path: Path, sinks: Any, status: str, state: TrainState, main: bool) 
 
 
 def _sample_text(model: nn.Module, tokenizer: Any, cfg: Config, prompt: str, n: int) -> str:
-    ids = tokenizer.encode(prompt)
+    ids = prompt_ids(tokenizer, prompt)
     out = generate(model, ids, n, cfg.model.block_size, temperature=0.8, top_k=50,
                    eos_id=tokenizer.eos_id, seed=cfg.run.seed)
     return prompt + tokenizer.decode(out)
