@@ -45,11 +45,19 @@ def test_byte_tokenizer_decodes_partial_utf8_and_out_of_range_ids_without_failin
     assert tok.decode([ord("a"), 300, ord("b")]) == "ab"  # ids of the rounded-up vocab are dropped
 
 
+def test_byte_tokenizer_specials_are_the_two_bytes_utf8_never_holds() -> None:
+    tok = ByteTokenizer()
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (256, 0xFE, 0xFF)
+    every_char = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c < 0xE000)
+    assert max(tok.encode(every_char)) < tok.bos_id  # text never encodes to a special id
+    assert tok.decode([*tok.encode("ab"), tok.eos_id, tok.bos_id]) == "ab"
+
+
 def test_byte_tokenizer_saves_and_loads(tmp_path: Path) -> None:
     ByteTokenizer().save(tmp_path / "tok")
     loaded = load_saved_tokenizer(tmp_path / "tok")
     assert isinstance(loaded, ByteTokenizer)
-    assert (loaded.vocab_size, loaded.eos_id, loaded.fingerprint()) == (256, None, "byte")
+    assert (loaded.vocab_size, loaded.eos_id, loaded.fingerprint()) == (256, 0xFF, "byte")
 
 
 @pytest.fixture(scope="module")

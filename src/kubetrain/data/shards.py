@@ -16,7 +16,7 @@ import numpy as np
 
 from kubetrain.config.schema import Config, SourceConfig
 from kubetrain.data import sources
-from kubetrain.data.tokenizers import Tokenizer, build_tokenizer, load_saved_tokenizer
+from kubetrain.data.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer, load_saved_tokenizer
 from kubetrain.errors import DataError
 
 FORMAT_VERSION = 1
@@ -143,7 +143,7 @@ def encoded(cfg: Config, tok: Tokenizer, src: SourceConfig) -> Iterator[tuple[li
 
         yield from encode_conversations(src, tok, cfg.data.chat, block_size=cfg.model.block_size)
         return
-    sep = [tok.eos_id] if tok.eos_id is not None else tok.encode("\n\n")
+    sep = _document_separator(tok)
     whole, frac = divmod(src.weight, 1.0)
     for copy in range(int(whole) + (1 if frac else 0)):
         docs: Iterable[str] = sources.iter_documents(src)
@@ -153,6 +153,14 @@ def encoded(cfg: Config, tok: Tokenizer, src: SourceConfig) -> Iterator[tuple[li
         for doc in docs:
             if doc:
                 yield tok.encode(doc) + sep, None
+
+
+def _document_separator(tok: Tokenizer) -> list[int]:
+    """EOS after each document; a blank line for the byte tokenizer, as its shards always had (its EOS came
+    later): the same corpus keeps giving the same tokens, so runs trained on them still resume."""
+    if tok.eos_id is None or isinstance(tok, ByteTokenizer):
+        return tok.encode("\n\n")
+    return [tok.eos_id]
 
 
 def _write_shard(cfg: Config, out: Path) -> dict[str, Any]:

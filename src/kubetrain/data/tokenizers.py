@@ -30,17 +30,23 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255: no files, no training, every text round-trips."""
+    """UTF-8 bytes as ids 0..255: no files, no training, every text round-trips.
+
+    Bytes 0xFE and 0xFF never occur in UTF-8, so their ids serve as BOS and EOS: the byte tokenizer has real
+    special tokens (llama.cpp and transformers read them from an export) without a larger vocabulary, and
+    every model trained before they existed keeps its shape. Text never encodes to them; decoding drops them.
+    """
 
     kind = "byte"
     vocab_size = 256
-    eos_id: int | None = None
+    bos_id = 0xFE
+    eos_id: int | None = 0xFF
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        return bytes(i for i in ids if 0 <= i < self.bos_id).decode("utf-8", errors="replace")
 
     def save(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
