@@ -97,6 +97,12 @@ def test_a_merged_llama_lora_run_as_llama_cpp_expects(lora_run: Path, tmp_path: 
     assert meta["tokenizer.ggml.add_bos_token"] is True
     assert meta["tokenizer.chat_template"] == tok.chat_template
 
+    # The Ollama Modelfile beside it: the chat template as a Go template, without the BOS the tokenizer adds.
+    modelfile = (tmp_path / "Modelfile").read_text().splitlines()
+    assert modelfile[1] == "FROM ./model.gguf"
+    assert modelfile[2].startswith('TEMPLATE """{{- range .Messages }}{{ if eq .Role "system" }}<|start_header_id|>')
+    assert modelfile[-2:] == ['PARAMETER stop "<|eot_id|>"', "PARAMETER num_ctx 64"]
+
 
 def test_our_gpt_in_float16_with_a_tied_head_and_gpt2_tokenizer(tmp_path: Path) -> None:
     bpe = train_bpe(["the fox and the dog, the cat and the bird " * 20], vocab_size=280)

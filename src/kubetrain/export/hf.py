@@ -135,11 +135,20 @@ def save_gpt(model: GPT, tokenizer: Tokenizer, out: Path, dtype: str = "float32"
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out))
+    generation_config(config).save_pretrained(str(out))
     # Older readers (transformers 4.x, llama.cpp's converter) look for rope_theta at the top level.
     raw = json.loads((out / "config.json").read_text())
     raw.setdefault("rope_theta", model.config.rope_theta)
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     to_hf_tokenizer(tokenizer).save_pretrained(str(out))
+
+
+def generation_config(config: Any) -> Any:
+    """generation_config.json: BOS, EOS and padding ids, so `generate` stops on the run's EOS."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                            pad_token_id=config.pad_token_id)
 
 
 def save_hf(model: HFCausalLM, tokenizer: Tokenizer, out: Path, dtype: str | None = None) -> None:
