@@ -32,12 +32,22 @@ OPTIONAL_EXTRAS = {
 
 
 def _register() -> None:
-    from kubetrain.cli import config_cmd, data_cmd, export_cmd, generate_cmd, k8s_cmd, runs_cmd, train_cmd
+    from kubetrain.cli import (
+        config_cmd,
+        data_cmd,
+        doctor_cmd,
+        export_cmd,
+        generate_cmd,
+        k8s_cmd,
+        runs_cmd,
+        train_cmd,
+    )
 
     train_cmd.register(app)
     data_cmd.register(app)
     generate_cmd.register(app)
     export_cmd.register(app)
+    doctor_cmd.register(app)
     app.add_typer(config_cmd.app, name="config")
     app.add_typer(runs_cmd.app, name="runs")
     app.add_typer(k8s_cmd.app, name="k8s")
