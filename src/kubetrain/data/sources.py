@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kubetrain.config.schema import SourceConfig
+from kubetrain.data.fingerprints import DigestCache
 from kubetrain.errors import DataError
 
 BUILTIN_CORPUS = "kjv.txt"
@@ -109,14 +110,12 @@ def _kind_of_file(f: Path, text_field: str) -> str:
                     f"'messages', 'prompt'/'response' or '{text_field}'; set the source's kind")
 
 
-def fingerprint(src: SourceConfig) -> str:
-    """A digest of the source's settings and the bytes of every file it reads."""
+def fingerprint(src: SourceConfig, digests: DigestCache | None = None) -> str:
+    """A digest of the source's settings and the bytes of every file it reads (known files are not re-read)."""
     h = hashlib.sha256(json.dumps(src.model_dump(mode="json"), sort_keys=True).encode())
-    for f in source_files(src):
-        h.update(str(f.name).encode())
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
+    files = source_files(src)
+    for f, digest in zip(files, (digests or DigestCache(None)).digests(files), strict=True):
+        h.update(f"{f.name}\0{digest}\0".encode())
     return h.hexdigest()
 
 
