@@ -83,3 +83,30 @@ def test_config_show_in_a_real_process(cli) -> None:
     done = cli("config", "show", "--json", "--set", "run.seed=7")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1])["run"]["seed"] == 7
+
+
+def test_explain_a_key(run_main: RunMain) -> None:
+    code, out, err = run_main("config", "explain", "train.lr")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[0] == "train.lr  float = 0.003"
+
+
+def test_explain_json_lists_every_key(run_main: RunMain) -> None:
+    code, out, _ = run_main("config", "explain", "--json")
+    assert code == 0
+    docs = json.loads(out.strip().splitlines()[-1])
+    seed = next(d for d in docs if d["key"] == "run.seed")
+    assert (seed["type"], seed["default"]) == ("int", "1337")
+    assert all(d["description"] for d in docs)
+
+
+def test_explain_an_unknown_key_is_one_error_line(run_main: RunMain) -> None:
+    code, out, err = run_main("config", "explain", "train.lrr")
+    assert (code, out) == (2, "")
+    assert err == "error: unknown key 'train.lrr'; did you mean 'train.lr'?\n"
+
+
+def test_train_help_points_to_explain(run_main: RunMain) -> None:
+    code, out, _ = run_main("train", "--help")
+    assert code == 0
+    assert "kubetrain config explain" in " ".join(out.split())

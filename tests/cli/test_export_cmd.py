@@ -26,6 +26,9 @@ def test_a_gpt_lora_run_to_gguf_and_hf(
     assert code == 0
     done = json.loads(out.strip().splitlines()[-1])
     assert done["kind"] == "merged" and done["format"] == "gguf" and done["step"] == 4
+    assert done["modelfile"] == str(tmp_path / "Modelfile")
+    assert (tmp_path / "Modelfile").read_text().splitlines()[1:] == [
+        "FROM ./m.gguf", 'TEMPLATE """{{ .Prompt }}"""', 'PARAMETER stop "<|endoftext|>"', "PARAMETER num_ctx 32"]
     names = {t.name for t in GGUFReader(str(tmp_path / "m.gguf")).tensors}
     assert "output.weight" in names  # the trained copy of the head, no longer tied to the embedding
     code, out, _ = run(["export", gpt_lora_run, "-o", tmp_path / "hf", "--merge", "--checkpoint", "latest"],

@@ -73,3 +73,26 @@ def test_generate_in_a_real_process(cli: Cli, run_dir: Path) -> None:
     done = cli("generate", str(run_dir), "--prompt", "And God said", "--max-new-tokens", "16", "--seed", "1")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("And God said")
+
+
+def test_generate_feeds_the_prompt_like_transformers(run_main: RunMain, hf_full_run: Path) -> None:
+    """Greedy generation from a Hugging Face run matches transformers' own on the same weights (BOS included)."""
+    import torch
+
+    from kubetrain.models.load import load_trained
+
+    prompt = "reverse: red cat"
+    code, out, err = run_main("generate", str(hf_full_run), "--prompt", prompt, "--temperature", "0",
+                              "--max-new-tokens", "8")
+    assert (code, err) == (0, "")
+    model, tokenizer, _, _ = load_trained(hf_full_run)
+    hf_tok = tokenizer.tok  # type: ignore[attr-defined]
+    inputs = hf_tok(prompt, return_tensors="pt")
+    assert int(inputs["input_ids"][0, 0]) == hf_tok.bos_token_id
+    with torch.no_grad():
+        theirs = model.lm.generate(**inputs, do_sample=False, max_new_tokens=8, eos_token_id=hf_tok.eos_token_id,
+                                pad_token_id=hf_tok.pad_token_id)
+    new = theirs[0, inputs["input_ids"].shape[1]:].tolist()
+    if hf_tok.eos_token_id in new:
+        new = new[: new.index(hf_tok.eos_token_id)]
+    assert out == prompt + hf_tok.decode(new) + "\n"

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kubetrain.config import Config, load_config
-from kubetrain.data.shards import TOKENS_FILE, Prepared, cache_root, data_key, prepare
+from kubetrain.data.shards import INDEX_DIR, TOKENS_FILE, Prepared, cache_root, data_key, prepare
 from kubetrain.errors import DataError
 
 TEXT = "And God said, Let there be light: and there was light.\n" * 40
@@ -60,7 +62,8 @@ def test_second_prepare_is_a_cache_hit_that_rewrites_nothing(tmp_path: Path) -> 
     assert second.meta == first.meta
     assert {f: f.stat().st_mtime_ns for f in first.folder.rglob("*")} == stamps
     assert logged == []  # nothing to prepare, nothing said
-    assert [d.name for d in cache_root(cfg).iterdir()] == [first.folder.name]  # no temporary folders left
+    left = sorted(d.name for d in cache_root(cfg).iterdir())
+    assert left == [INDEX_DIR, first.folder.name]  # no temporary folders left
 
 
 def test_changed_content_or_settings_prepare_a_new_shard(tmp_path: Path) -> None:
@@ -123,7 +126,8 @@ def test_several_sources_and_weights(tmp_path: Path) -> None:
 def test_empty_corpus(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="the corpus is empty"):
         prepare(text_config(tmp_path, ""))
-    assert not any(cache_root(text_config(tmp_path, "")).iterdir())  # the failed attempt left nothing
+    left = [d.name for d in cache_root(text_config(tmp_path, "")).iterdir()]
+    assert left == [INDEX_DIR]  # the failed attempt left nothing but the index
 
 
 def test_empty_jsonl_texts_are_an_empty_corpus(tmp_path: Path) -> None:
@@ -165,3 +169,74 @@ def test_builtin_default_prepares(tmp_path: Path) -> None:
     assert p.n_train > 500_000 and p.n_val > 10_000
     assert p.meta["sources"] == [{"kind": "builtin", "path": None, "text_field": "text", "split": "train",
                                   "name": None, "weight": 1.0}]
+
+
+def test_a_source_given_only_as_a_path_trains_on_that_file(tmp_path: Path) -> None:
+    f = tmp_path / "corpus.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text(f"data:\n  cache_dir: {tmp_path / 'cache'}\n  sources:\n    - path: {f}\n")
+    p = prepare(load_config(yaml_file))
+    assert tokens(p).tobytes() == np.frombuffer((TEXT + "\n\n").encode(), np.uint8).astype(np.uint16).tobytes()
+    assert p.meta["sources"][0]["kind"] == "text"
+    # The same file named with its kind is the same data: one shard, one key.
+    assert data_key(text_config(tmp_path)) == data_key(load_config(yaml_file))
+
+
+def test_a_cache_hit_reads_no_corpus_file_and_verifies_the_shard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kubetrain.data import fingerprints, shards
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"{i}.txt").write_text(TEXT * (i + 1), encoding="utf-8")
+        os.utime(corpus / f"{i}.txt", (time.time() - 60, time.time() - 60))
+    cfg = config(tmp_path, "data.sources.0.kind=text", f"data.sources.0.path={corpus}")
+    first = prepare(cfg)
+    assert set(first.meta["checksums"]) == {TOKENS_FILE}
+    read: list[str] = []
+
+    def spy(path: Path) -> str:
+        read.append(Path(path).name)
+        return file_digest(path)
+
+    file_digest = fingerprints.file_digest
+    monkeypatch.setattr(fingerprints, "file_digest", spy)
+    monkeypatch.setattr(shards, "file_digest", spy)
+    assert prepare(cfg).folder == first.folder
+    assert read == [TOKENS_FILE]  # the corpus is known by its fingerprints; the shard is checked
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
+def test_a_damaged_shard_is_prepared_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    cfg = text_config(tmp_path)
+    first = prepare(cfg)
+    good = tokens(first).copy()
+    shard = first.folder / TOKENS_FILE
+    if damage == "flip":
+        raw = bytearray(shard.read_bytes())
+        raw[100] ^= 1
+        shard.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-2])
+    else:
+        shard.unlink()
+    again = prepare(cfg)
+    assert np.array_equal(tokens(again), good)
+    err = capsys.readouterr().err
+    assert f"warning: the prepared data in {first.folder} is damaged (tokens.bin " in err
+
+
+def test_the_chat_mask_is_checksummed_too(tmp_path: Path, chat_file: Path) -> None:
+    cfg = config(tmp_path, "data.sources.0.kind=chat", f"data.sources.0.path={chat_file}",
+                 "data.chat.template=chatml", "data.chat.packing=true")
+    first = prepare(cfg)
+    assert set(first.meta["checksums"]) == {TOKENS_FILE, "mask.bin"}
+    mask = first.folder / "mask.bin"
+    good = mask.read_bytes()
+    mask.write_bytes(bytes(b ^ 1 for b in good))
+    assert (prepare(cfg).folder / "mask.bin").read_bytes() == good

@@ -161,3 +161,62 @@ def test_chat_sources_are_not_plain_documents(tmp_path: Path) -> None:
     (tmp_path / "c.jsonl").write_text("{}\n")
     with pytest.raises(DataError, match="holds conversations"):
         list(sources.iter_documents(src("chat", tmp_path / "c.jsonl")))
+
+
+def test_kind_is_told_from_text_jsonl_and_chat_files(tmp_path: Path) -> None:
+    (tmp_path / "my.txt").write_text("plain words\n", encoding="utf-8")
+    (tmp_path / "notes").write_text("no suffix at all\n", encoding="utf-8")
+    (tmp_path / "docs.jsonl").write_text("\n" + json.dumps({"text": "a doc"}) + "\n", encoding="utf-8")
+    (tmp_path / "body.jsonl").write_text(json.dumps({"body": "a doc"}) + "\n", encoding="utf-8")
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    (tmp_path / "pr.json").write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n")
+    assert sources.resolve_kind(src("auto", tmp_path / "my.txt")).kind == "text"
+    assert sources.resolve_kind(src("auto", tmp_path / "notes")).kind == "text"
+    assert sources.resolve_kind(src("auto", tmp_path / "docs.jsonl")).kind == "jsonl"
+    assert sources.resolve_kind(src("auto", tmp_path / "body.jsonl", text_field="body")).kind == "jsonl"
+    assert sources.resolve_kind(src("auto", tmp_path / "chat.jsonl")).kind == "chat"
+    assert sources.resolve_kind(src("auto", tmp_path / "pr.json")).kind == "chat"
+    assert sources.resolve_kind(src("auto")).kind == "builtin"
+    # A given kind is kept as it is.
+    assert sources.resolve_kind(src("text", tmp_path / "docs.jsonl")).kind == "text"
+    # Documents of an auto source are those of the kind it resolves to.
+    assert list(sources.iter_documents(src("auto", tmp_path / "docs.jsonl"))) == ["a doc"]
+
+
+def test_kind_of_a_save_to_disk_folder_is_hf(tmp_path: Path) -> None:
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "dataset_info.json").write_text("{}")
+    (tmp_path / "ds" / "data-00000-of-00001.arrow").write_bytes(b"\xff\x00binary")
+    assert sources.resolve_kind(src("auto", tmp_path / "ds")).kind == "hf"
+
+
+def test_kind_of_a_folder_or_glob_of_one_kind(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("A")
+    (tmp_path / "b.md").write_text("B")
+    assert sources.resolve_kind(src("auto", tmp_path)).kind == "text"
+    assert sources.resolve_kind(src("auto", tmp_path / "*.txt")).kind == "text"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("blob.bin", b"\x00\xff\xfe" * 100, r"cannot tell what data .*blob\.bin holds: not UTF-8 text"),
+        ("rows.jsonl", b'{"id": 1}\n', r"rows\.jsonl holds: its first line is not a JSON object with "
+                                        r"'messages', 'prompt'/'response' or 'text'; set the source's kind"),
+        ("array.json", b'[{"text": "a"}]\n', r"array\.json holds"),
+    ],
+)
+def test_unclear_files_are_refused_with_one_line(tmp_path: Path, name: str, content: bytes, message: str) -> None:
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        sources.resolve_kind(src("auto", tmp_path / name))
+
+
+def test_mixed_kinds_and_missing_paths_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("A")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "B"}) + "\n")
+    with pytest.raises(DataError, match=r"mixes kinds of data \(jsonl: b\.jsonl, text: a\.txt\)"):
+        sources.resolve_kind(src("auto", tmp_path))
+    with pytest.raises(DataError, match=r"data path not found: user/dataset \(a Hugging Face dataset id "
+                                        r"needs kind: hf\)"):
+        sources.resolve_kind(src("auto", "user/dataset"))

@@ -17,6 +17,7 @@ from kubetrain.data.tokenizers import (
     chunks,
     load_hf_tokenizer,
     load_saved_tokenizer,
+    tiktoken_cache_file,
     train_bpe,
 )
 from kubetrain.errors import DataError
@@ -44,11 +45,19 @@ def test_byte_tokenizer_decodes_partial_utf8_and_out_of_range_ids_without_failin
     assert tok.decode([ord("a"), 300, ord("b")]) == "ab"  # ids of the rounded-up vocab are dropped
 
 
+def test_byte_tokenizer_specials_are_the_two_bytes_utf8_never_holds() -> None:
+    tok = ByteTokenizer()
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (256, 0xFE, 0xFF)
+    every_char = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c < 0xE000)
+    assert max(tok.encode(every_char)) < tok.bos_id  # text never encodes to a special id
+    assert tok.decode([*tok.encode("ab"), tok.eos_id, tok.bos_id]) == "ab"
+
+
 def test_byte_tokenizer_saves_and_loads(tmp_path: Path) -> None:
     ByteTokenizer().save(tmp_path / "tok")
     loaded = load_saved_tokenizer(tmp_path / "tok")
     assert isinstance(loaded, ByteTokenizer)
-    assert (loaded.vocab_size, loaded.eos_id, loaded.fingerprint()) == (256, None, "byte")
+    assert (loaded.vocab_size, loaded.eos_id, loaded.fingerprint()) == (256, 0xFF, "byte")
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +157,60 @@ def test_loading_from_a_folder_without_a_tokenizer(tmp_path: Path) -> None:
 def test_chunks() -> None:
     assert list(chunks(iter("abcde"), 2)) == [["a", "b"], ["c", "d"], ["e"]]
     assert list(chunks([], 3)) == []
+
+
+def test_tiktoken_offline_never_downloads_and_names_the_cache_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("tiktoken")
+    import tiktoken.load
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken"))
+    real = tiktoken.load.read_file
+    url = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
+    expected = tiktoken_cache_file(url)
+    assert expected.parent == tmp_path / "tiktoken"
+    with pytest.raises(DataError) as err:
+        build_tokenizer(TokenizerConfig(kind="tiktoken", path="r50k_base"))
+    message = str(err.value)
+    assert message.startswith("tiktoken encoding 'r50k_base' is not in the local cache and downloads are off")
+    assert f"save {url} as {expected}" in message
+    assert "local_files_only: false" in message
+    assert tiktoken.load.read_file is real  # the refusal is undone after the call
+    assert not (tmp_path / "tiktoken").exists()  # nothing was fetched or written
+
+
+def test_tiktoken_offline_still_reads_its_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("tiktoken")
+    import tiktoken.load
+
+    from kubetrain.data.tokenizers import _tiktoken_downloads
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    url = "https://example.invalid/enc.tiktoken"
+    tiktoken_cache_file(url).write_bytes(b"cached")
+    with _tiktoken_downloads(allowed=False):
+        assert tiktoken.load.read_file_cached(url) == b"cached"  # the cache lookup is tiktoken's own
+        with pytest.raises(Exception, match=r"example\.invalid/other"):
+            tiktoken.load.read_file_cached("https://example.invalid/other")
+
+
+def test_prompts_start_with_bos_when_the_tokenizer_adds_one(hf_tokenizer_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as RawTokenizer
+
+    from kubetrain.data.tokenizers import prompt_ids
+
+    text = "reverse: red cat"
+    with_bos = load_hf_tokenizer(str(hf_tokenizer_dir))
+    assert isinstance(with_bos, HFTokenizer)
+    bos = with_bos.tok.bos_token_id
+    assert prompt_ids(with_bos, text) == [bos, *with_bos.encode(text)]
+    assert prompt_ids(with_bos, text) == with_bos.tok(text)["input_ids"]  # what transformers feeds the model
+    # The same tokenizer.json read without transformers follows the same rule (its post-processor).
+    fast = FastTokenizer(RawTokenizer.from_file(str(hf_tokenizer_dir / "tokenizer.json")), kind="hf", eos_token=None)
+    assert prompt_ids(fast, text) == [bos, *fast.encode(text)]
+    # Tokenizers that add nothing get nothing.
+    no_bos = build_tokenizer(TokenizerConfig(kind="hf", path=str(make_hf_tokenizer_folder(tmp_path / "plain"))))
+    assert prompt_ids(no_bos, text) == no_bos.encode(text)
+    assert prompt_ids(ByteTokenizer(), text) == list(text.encode())

@@ -97,6 +97,12 @@ def test_a_merged_llama_lora_run_as_llama_cpp_expects(lora_run: Path, tmp_path: 
     assert meta["tokenizer.ggml.add_bos_token"] is True
     assert meta["tokenizer.chat_template"] == tok.chat_template
 
+    # The Ollama Modelfile beside it: the chat template as a Go template, without the BOS the tokenizer adds.
+    modelfile = (tmp_path / "Modelfile").read_text().splitlines()
+    assert modelfile[1] == "FROM ./model.gguf"
+    assert modelfile[2].startswith('TEMPLATE """{{- range .Messages }}{{ if eq .Role "system" }}<|start_header_id|>')
+    assert modelfile[-2:] == ['PARAMETER stop "<|eot_id|>"', "PARAMETER num_ctx 64"]
+
 
 def test_our_gpt_in_float16_with_a_tied_head_and_gpt2_tokenizer(tmp_path: Path) -> None:
     bpe = train_bpe(["the fox and the dog, the cat and the bird " * 20], vocab_size=280)
@@ -138,16 +144,53 @@ def test_llama3_rope_scaling_becomes_rope_freqs(hf_tokenizer_dir: Path, tmp_path
     np.testing.assert_array_equal(found["rope_freqs.weight"].data, factors)
 
 
-def test_a_byte_tokenizer_run_keeps_one_token_per_byte(tmp_path: Path) -> None:
+# llama.cpp's EOG names (src/llama-vocab.cpp, llama_vocab::impl::load), the subset a byte-level BPE can hold.
+LLAMA_CPP_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+                       "<EOT>", "<|end_of_text|>"}
+
+
+def llama_cpp_special_tokens(meta: dict[str, Any]) -> tuple[dict[str, int | None], set[int], list[str]]:
+    """(bos/eos ids, end-of-generation ids, load warnings) as llama.cpp's loader derives them for a `gpt2` vocab.
+
+    Follows llama_vocab::impl::load: a gpt2 vocab defaults BOS and EOS to id 11 (disabled only when out of
+    range); a key in range replaces the default, one out of range warns and keeps it; EOG holds the tokens named
+    like an end token, then EOS with a warning when it is not among them; add_bos without a BOS is an error.
+    """
+    tokens = meta["tokenizer.ggml.tokens"]
+    ids: dict[str, int | None] = {}
+    warnings = []
+    for name in ("bos", "eos"):
+        default = 11 if len(tokens) > 11 else None
+        key = meta.get(f"tokenizer.ggml.{name}_token_id")
+        if key is not None and key >= len(tokens):
+            warnings.append(f"bad special token: '{name}' = {key}, using default id {default}")
+        ids[name] = key if key is not None and key < len(tokens) else default
+    if meta.get("tokenizer.ggml.add_bos_token") and ids["bos"] is None:
+        raise ValueError("add_bos_token is true, but bos_token_id is not set")
+    eog = {i for i, t in enumerate(tokens) if t in LLAMA_CPP_EOG_TEXTS}
+    if ids["eos"] is not None and ids["eos"] not in eog:
+        warnings.append("special_eos_id is not in special_eog_ids - the tokenizer config may be incorrect")
+        eog.add(ids["eos"])
+    return ids, eog, warnings
+
+
+def test_a_byte_tokenizer_run_keeps_one_token_per_byte_and_real_specials(tmp_path: Path) -> None:
     from kubetrain.data.tokenizers import ByteTokenizer
-    from kubetrain.export.hf import byte_level_tokenizer
+    from kubetrain.export.hf import BYTE_BOS, BYTE_EOS, _bytes_to_unicode
 
     torch.manual_seed(0)
+    # 256 embeddings, as every byte run has had: old checkpoints export the same way.
     write_gguf(GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16)), ByteTokenizer(),
                tmp_path / "byte.gguf")
     meta = fields(GGUFReader(str(tmp_path / "byte.gguf")))
-    alphabet = byte_level_tokenizer().get_vocab()
-    assert meta["tokenizer.ggml.tokens"] == sorted(alphabet, key=alphabet.__getitem__)
-    assert meta["tokenizer.ggml.tokens"][ord("A")] == "A" and meta["tokenizer.ggml.tokens"][32] == "Ġ"
+    alphabet = _bytes_to_unicode()
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    assert tokens[:254] == [alphabet[b] for b in range(254)] and tokens[254:] == [BYTE_BOS, BYTE_EOS]
+    assert tokens[ord("A")] == "A" and tokens[32] == "Ġ"
+    assert types[:254] == [TokenType.NORMAL] * 254 and types[254:] == [TokenType.CONTROL] * 2
     assert meta["tokenizer.ggml.merges"] == ["<no> <merges>"]  # present, and never applicable
-    assert "tokenizer.ggml.bos_token_id" not in meta and meta["tokenizer.ggml.add_bos_token"] is False
+    assert meta["tokenizer.ggml.add_bos_token"] is False  # kubetrain adds none to a byte prompt either
+    ids, eog, warnings = llama_cpp_special_tokens(meta)
+    assert warnings == []  # no fallback to byte 11 (a vertical tab) for BOS and EOS
+    assert ids == {"bos": 0xFE, "eos": 0xFF}
+    assert eog == {ByteTokenizer.eos_id}  # llama.cpp stops on the token kubetrain's sampler stops on

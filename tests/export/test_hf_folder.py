@@ -55,6 +55,19 @@ def test_our_gpt_loads_in_transformers_with_the_same_logits(tmp_path: Path, tie:
     assert_same_tokens(ByteTokenizer(), tmp_path)
 
 
+def test_our_gpt_folder_has_the_generation_config_transformers_generates_with(tmp_path: Path) -> None:
+    from transformers import GenerationConfig
+
+    save_gpt(gpt(True), ByteTokenizer(), tmp_path)
+    assert (tmp_path / "generation_config.json").is_file()
+    gen = GenerationConfig.from_pretrained(str(tmp_path))
+    assert (gen.bos_token_id, gen.eos_token_id) == (ByteTokenizer.bos_id, ByteTokenizer.eos_id)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert (tok.bos_token_id, tok.eos_token_id) == (gen.bos_token_id, gen.eos_token_id)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert model.generation_config.eos_token_id == ByteTokenizer.eos_id  # what generate() stops on
+
+
 def test_a_bpe_run_exports_its_tokenizer_and_float16_weights(tmp_path: Path) -> None:
     bpe = train_bpe([TEXT * 3, "the fox and the dog"], vocab_size=300)
     save_gpt(gpt(True, vocab=320), bpe, tmp_path, dtype="float16")

@@ -27,17 +27,27 @@ OPTIONAL_EXTRAS = {
     "mlflow": "track", "tensorboard": "track", "prometheus_client": "track", "matplotlib": "track",
     "psycopg": "postgres", "psycopg2": "postgres",
     "kubernetes": "k8s", "kubernetes_validate": "k8s", "jsonschema": "k8s",
-    "gguf": "export",
+    "gguf": "export", "tiktoken": "tiktoken",
 }
 
 
 def _register() -> None:
-    from kubetrain.cli import config_cmd, data_cmd, export_cmd, generate_cmd, k8s_cmd, runs_cmd, train_cmd
+    from kubetrain.cli import (
+        config_cmd,
+        data_cmd,
+        doctor_cmd,
+        export_cmd,
+        generate_cmd,
+        k8s_cmd,
+        runs_cmd,
+        train_cmd,
+    )
 
     train_cmd.register(app)
     data_cmd.register(app)
     generate_cmd.register(app)
     export_cmd.register(app)
+    doctor_cmd.register(app)
     app.add_typer(config_cmd.app, name="config")
     app.add_typer(runs_cmd.app, name="runs")
     app.add_typer(k8s_cmd.app, name="k8s")

@@ -1,8 +1,9 @@
-"""`kubetrain config validate|show`."""
+"""`kubetrain config validate|show|presets|explain`."""
 
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
 import typer
 
@@ -34,3 +35,18 @@ def presets() -> None:
     """List the presets shipped with kubetrain."""
     for name in preset_names():
         typer.echo(name)
+
+
+@app.command()
+def explain(
+    key: Annotated[
+        str | None, typer.Argument(help="A key or section: train.lr, data.sources.0.kind, k8s (default: all).")
+    ] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Print each config key's type, default and description, from the schema itself."""
+    from kubetrain.config.explain import explain as explain_keys
+    from kubetrain.config.explain import render, to_json
+
+    docs = explain_keys(key)
+    typer.echo(to_json(docs) if json_ else render(docs))

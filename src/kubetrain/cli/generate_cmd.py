@@ -24,6 +24,7 @@ def generate(
     import torch
 
     from kubetrain.data.chat import encode_prompt
+    from kubetrain.data.tokenizers import prompt_ids
     from kubetrain.models.load import load_trained
     from kubetrain.models.sampling import generate as sample
 
@@ -34,7 +35,7 @@ def generate(
     model, tokenizer, cfg, _ = load_trained(run_dir, checkpoint)
     if torch.cuda.is_available():
         model = model.cuda()
-    ids = encode_prompt(tokenizer, cfg.data.chat, prompt) if chat else tokenizer.encode(prompt)
+    ids = encode_prompt(tokenizer, cfg.data.chat, prompt) if chat else prompt_ids(tokenizer, prompt)
     block = cfg.model.block_size
     out = sample(model, ids, max_new_tokens, block, temperature, top_k or None, tokenizer.eos_id, seed)
     typer.echo(prompt + tokenizer.decode(out))

@@ -39,7 +39,10 @@ def train(
         int, typer.Option("--max-restarts", min=0, help="Times the agent restarts failed workers.")
     ] = 0,
 ) -> None:
-    """Train a model from a config (the embedded 'tiny' preset when none is given)."""
+    """Train a model from a config (the embedded 'tiny' preset when none is given).
+
+    Every config key, its type, default and meaning: kubetrain config explain [KEY].
+    """
     cfg = load(config, preset, set_)
     if nproc is not None or nnodes != "1" or rdzv_endpoint is not None:
         from kubetrain import runs

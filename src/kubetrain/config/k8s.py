@@ -77,7 +77,7 @@ class VolumeConfig(_Section):
     mount_path: str | None = Field(
         default=None, pattern=r"^/", description="Where the pod mounts it (default per role)."
     )
-    read_only: bool = False
+    read_only: bool = Field(default=False, description="Mount it read-only.")
 
     @model_validator(mode="after")
     def _one_source(self) -> VolumeConfig:
@@ -129,10 +129,12 @@ class SecretsConfig(_Section):
 
 
 class Toleration(_Section):
-    key: str | None = None
-    operator: Literal["Equal", "Exists"] = "Equal"
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    key: str | None = Field(default=None, description="Taint key (none with Exists: every taint).")
+    operator: Literal["Equal", "Exists"] = Field(default="Equal", description="Equal: key and value match.")
+    value: str | None = Field(default=None, description="Taint value (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to tolerate (none: every effect)."
+    )
     toleration_seconds: int | None = Field(default=None, ge=0, description="Only with effect NoExecute.")
 
 
@@ -158,10 +160,16 @@ class K8sConfig(_Section):
         max_length=40,
         description="Job name (default: run.name made DNS-safe).",
     )
-    namespace: str = Field(default="default", pattern=_DNS_LABEL, max_length=63)
-    image: str = Field(default="ghcr.io/kubetrain/kubetrain:0.1.0", min_length=1)
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    image_pull_secrets: list[str] = Field(default_factory=list)
+    namespace: str = Field(default="default", pattern=_DNS_LABEL, max_length=63, description="Namespace of the job.")
+    image: str = Field(
+        default="ghcr.io/kubetrain/kubetrain:0.1.0", min_length=1, description="Container image with kubetrain."
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="When the kubelet pulls the image."
+    )
+    image_pull_secrets: list[str] = Field(
+        default_factory=list, description="Secrets with registry credentials for the image."
+    )
     workload: Workload = Field(
         default="indexed-job",
         description="indexed-job (needs no operator), jobset, trainjob "
@@ -171,18 +179,26 @@ class K8sConfig(_Section):
     nproc_per_node: int = Field(
         default=1, ge=1, description="Training processes per pod (usually its GPU count)."
     )
-    resources: ResourcesConfig = Field(default_factory=lambda: ResourcesConfig())
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[Toleration] = Field(default_factory=list)
+    resources: ResourcesConfig = Field(
+        default_factory=lambda: ResourcesConfig(), description="CPU, memory and GPUs per pod."
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels the pods must match.")
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Taints the pods tolerate (e.g. a dedicated GPU node)."
+    )
     affinity: dict[str, Any] | None = Field(
         default=None, description="Pod affinity in Kubernetes' own shape."
     )
-    volumes: VolumesConfig = Field(default_factory=lambda: VolumesConfig())
-    secrets: SecretsConfig = Field(default_factory=lambda: SecretsConfig())
+    volumes: VolumesConfig = Field(
+        default_factory=lambda: VolumesConfig(), description="Checkpoint, data, model and cache volumes."
+    )
+    secrets: SecretsConfig = Field(
+        default_factory=lambda: SecretsConfig(), description="Environment variables from Secrets."
+    )
     service_account: str | None = Field(
         default=None, description="An existing ServiceAccount; its token is not mounted."
     )
-    priority_class_name: str | None = None
+    priority_class_name: str | None = Field(default=None, description="PriorityClass of the pods.")
     queue: str | None = Field(
         default=None, description="Kueue LocalQueue (the kueue.x-k8s.io/queue-name label)."
     )
@@ -198,7 +214,9 @@ class K8sConfig(_Section):
         ge=1,
         description="terminationGracePeriodSeconds (default checkpoint.grace_seconds + 30).",
     )
-    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    active_deadline_seconds: int | None = Field(
+        default=None, ge=1, description="Fail the job after this long, however far it got."
+    )
     rdzv_port: int = Field(
         default=29500, ge=1024, le=65535, description="c10d rendezvous port on node rank 0."
     )
@@ -212,7 +230,9 @@ class K8sConfig(_Section):
     network_policy: bool = Field(
         default=True, description="Admit traffic only from the job's own pods (+ metrics)."
     )
-    metrics: MetricsConfig = Field(default_factory=lambda: MetricsConfig())
+    metrics: MetricsConfig = Field(
+        default_factory=lambda: MetricsConfig(), description="Prometheus endpoint and liveness probe."
+    )
     trainjob_runtime: str = Field(
         default="torch-distributed", description="ClusterTrainingRuntime of a TrainJob."
     )

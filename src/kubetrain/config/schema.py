@@ -27,10 +27,12 @@ class RunConfig(Section):
 
 
 class SourceConfig(Section):
-    kind: Literal["builtin", "text", "jsonl", "chat", "hf"] = Field(
-        "builtin",
-        description="builtin: the corpus shipped with kubetrain; text: files/globs; jsonl: a text field; "
-        "chat: messages or prompt/response JSONL; hf: a Hugging Face dataset (hub id or local)."
+    kind: Literal["auto", "builtin", "text", "jsonl", "chat", "hf"] = Field(
+        "auto",
+        description="auto: told from the path's files when the data is prepared (text, jsonl, chat, or hf "
+        "for a save_to_disk folder), the builtin corpus when there is no path; builtin: the corpus shipped "
+        "with kubetrain; text: files/globs; jsonl: a text field; chat: messages or prompt/response JSONL; "
+        "hf: a Hugging Face dataset (hub id or local)."
     )
     path: str | None = Field(
         None, description="File, folder or glob (text/jsonl/chat), or dataset id/folder (hf)."
@@ -42,7 +44,12 @@ class SourceConfig(Section):
 
     @model_validator(mode="after")
     def _path_needed(self) -> SourceConfig:
-        if self.kind != "builtin" and not self.path:
+        if self.kind == "builtin" and self.path:
+            raise ValueError(
+                f"a source of kind 'builtin' is the corpus shipped with kubetrain and takes no path "
+                f"(got '{self.path}'): set kind to text, jsonl, chat, hf or auto"
+            )
+        if self.kind not in ("builtin", "auto") and not self.path:
             raise ValueError(f"a data source of kind '{self.kind}' needs a path")
         return self
 
@@ -51,11 +58,13 @@ class TokenizerConfig(Section):
     kind: Literal["byte", "bpe", "hf", "tiktoken"] = Field(
         "byte",
         description="byte: 256 byte ids, no files; bpe: trained on the corpus; hf: a tokenizer folder/id; "
-        "tiktoken: a named encoding whose files are present."
+        "tiktoken: a named encoding, read from TIKTOKEN_CACHE_DIR (fetched only when local_files_only is false)."
     )
     path: str | None = Field(None, description="Tokenizer folder or hub id (hf); encoding name (tiktoken).")
     vocab_size: int = Field(4096, ge=260, description="Vocabulary size when training a BPE tokenizer.")
-    local_files_only: bool = Field(True, description="Never reach a model hub for the tokenizer.")
+    local_files_only: bool = Field(
+        True, description="Never reach a model hub (or tiktoken's download site) for the tokenizer."
+    )
 
 
 class ChatConfig(Section):
@@ -69,43 +78,52 @@ class ChatConfig(Section):
 
 
 class DataConfig(Section):
-    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig()])
-    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
-    chat: ChatConfig = Field(default_factory=ChatConfig)
+    sources: list[SourceConfig] = Field(
+        default_factory=lambda: [SourceConfig()], description="What to train on; several sources are mixed."
+    )
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="How text becomes token ids.")
+    chat: ChatConfig = Field(default_factory=ChatConfig, description="How chat sources are rendered and masked.")
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of tokens held out for validation.")
     cache_dir: str | None = Field(None, description="Where prepared shards go (default <output_dir>/.data).")
 
 
 class LoraConfig(Section):
-    r: int = Field(8, ge=1)
-    alpha: int = Field(16, ge=1)
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] | str = Field(default_factory=lambda: ["q_proj", "v_proj"])
-    modules_to_save: list[str] | None = None
+    r: int = Field(8, ge=1, description="Rank of the low-rank update.")
+    alpha: int = Field(16, ge=1, description="Scale of the update (alpha / r multiplies it).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
+    target_modules: list[str] | str = Field(
+        default_factory=lambda: ["q_proj", "v_proj"],
+        description="Linear layers that get adapters (names, or 'all-linear').",
+    )
+    modules_to_save: list[str] | None = Field(
+        None, description="Modules trained in full and saved with the adapter (e.g. lm_head)."
+    )
 
 
 class ModelConfig(Section):
     kind: Literal["gpt", "hf"] = Field(
         "gpt", description="gpt: kubetrain's own decoder; hf: AutoModelForCausalLM."
     )
-    n_layer: int = Field(4, ge=1)
-    n_head: int = Field(4, ge=1)
-    n_embd: int = Field(128, ge=8)
+    n_layer: int = Field(4, ge=1, description="Transformer blocks (kind: gpt).")
+    n_head: int = Field(4, ge=1, description="Attention heads; n_embd / n_head is the head size.")
+    n_embd: int = Field(128, ge=8, description="Width of the residual stream.")
     block_size: int = Field(128, ge=2, description="Context length in tokens.")
     vocab_size: int | None = Field(None, description="Default: the tokenizer's vocabulary rounded up to 64.")
     mlp_hidden: int | None = Field(None, description="SwiGLU width (default ~8/3 n_embd, a multiple of 64).")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    rope_theta: float = Field(10000.0, gt=0)
-    norm_eps: float = Field(1e-5, gt=0)
-    tie_embeddings: bool = True
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on attention and MLP outputs.")
+    rope_theta: float = Field(10000.0, gt=0, description="Base of the rotary position embedding.")
+    norm_eps: float = Field(1e-5, gt=0, description="Epsilon of RMSNorm.")
+    tie_embeddings: bool = Field(True, description="Share the token embedding with the output head.")
     # Hugging Face models (kind: hf)
     name_or_path: str | None = Field(None, description="Local folder or hub id (kind: hf).")
-    revision: str | None = None
+    revision: str | None = Field(None, description="Branch, tag or commit of a hub model.")
     local_files_only: bool = Field(True, description="Never reach a model hub (offline).")
-    trust_remote_code: bool = False
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    gradient_checkpointing: bool = False
-    lora: LoraConfig | None = None
+    trust_remote_code: bool = Field(False, description="Run the model's own Python code from its folder.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight dtype of a Hugging Face model (auto: float32; autocast does the rest)."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of every weight (null: off).")
 
     @model_validator(mode="after")
     def _shape(self) -> ModelConfig:
@@ -125,64 +143,72 @@ class TrainConfig(Section):
     max_tokens: int | None = Field(None, ge=1, description="Stop once this many tokens were trained on.")
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward pass per process.")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW).")
     min_lr: float | None = Field(None, ge=0, description="Cosine floor (default lr / 10).")
-    warmup_steps: int = Field(20, ge=0)
-    weight_decay: float = Field(0.1, ge=0)
-    beta1: float = 0.9
-    beta2: float = 0.95
+    warmup_steps: int = Field(20, ge=0, description="Linear warmup steps before the cosine decay.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay (matrices only).")
+    beta1: float = Field(0.9, description="AdamW beta1.")
+    beta2: float = Field(0.95, description="AdamW beta2.")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global grad norm (0 = off).")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="auto: bf16 autocast on GPUs that support it, fp32 on CPU."
     )
     compile: bool = Field(False, description="torch.compile the model.")
-    log_every_steps: int = Field(10, ge=1)
+    log_every_steps: int = Field(10, ge=1, description="Steps between metric lines.")
     deterministic: bool = Field(True, description="Deterministic kernels (bitwise-repeatable runs on CPU).")
 
 
 class EvalConfig(Section):
-    every_steps: int = Field(50, ge=1)
+    every_steps: int = Field(50, ge=1, description="Steps between evaluations (validation loss, sample).")
     batches: int = Field(8, ge=1, description="Validation batches per evaluation.")
     sample_prompt: str | None = Field(
         "And God said", min_length=1, description="Prompt for a sample at each eval (null: off)."
     )
-    sample_tokens: int = Field(64, ge=1)
+    sample_tokens: int = Field(64, ge=1, description="Tokens generated for the eval sample.")
 
 
 class CheckpointConfig(Section):
-    every_steps: int = Field(100, ge=1)
+    every_steps: int = Field(100, ge=1, description="Steps between checkpoints (one is also saved at the end).")
     keep_last: int = Field(3, ge=1, description="Periodic checkpoints kept (best is always kept).")
     grace_seconds: float = Field(60.0, gt=0, description="Time allowed to save after SIGTERM.")
 
 
 class DistConfig(Section):
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    strategy: Literal["ddp", "fsdp"] = "ddp"
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Process-group backend (auto: nccl on CUDA, gloo otherwise)."
+    )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: a full copy per process; fsdp: FSDP2 shards weights and optimizer state."
+    )
     timeout_seconds: int = Field(600, ge=10, description="Collective timeout; a hung rank fails the job.")
 
 
 class PhaseConfig(Section):
     """One stage of a multi-phase run; its sections override the top-level ones."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    init_from: Literal["best", "final"] = "best"
-    reset_optimizer: bool = True
-    data: dict[str, Any] | None = None
-    train: dict[str, Any] | None = None
-    eval: dict[str, Any] | None = None
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Phase name; its run is phases/<name>.")
+    init_from: Literal["best", "final"] = Field(
+        "best", description="Which checkpoint of the previous phase this one starts from."
+    )
+    reset_optimizer: bool = Field(True, description="Start with a fresh optimizer (false: carry its state).")
+    data: dict[str, Any] | None = Field(None, description="Keys of `data:` that this phase overrides.")
+    train: dict[str, Any] | None = Field(None, description="Keys of `train:` that this phase overrides.")
+    eval: dict[str, Any] | None = Field(None, description="Keys of `eval:` that this phase overrides.")
 
 
 class Config(Section):
-    run: RunConfig = Field(default_factory=RunConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    dist: DistConfig = Field(default_factory=DistConfig)
-    track: TrackConfig = Field(default_factory=TrackConfig)
-    k8s: K8sConfig = Field(default_factory=K8sConfig)
-    phases: list[PhaseConfig] = Field(default_factory=list)
+    run: RunConfig = Field(default_factory=RunConfig, description="Name, output folder, seed, device.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Sources, tokenizer, chat rendering, split.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Our GPT's shape, or a Hugging Face model.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Steps, batch, optimizer, precision.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Validation loss and samples.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="When to save, what to keep.")
+    dist: DistConfig = Field(default_factory=DistConfig, description="Several processes: backend and strategy.")
+    track: TrackConfig = Field(default_factory=TrackConfig, description="Metric sinks.")
+    k8s: K8sConfig = Field(default_factory=K8sConfig, description="How the job is rendered for Kubernetes.")
+    phases: list[PhaseConfig] = Field(
+        default_factory=list, description="Stages run one after another, each from the previous one's weights."
+    )
 
     @model_validator(mode="after")
     def _hf_tokenizer(self) -> Config:

@@ -64,6 +64,10 @@ class PrometheusConfig(_Section):
 
 class TrackConfig(_Section):
     console: bool = Field(default=True, description="Progress on stdout (rich on a terminal).")
-    mlflow: MlflowConfig = Field(default_factory=lambda: MlflowConfig())
-    tensorboard: TensorboardConfig = Field(default_factory=lambda: TensorboardConfig())
-    prometheus: PrometheusConfig = Field(default_factory=lambda: PrometheusConfig())
+    mlflow: MlflowConfig = Field(default_factory=lambda: MlflowConfig(), description="MLflow tracking.")
+    tensorboard: TensorboardConfig = Field(
+        default_factory=lambda: TensorboardConfig(), description="TensorBoard event files."
+    )
+    prometheus: PrometheusConfig = Field(
+        default_factory=lambda: PrometheusConfig(), description="Prometheus /metrics and /healthz."
+    )

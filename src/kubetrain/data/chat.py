@@ -14,7 +14,7 @@ from typing import Any
 
 from kubetrain.config.schema import ChatConfig, SourceConfig
 from kubetrain.data import sources
-from kubetrain.data.tokenizers import Tokenizer
+from kubetrain.data.tokenizers import Tokenizer, added_special_ids
 from kubetrain.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -249,16 +249,11 @@ def _jinja(template: str, eos: str) -> Render:
 
 
 def special_tokens(tok: Tokenizer) -> tuple[list[int], list[int]]:
-    """The ids the tokenizer adds before and after a text (BOS / EOS), found by encoding a probe both ways."""
+    """The ids that wrap a conversation: the tokenizer's own BOS / EOS (transformers), else just EOS."""
     hf = getattr(tok, "tok", None)
     if hf is None or not hasattr(hf, "apply_chat_template"):
         return [], ([tok.eos_id] if tok.eos_id is not None else [])
-    bare = list(hf("a", add_special_tokens=False)["input_ids"])
-    full = list(hf("a", add_special_tokens=True)["input_ids"])
-    for i in range(len(full) - len(bare) + 1):
-        if full[i : i + len(bare)] == bare:
-            return full[:i], full[i + len(bare) :]
-    return [], []
+    return added_special_ids(tok)
 
 
 def _template_errors() -> tuple[type[BaseException], ...]:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -16,11 +17,13 @@ import numpy as np
 
 from kubetrain.config.schema import Config, SourceConfig
 from kubetrain.data import sources
-from kubetrain.data.tokenizers import Tokenizer, build_tokenizer, load_saved_tokenizer
+from kubetrain.data.fingerprints import DigestCache, file_digest, locked
+from kubetrain.data.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer, load_saved_tokenizer
 from kubetrain.errors import DataError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: files known by xxh3-128 digests, every shard file checksummed
 TOKENS_FILE = "tokens.bin"
+INDEX_DIR = ".index"  # in the cache root: the digests of known data files, and the locks of preparing processes
 MASK_FILE = "mask.bin"  # uint8, 1 where the token counts in the loss (chat data); absent means all count
 
 
@@ -55,8 +58,17 @@ def cache_root(cfg: Config) -> Path:
     return Path(cfg.data.cache_dir or Path(cfg.run.output_dir) / ".data").expanduser()
 
 
+def with_resolved_sources(cfg: Config) -> Config:
+    """The config with every source of kind 'auto' given the kind its files hold."""
+    if all(src.kind != "auto" for src in cfg.data.sources):
+        return cfg
+    resolved = [sources.resolve_kind(src) for src in cfg.data.sources]
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"sources": resolved})})
+
+
 def data_key(cfg: Config) -> str:
     """Content hash of everything that decides the tokens: sources' bytes, tokenizer, split."""
+    cfg = with_resolved_sources(cfg)
     h = hashlib.sha256(f"v{FORMAT_VERSION}".encode())
     h.update(json.dumps(cfg.data.tokenizer.model_dump(mode="json"), sort_keys=True).encode())
     h.update(json.dumps(cfg.data.chat.model_dump(mode="json"), sort_keys=True).encode())
@@ -67,8 +79,9 @@ def data_key(cfg: Config) -> str:
         for f in sorted(Path(cfg.data.tokenizer.path).glob("*")):
             if f.is_file() and f.suffix not in _WEIGHT_SUFFIXES:  # a model folder: hash the tokenizer, not GBs
                 h.update(f.name.encode() + f.read_bytes())
+    digests = DigestCache(cache_root(cfg) / INDEX_DIR)
     for src in cfg.data.sources:
-        h.update(sources.fingerprint(src).encode())
+        h.update(sources.fingerprint(src, digests).encode())
     return h.hexdigest()[:20]
 
 
@@ -81,17 +94,49 @@ def _unpacked_chat(cfg: Config) -> bool:
 
 def prepare(cfg: Config, min_tokens: int | None = None, log: Any = None) -> Prepared:
     """Tokenize the sources once; later calls with the same content return the cached shard at once."""
+    cfg = with_resolved_sources(cfg)
     key = data_key(cfg)
     folder = cache_root(cfg) / key
-    if (folder / "meta.json").is_file():
-        prepared = Prepared(folder, json.loads((folder / "meta.json").read_text()))
-        _check_size(prepared, min_tokens)
+    prepared = _cached(folder)
+    if prepared is None:
+        # One process tokenizes while the others on this machine (ranks, a second `prepare`) wait, then find
+        # the shard; processes on other machines sharing the volume race, and the first rename wins.
+        with locked(folder.parent / INDEX_DIR / f"{key}.lock"):
+            prepared = _cached(folder) or _build(cfg, key, folder, log)
+    _check_size(prepared, min_tokens)
+    return prepared
+
+
+def _cached(folder: Path) -> Prepared | None:
+    """The shard in `folder` if there is one and its files match their checksums; a damaged one is removed."""
+    if not (folder / "meta.json").is_file():
+        return None
+    prepared = Prepared(folder, json.loads((folder / "meta.json").read_text()))
+    problem = verify(prepared)
+    if problem is None:
         return prepared
+    print(f"warning: the prepared data in {folder} is damaged ({problem}); preparing it again",
+          file=sys.stderr, flush=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    return None
+
+
+def verify(prepared: Prepared) -> str | None:
+    """None when every file of the shard has the checksum its meta.json records, else what is wrong."""
+    for name, digest in prepared.meta.get("checksums", {}).items():
+        path = prepared.folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if file_digest(path) != digest:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def _build(cfg: Config, key: str, folder: Path, log: Any) -> Prepared:
     if log:
         log(f"preparing data into {folder}")
     folder.parent.mkdir(parents=True, exist_ok=True)
-    # Several processes may prepare at once (ranks, pods on one volume): each writes its own temporary
-    # folder and renames it into place; the first rename wins and the others discard theirs.
+    # Written into a temporary folder and renamed into place: a reader never sees half a shard.
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=folder.parent))
     try:
         meta = _write_shard(cfg, tmp)
@@ -106,9 +151,7 @@ def prepare(cfg: Config, min_tokens: int | None = None, log: Any = None) -> Prep
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    prepared = Prepared(folder, json.loads((folder / "meta.json").read_text()))
-    _check_size(prepared, min_tokens)
-    return prepared
+    return Prepared(folder, json.loads((folder / "meta.json").read_text()))
 
 
 def _check_size(prepared: Prepared, min_tokens: int | None) -> None:
@@ -133,7 +176,7 @@ def encoded(cfg: Config, tok: Tokenizer, src: SourceConfig) -> Iterator[tuple[li
 
         yield from encode_conversations(src, tok, cfg.data.chat, block_size=cfg.model.block_size)
         return
-    sep = [tok.eos_id] if tok.eos_id is not None else tok.encode("\n\n")
+    sep = _document_separator(tok)
     whole, frac = divmod(src.weight, 1.0)
     for copy in range(int(whole) + (1 if frac else 0)):
         docs: Iterable[str] = sources.iter_documents(src)
@@ -143,6 +186,14 @@ def encoded(cfg: Config, tok: Tokenizer, src: SourceConfig) -> Iterator[tuple[li
         for doc in docs:
             if doc:
                 yield tok.encode(doc) + sep, None
+
+
+def _document_separator(tok: Tokenizer) -> list[int]:
+    """EOS after each document; a blank line for the byte tokenizer, as its shards always had (its EOS came
+    later): the same corpus keeps giving the same tokens, so runs trained on them still resume."""
+    if tok.eos_id is None or isinstance(tok, ByteTokenizer):
+        return tok.encode("\n\n")
+    return [tok.eos_id]
 
 
 def _write_shard(cfg: Config, out: Path) -> dict[str, Any]:
@@ -190,16 +241,8 @@ def _write_shard(cfg: Config, out: Path) -> dict[str, Any]:
         "val_fraction": cfg.data.val_fraction,
         "masked": masked,
         "sources": [s.model_dump(mode="json") for s in cfg.data.sources],
-        "sha256": _sha256(out / TOKENS_FILE),
+        "checksums": {f.name: file_digest(f) for f in (out / TOKENS_FILE, out / MASK_FILE) if f.is_file()},
     }
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync_tree(folder: Path) -> None:

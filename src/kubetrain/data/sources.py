@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kubetrain.config.schema import SourceConfig
+from kubetrain.data.fingerprints import DigestCache
 from kubetrain.errors import DataError
 
 BUILTIN_CORPUS = "kjv.txt"
@@ -22,7 +23,7 @@ def builtin_corpus_path() -> Path:
 
 def source_files(src: SourceConfig) -> list[Path]:
     """The local files a source reads, sorted; a missing path or an empty glob is an error."""
-    if src.kind == "builtin":
+    if src.kind == "builtin" or not src.path:
         return [builtin_corpus_path()]
     assert src.path is not None
     if src.kind == "hf":
@@ -50,14 +51,71 @@ def source_files(src: SourceConfig) -> list[Path]:
     return [p]
 
 
-def fingerprint(src: SourceConfig) -> str:
-    """A digest of the source's settings and the bytes of every file it reads."""
+def is_saved_dataset(path: Path) -> bool:
+    """A folder written by `datasets`' `save_to_disk` (a Dataset or a DatasetDict)."""
+    return (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+_DATASET_SUFFIXES = (".parquet", ".csv", ".arrow")
+
+
+def resolve_kind(src: SourceConfig) -> SourceConfig:
+    """The source with kind 'auto' replaced by the kind its files hold; unclear or mixed files are refused."""
+    if src.kind != "auto":
+        return src
+    if not src.path:
+        return src.model_copy(update={"kind": "builtin"})
+    p = Path(src.path).expanduser()
+    if p.is_dir() and is_saved_dataset(p):
+        return src.model_copy(update={"kind": "hf"})
+    try:
+        files = source_files(src.model_copy(update={"kind": "text"}))
+    except DataError as e:
+        hint = "" if p.exists() else " (a Hugging Face dataset id needs kind: hf)"
+        raise DataError(f"{e}{hint}") from None
+    kinds = {f: _kind_of_file(f, src.text_field) for f in files}
+    found = sorted(set(kinds.values()))
+    if len(found) > 1:
+        examples = ", ".join(f"{k}: {next(f.name for f, v in kinds.items() if v == k)}" for k in found)
+        raise DataError(f"data path '{src.path}' mixes kinds of data ({examples}): give each its own "
+                        "source, or set kind")
+    return src.model_copy(update={"kind": found[0]})
+
+
+def _kind_of_file(f: Path, text_field: str) -> str:
+    """text, jsonl, chat or hf, told from the suffix and the first bytes; anything else is refused."""
+    if f.suffix in _DATASET_SUFFIXES:
+        return "hf"
+    with open(f, "rb") as fh:
+        head = fh.read(1 << 16)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 3:  # not merely a character cut at the end of the block
+            raise DataError(f"cannot tell what data {f} holds: not UTF-8 text, JSONL or a dataset folder; "
+                            "set the source's kind") from None
+    if f.suffix not in (".jsonl", ".json"):
+        return "text"
+    with open(f, "rb") as fh:  # the whole first line, however long
+        first = next((line for line in fh if line.strip()), b"")
+    try:
+        row = json.loads(first)
+    except ValueError:  # not JSON, or not UTF-8
+        row = None
+    if isinstance(row, dict) and ("messages" in row or "prompt" in row):
+        return "chat"
+    if isinstance(row, dict) and text_field in row:
+        return "jsonl"
+    raise DataError(f"cannot tell what data {f} holds: its first line is not a JSON object with "
+                    f"'messages', 'prompt'/'response' or '{text_field}'; set the source's kind")
+
+
+def fingerprint(src: SourceConfig, digests: DigestCache | None = None) -> str:
+    """A digest of the source's settings and the bytes of every file it reads (known files are not re-read)."""
     h = hashlib.sha256(json.dumps(src.model_dump(mode="json"), sort_keys=True).encode())
-    for f in source_files(src):
-        h.update(str(f.name).encode())
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
+    files = source_files(src)
+    for f, digest in zip(files, (digests or DigestCache(None)).digests(files), strict=True):
+        h.update(f"{f.name}\0{digest}\0".encode())
     return h.hexdigest()
 
 
@@ -82,6 +140,7 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
 
 def iter_documents(src: SourceConfig) -> Iterator[str]:
     """Every document of a plain-text source (builtin, text, jsonl, hf)."""
+    src = resolve_kind(src)
     if src.kind in ("builtin", "text"):
         for f in source_files(src):
             yield read_text(f)
@@ -115,7 +174,7 @@ def load_hf_dataset(src: SourceConfig) -> Any:
     assert src.path is not None
     p = Path(src.path).expanduser()
     try:
-        if (p / "dataset_info.json").is_file() or (p / "dataset_dict.json").is_file():
+        if is_saved_dataset(p):
             ds = datasets.load_from_disk(str(p))
             return ds[src.split] if isinstance(ds, datasets.DatasetDict) else ds
         if p.is_file():

@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
+import threading
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,17 +30,23 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255: no files, no training, every text round-trips."""
+    """UTF-8 bytes as ids 0..255: no files, no training, every text round-trips.
+
+    Bytes 0xFE and 0xFF never occur in UTF-8, so their ids serve as BOS and EOS: the byte tokenizer has real
+    special tokens (llama.cpp and transformers read them from an export) without a larger vocabulary, and
+    every model trained before they existed keeps its shape. Text never encodes to them; decoding drops them.
+    """
 
     kind = "byte"
     vocab_size = 256
-    eos_id: int | None = None
+    bos_id = 0xFE
+    eos_id: int | None = 0xFF
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        return bytes(i for i in ids if 0 <= i < self.bos_id).decode("utf-8", errors="replace")
 
     def save(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -101,26 +110,32 @@ class HFTokenizer:
 
 
 class TiktokenTokenizer:
-    """A tiktoken encoding; its files must already be in TIKTOKEN_CACHE_DIR (nothing is fetched)."""
+    """A tiktoken encoding, read from tiktoken's cache; fetched only when the config allows downloads."""
 
     kind = "tiktoken"
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, local_files_only: bool = True) -> None:
         try:
             import tiktoken
         except ImportError:
             raise DataError(
-                "tokenizer kind 'tiktoken' needs the tiktoken package: pip install tiktoken"
+                "tokenizer kind 'tiktoken' needs the tiktoken package: pip install 'kubetrain[tiktoken]'"
             ) from None
         try:
-            self.enc = tiktoken.get_encoding(name)
-        except Exception as e:
+            with _tiktoken_downloads(allowed=not is_offline(local_files_only)):
+                self.enc = tiktoken.get_encoding(name)
+        except _DownloadRefused as e:
             raise DataError(
-                f"tiktoken encoding '{name}' could not be loaded from its local files: {e}"
+                f"tiktoken encoding '{name}' is not in the local cache and downloads are off "
+                f"(data.tokenizer.local_files_only / HF_HUB_OFFLINE): save {e.url} as "
+                f"{tiktoken_cache_file(e.url)} (TIKTOKEN_CACHE_DIR chooses the folder), "
+                "or set data.tokenizer.local_files_only: false"
             ) from None
+        except Exception as e:
+            raise DataError(f"tiktoken encoding '{name}' could not be loaded: {e}") from None
         self.name = name
         self.vocab_size = int(self.enc.n_vocab)
-        self.eos_id = self.enc.eot_token
+        self.eos_id: int | None = self.enc.eot_token
 
     def encode(self, text: str) -> list[int]:
         return list(self.enc.encode_ordinary(text))
@@ -134,6 +149,78 @@ class TiktokenTokenizer:
 
     def fingerprint(self) -> str:
         return f"tiktoken:{self.name}"
+
+
+def is_offline(local_files_only: bool) -> bool:
+    """The one offline rule for every hub access: the config's local_files_only, or HF_HUB_OFFLINE=1."""
+    return local_files_only or os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+def tiktoken_cache_file(url: str) -> Path:
+    """Where tiktoken looks for the file it would download from `url` (tiktoken.load.read_file_cached)."""
+    folder = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
+    root = Path(folder) if folder else Path(tempfile.gettempdir()) / "data-gym-cache"
+    return root / hashlib.sha1(url.encode()).hexdigest()
+
+
+class _DownloadRefused(Exception):
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.url = url
+
+
+@contextmanager
+def _tiktoken_downloads(allowed: bool) -> Iterator[None]:
+    """Offline, turn tiktoken's one fetch point (tiktoken.load.read_file, called on a cache miss) into a refusal.
+
+    read_file_cached reads the cache itself and calls the module-level read_file only for what is missing
+    (tiktoken 0.7-0.14), so replacing that name refuses exactly the downloads and nothing else.
+    """
+    import tiktoken.load
+
+    real = tiktoken.load.read_file
+    if allowed:
+        yield
+        return
+
+    def local_only(blobpath: str) -> bytes:
+        if "://" in blobpath:
+            raise _DownloadRefused(blobpath)
+        return real(blobpath)
+
+    with _TIKTOKEN_LOCK:
+        tiktoken.load.read_file = local_only
+        try:
+            yield
+        finally:
+            tiktoken.load.read_file = real
+
+
+_TIKTOKEN_LOCK = threading.Lock()
+
+
+def added_special_ids(tok: Tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer itself adds before and after a text (its BOS/EOS rule, e.g. add_bos_token).
+
+    Found by encoding a probe with and without special tokens, so every tokenizer's own setting decides.
+    """
+    if isinstance(tok, HFTokenizer):
+        bare = list(tok.tok("a", add_special_tokens=False)["input_ids"])
+        full = list(tok.tok("a", add_special_tokens=True)["input_ids"])
+    elif isinstance(tok, FastTokenizer):
+        bare = list(tok.tok.encode("a", add_special_tokens=False).ids)
+        full = list(tok.tok.encode("a", add_special_tokens=True).ids)
+    else:
+        return [], []
+    for i in range(len(full) - len(bare) + 1):
+        if full[i : i + len(bare)] == bare:
+            return full[:i], full[i + len(bare) :]
+    return [], []
+
+
+def prompt_ids(tok: Tokenizer, text: str) -> list[int]:
+    """A prompt as the model's tokenizer feeds it (BOS first when it adds one), as transformers and llama.cpp do."""
+    return added_special_ids(tok)[0] + tok.encode(text)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> FastTokenizer:
@@ -156,7 +243,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> FastTokenizer:
 
 def load_hf_tokenizer(path: str, local_files_only: bool = True) -> HFTokenizer | FastTokenizer:
     """A Hugging Face tokenizer: via transformers when installed (chat templates), else its tokenizer.json."""
-    offline = local_files_only or os.environ.get("HF_HUB_OFFLINE") == "1"
+    offline = is_offline(local_files_only)
     local = Path(path).expanduser()
     if offline and not local.exists():
         raise DataError(f"tokenizer folder not found: {path} (offline: no hub download)")
@@ -187,7 +274,7 @@ def build_tokenizer(cfg: TokenizerConfig, corpus: Iterable[str] | None = None) -
             raise DataError("a BPE tokenizer is trained during prepare; no corpus was given")
         return train_bpe(corpus, cfg.vocab_size)
     if cfg.kind == "tiktoken":
-        return TiktokenTokenizer(cfg.path or "gpt2")
+        return TiktokenTokenizer(cfg.path or "gpt2", cfg.local_files_only)
     if not cfg.path:
         raise DataError("data.tokenizer.kind 'hf' needs data.tokenizer.path (a folder or hub id)")
     return load_hf_tokenizer(cfg.path, cfg.local_files_only)

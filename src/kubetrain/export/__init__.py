@@ -30,6 +30,7 @@ class Exported:
     kind: str  # "model", "merged" or "adapter"
     step: int
     checkpoint: str
+    modelfile: str | None = None  # the Ollama Modelfile written beside a GGUF
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,14 +61,17 @@ def export(
     if lora and merge:
         model = merge_lora(model)
     kind = "merged" if merge else "adapter" if lora else "model"
+    modelfile = None
     if fmt == "gguf":
-        _write_gguf(model, tokenizer, out, dtype, cfg.run.name)
+        modelfile = str(_write_gguf(model, tokenizer, out, dtype, cfg))
     else:
         _write_hf_folder(model, tokenizer, out, _hf_dtype(dtype, model, cfg), adapter=kind == "adapter")
-    return Exported(str(out), fmt, kind, ckpt.step, str(ckpt.path))
+    return Exported(str(out), fmt, kind, ckpt.step, str(ckpt.path), modelfile)
 
 
-def _write_gguf(model: nn.Module, tokenizer: Any, out: Path, dtype: str, name: str) -> None:
+def _write_gguf(model: nn.Module, tokenizer: Any, out: Path, dtype: str, cfg: Config) -> Path:
+    """The .gguf, then an Ollama Modelfile beside it (whose path is returned)."""
+    from kubetrain.data.chat import NAMED_TEMPLATES
     from kubetrain.export.gguf import write_gguf
 
     if not isinstance(model, GPT | HFCausalLM):
@@ -75,7 +79,32 @@ def _write_gguf(model: nn.Module, tokenizer: Any, out: Path, dtype: str, name: s
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.is_dir():
         out.rmdir()  # an empty folder named as the output file
-    write_gguf(model, tokenizer, out, "f32" if dtype == "float32" else "f16", name=name)
+    template = cfg.data.chat.template
+    write_gguf(model, tokenizer, out, "f32" if dtype == "float32" else "f16", name=cfg.run.name,
+               chat_template=NAMED_TEMPLATES.get(template, template) if template else None)
+    return _write_modelfile(out, tokenizer, cfg)
+
+
+def _write_modelfile(gguf: Path, tokenizer: Any, cfg: Config) -> Path:
+    from kubetrain.data.chat import renderer
+    from kubetrain.data.tokenizers import added_special_ids
+    from kubetrain.errors import DataError
+    from kubetrain.export.hf import to_hf_tokenizer
+    from kubetrain.export.modelfile import chat_layout, modelfile_path, modelfile_text
+
+    hf_tok = to_hf_tokenizer(tokenizer)
+    try:
+        render = renderer(tokenizer, cfg.data.chat)
+    except DataError:  # no chat template: a plain completion model
+        render = None
+    layout = chat_layout(render, hf_tok.bos_token or "") if render else None
+    stops = [hf_tok.eos_token or "", layout.around["assistant"][1].strip() if layout else ""]
+    text = modelfile_text(gguf.name, layout, chat=render is not None, stops=stops,
+                          context_length=cfg.model.block_size,
+                          tokenizer_adds_bos=bool(added_special_ids(tokenizer)[0]))
+    path = modelfile_path(gguf)
+    path.write_text(text, encoding="utf-8")
+    return path
 
 
 def _write_hf_folder(model: nn.Module, tokenizer: Any, out: Path, dtype: str | None, adapter: bool) -> None:

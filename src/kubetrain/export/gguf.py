@@ -140,9 +140,13 @@ def llama_parts(model: GPT | HFCausalLM, tokenizer: Tokenizer) -> tuple[dict[str
 
 
 def write_gguf(
-    model: GPT | HFCausalLM, tokenizer: Tokenizer, out: Path, dtype: str = "f16", name: str = ""
+    model: GPT | HFCausalLM, tokenizer: Tokenizer, out: Path, dtype: str = "f16", name: str = "",
+    chat_template: str | None = None,
 ) -> None:
-    """One .gguf file, written atomically: 2-D weights in `dtype` (f32 or f16), norms and RoPE in f32."""
+    """One .gguf file, written atomically: 2-D weights in `dtype` (f32 or f16), norms and RoPE in f32.
+
+    `chat_template` (Jinja) is the run's own when its config sets one; else the tokenizer's is written.
+    """
     import gguf
 
     state, config = llama_parts(model, tokenizer)
@@ -184,8 +188,8 @@ def write_gguf(
         if tok[key] is not None:
             add(tok[key])
     w.add_add_bos_token(tok["add_bos"])
-    if tok["chat_template"]:
-        w.add_chat_template(tok["chat_template"])
+    if chat_template or tok["chat_template"]:
+        w.add_chat_template(chat_template or tok["chat_template"])
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
     if rope["rope_type"] == "llama3":

@@ -88,19 +88,29 @@ def to_hf_tokenizer(tokenizer: Tokenizer) -> Any:
         eos = tokenizer.tok.id_to_token(tokenizer.eos_id) if tokenizer.eos_id is not None else None
         return PreTrainedTokenizerFast(tokenizer_object=tokenizer.tok, eos_token=eos)
     if isinstance(tokenizer, ByteTokenizer):
-        return PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer())
+        return PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer(), bos_token=BYTE_BOS,
+                                       eos_token=BYTE_EOS)
     raise UserInputError(f"a run with a {tokenizer.kind} tokenizer cannot be exported (byte, bpe and hf can)")
 
 
+BYTE_BOS, BYTE_EOS = "<|startoftext|>", "<|endoftext|>"  # llama.cpp ends generation on <|endoftext|> by name
+
+
 def byte_level_tokenizer() -> Any:
-    """Our byte tokenizer as a `tokenizers` BPE without merges: id b is byte b, written GPT-2 style."""
+    """Our byte tokenizer as a `tokenizers` BPE without merges: id b is byte b, written GPT-2 style.
+
+    Ids 0xFE and 0xFF (bytes no UTF-8 text holds) are its BOS and EOS special tokens.
+    """
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
 
     alphabet = _bytes_to_unicode()
-    tok = RawTokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+    n_bytes = ByteTokenizer.bos_id
+    tok = RawTokenizer(models.BPE(vocab={alphabet[b]: b for b in range(n_bytes)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(BYTE_BOS, special=True), AddedToken(BYTE_EOS, special=True)])
+    assert tok.token_to_id(BYTE_EOS) == ByteTokenizer.eos_id
     return tok
 
 
@@ -125,11 +135,20 @@ def save_gpt(model: GPT, tokenizer: Tokenizer, out: Path, dtype: str = "float32"
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out))
+    generation_config(config).save_pretrained(str(out))
     # Older readers (transformers 4.x, llama.cpp's converter) look for rope_theta at the top level.
     raw = json.loads((out / "config.json").read_text())
     raw.setdefault("rope_theta", model.config.rope_theta)
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     to_hf_tokenizer(tokenizer).save_pretrained(str(out))
+
+
+def generation_config(config: Any) -> Any:
+    """generation_config.json: BOS, EOS and padding ids, so `generate` stops on the run's EOS."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                            pad_token_id=config.pad_token_id)
 
 
 def save_hf(model: HFCausalLM, tokenizer: Tokenizer, out: Path, dtype: str | None = None) -> None:

@@ -22,6 +22,7 @@ from kubetrain.config.loading import config_hash
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import Prepared, prepare
+from kubetrain.data.tokenizers import prompt_ids
 from kubetrain.distributed import setup as dist
 from kubetrain.errors import IncompatibleCheckpointError, TrainingFailed, TrainingStopped, UserInputError
 from kubetrain.models import build_model
@@ -444,7 +445,7 @@ class Trainer:
 
     def sample(self, prompt: str, n: int) -> str:
         """`prompt` continued by `n` tokens of the single-device model (temperature 0.8, top-k 50, run seed)."""
-        ids = self.tokenizer.encode(prompt)
+        ids = prompt_ids(self.tokenizer, prompt)
         out = generate(self.base, ids, n, self.cfg.model.block_size, temperature=0.8, top_k=50,
                        eos_id=self.tokenizer.eos_id, seed=self.cfg.run.seed)
         return prompt + self.tokenizer.decode(out)

@@ -1,0 +1,24 @@
+"""`kubetrain doctor [CONFIG]`: this machine's report (the cluster's is `kubetrain k8s doctor`)."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
+
+
+def doctor(config: ConfigArg = None, preset: PresetOpt = None, set_: SetOpt = None, json_: JsonOpt = False) -> None:
+    """Check this machine: device, memory, bf16, attention kernels, versions, disk, extras; with a CONFIG,
+    whether the model and a micro-batch fit (an estimate) and the settings a run here would pick."""
+    from kubetrain.doctor import doctor as check
+    from kubetrain.doctor import render
+
+    cfg = load(config, preset, set_) if (config or preset or set_) else None
+    report = check(cfg)
+    typer.echo(json.dumps(report) if json_ else render(report))
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(doctor)

@@ -1,0 +1,198 @@
+"""`kubetrain doctor [CONFIG]`: can this machine run this config, and what would a run here pick?
+
+No cluster needed: the device and its memory, bf16, the attention kernels usable for the config's head size
+and dtype, versions, free disk where the run writes, the optional extras installed; with a config, an
+estimate of the training memory against the memory free, and the settings a run here would use.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kubetrain import hardware
+from kubetrain.config.schema import Config
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def doctor(cfg: Config | None) -> dict[str, Any]:
+    """The whole report as plain data (what --json prints)."""
+    from kubetrain.dist.setup import local_device
+    from kubetrain.train.device import resolve_precision
+
+    device = local_device(cfg.run.device if cfg else "auto")
+    precision = resolve_precision(cfg.train.precision if cfg else "auto", device)
+    shape = model_shape(cfg) if cfg else None
+    head_dim, n_head = (shape["head_dim"], shape["n_head"]) if shape and "head_dim" in shape else (64, 2)
+    info = hardware.device_info(device)
+    backends = hardware.sdpa_backends(device, _DTYPES[precision], head_dim, n_head)
+    report: dict[str, Any] = {
+        "device": info.to_json(),
+        "bf16": hardware.bf16_supported(device),
+        "sdpa": {"dtype": precision, "head_dim": head_dim, "backends": backends},
+        "versions": hardware.versions(),
+        "disk": disk_free(Path(cfg.run.output_dir) if cfg else Path.cwd()),
+        "extras": installed_extras(),
+    }
+    if cfg is not None:
+        attention = next((name for name in hardware.SDPA_BACKENDS if backends[name] == "ok"), None)
+        report["settings"] = settings(cfg, device, precision, attention)
+        report["fit"] = fit_estimate(cfg, shape, precision, attention, info.memory_free)
+    return report
+
+
+def disk_free(where: Path) -> dict[str, Any]:
+    """Free bytes on the file system that holds `where` (its nearest existing folder)."""
+    path = where.expanduser().resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return {"path": str(where), "free": shutil.disk_usage(path).free}
+
+
+def installed_extras() -> dict[str, list[str]]:
+    """Each optional extra of kubetrain -> its packages that are missing (empty: installed)."""
+    try:
+        requirements = metadata.requires("kubetrain") or []
+    except metadata.PackageNotFoundError:
+        return {}
+    extras: dict[str, list[str]] = {}
+    for req in requirements:
+        extra = re.search(r'extra\s*==\s*"([^"]+)"', req)
+        name = re.match(r"[A-Za-z0-9_.-]+", req)
+        if extra is None or name is None or extra.group(1) in ("all", "dev"):
+            continue  # required packages, and the extras made of other extras
+        missing = extras.setdefault(extra.group(1), [])
+        try:
+            metadata.version(name.group(0))
+        except metadata.PackageNotFoundError:
+            missing.append(name.group(0))
+    return extras
+
+
+def model_shape(cfg: Config) -> dict[str, Any]:
+    """Parameters, layers, width, heads and vocabulary of the config's model, built on the meta device."""
+    if cfg.model.kind == "hf":
+        return _hf_shape(cfg)
+    from kubetrain.models import gpt_config
+    from kubetrain.models.gpt import GPT
+
+    vocab = _tokenizer_vocab(cfg)
+    if vocab is None and cfg.model.vocab_size is None:
+        return {"error": f"the vocabulary of the {cfg.data.tokenizer.kind} tokenizer is known after prepare; "
+                         "set model.vocab_size for an estimate"}
+    gc = gpt_config(cfg.model, vocab or cfg.model.vocab_size or 0)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(gc).parameters())
+    return {"params": params, "n_layer": gc.n_layer, "hidden": gc.n_embd, "n_head": gc.n_head,
+            "head_dim": gc.head_dim, "vocab": gc.vocab_size, "weight_bytes": 4}
+
+
+def _tokenizer_vocab(cfg: Config) -> int | None:
+    tok = cfg.data.tokenizer
+    if tok.kind == "byte":
+        return 256
+    if tok.kind == "bpe":
+        return tok.vocab_size
+    from kubetrain.data.tokenizers import build_tokenizer
+    from kubetrain.errors import DataError
+
+    try:
+        return build_tokenizer(tok).vocab_size
+    except DataError:
+        return None
+
+
+def _hf_shape(cfg: Config) -> dict[str, Any]:
+    folder = Path(cfg.model.name_or_path or "").expanduser()
+    if not (folder / "config.json").is_file():
+        return {"error": f"no config.json in {folder}: the model's size is not known here"}
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
+    n_head = hf.num_attention_heads
+    weight_bytes = 2 if cfg.model.dtype in ("bfloat16", "float16") else 4
+    return {"params": params, "n_layer": hf.num_hidden_layers, "hidden": hf.hidden_size, "n_head": n_head,
+            "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // n_head, "vocab": hf.vocab_size,
+            "weight_bytes": weight_bytes}
+
+
+def fit_estimate(
+    cfg: Config, shape: dict[str, Any] | None, precision: str, attention: str | None, free: int | None
+) -> dict[str, Any]:
+    """Training memory of one process (weights, grads, AdamW, activations of a micro-batch) against `free`.
+
+    An estimate: activations follow Korthikanti et al. 2022 (34·s·b·h bytes per layer in 16 bit, plus
+    5·a·s²·b without a fused attention kernel), logits are counted in fp32 with their gradient.
+    """
+    if not shape or "error" in shape:
+        return {"estimate": None, "reason": (shape or {}).get("error", "unknown model")}
+    b, s, layers, h, vocab = (cfg.train.micro_batch_size, cfg.model.block_size, shape["n_layer"],
+                              shape["hidden"], shape["vocab"])
+    trainable = 0 if cfg.model.lora is not None else shape["params"]  # LoRA: the adapters are a rounding error
+    act = 2 if precision in ("bf16", "fp16") else 4
+    per_layer = 34 * s * b * h * act // 2
+    if attention not in ("flash", "memory-efficient", "cudnn"):
+        per_layer += 5 * shape["n_head"] * s * s * b * act // 2
+    checkpointed = cfg.model.gradient_checkpointing
+    activations = (layers * s * b * h * act + per_layer) if checkpointed else layers * per_layer
+    parts = {"weights": shape["params"] * shape["weight_bytes"], "gradients": trainable * 4,
+             "optimizer": trainable * 8, "activations": activations, "logits": b * s * vocab * (act + 8)}
+    total = sum(parts.values())
+    return {"estimate": total, "parts": parts, "params": shape["params"], "free": free,
+            "fits": None if free is None else total <= free}
+
+
+def settings(cfg: Config, device: torch.device, precision: str, attention: str | None) -> dict[str, Any]:
+    """What a run of `cfg` started here would use."""
+    backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    return {
+        "device": str(device), "precision": precision, "attention": attention or "none usable",
+        "dist_backend": backend, "strategy": cfg.dist.strategy, "compile": cfg.train.compile,
+        "threads": cfg.run.threads or torch.get_num_threads(), "deterministic": cfg.train.deterministic,
+        "micro_batch_size": cfg.train.micro_batch_size, "grad_accum_steps": cfg.train.grad_accum_steps,
+        "tokens_per_step": cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.model.block_size,
+    }
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report for a terminal, one fact per line."""
+    d = report["device"]
+    count = f"{d['count']} cores" if d["kind"] == "cpu" else f"x{d['count']}"
+    lines = [f"device: {d['kind']} - {d['name']} ({count}), memory {_gib(d['memory_free'])} free of "
+             f"{_gib(d['memory_total'])}", f"bf16: {'yes' if report['bf16'] else 'no'}"]
+    sdpa = report["sdpa"]
+    lines.append(f"attention kernels (SDPA, {sdpa['dtype']}, head size {sdpa['head_dim']}):")
+    lines += [f"  {name}: {why}" for name, why in sdpa["backends"].items()]
+    v = report["versions"]
+    lines.append("versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val) +
+                 ("" if v["nccl"] else ", nccl not available"))
+    lines.append(f"disk: {_gib(report['disk']['free'])} free at {report['disk']['path']}")
+    lines.append("extras: " + ", ".join(f"{name} {'yes' if not missing else 'no (' + ', '.join(missing) + ')'}"
+                                        for name, missing in report["extras"].items()))
+    if "settings" in report:
+        lines.append("a run here would use: " + ", ".join(f"{k} {json.dumps(val)}"
+                                                          for k, val in report["settings"].items()))
+        lines.append(_fit_line(report["fit"]))
+    return "\n".join(lines)
+
+
+def _fit_line(fit: dict[str, Any]) -> str:
+    if fit["estimate"] is None:
+        return f"memory: not estimated ({fit['reason']})"
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in fit["parts"].items())
+    verdict = "unknown free memory" if fit["fits"] is None else "fits" if fit["fits"] else "does NOT fit"
+    return (f"memory (an estimate): {_gib(fit['estimate'])} for {fit['params']:,} parameters and one "
+            f"micro-batch ({parts}) - {verdict} in {_gib(fit['free'])} free")
+
+
+def _gib(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / 2**30:.2f} GiB"

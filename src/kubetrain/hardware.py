@@ -1,0 +1,121 @@
+"""What this machine can do for training: the device, its memory, bf16, attention kernels, NCCL, versions.
+
+Every answer comes from asking torch on this machine (a tiny forward and backward for each attention kernel),
+never from a table, so `kubetrain doctor` reports what a run here would really get.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# torch's SDPA kernels, in the order torch prefers them when several can run.
+SDPA_BACKENDS = ("flash", "memory-efficient", "cudnn", "math")
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    kind: str  # cuda, rocm, mps or cpu
+    name: str
+    memory_total: int | None  # bytes
+    memory_free: int | None
+    count: int  # devices of this kind (CPU: cores)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def device_info(device: torch.device) -> DeviceInfo:
+    """The accelerator (or CPU) a run on `device` would use, and its memory free now."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        kind = "rocm" if torch.version.hip else "cuda"
+        return DeviceInfo(kind, torch.cuda.get_device_name(device), total, free, torch.cuda.device_count())
+    if device.type == "mps":
+        total = torch.mps.recommended_max_memory()
+        return DeviceInfo("mps", "Apple GPU (Metal)", total, total - torch.mps.current_allocated_memory(), 1)
+    host_total, host_free = host_memory()
+    return DeviceInfo("cpu", cpu_name(), host_total, host_free, os.cpu_count() or 1)
+
+
+def host_memory() -> tuple[int | None, int | None]:
+    """(total, available) RAM in bytes, from psutil when installed, else /proc/meminfo."""
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return int(vm.total), int(vm.available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            info = dict(line.split(":", 1) for line in f)
+    except OSError:
+        return None, None
+    kib = {k: int(v.split()[0]) * 1024 for k, v in info.items() if k in ("MemTotal", "MemAvailable")}
+    return kib.get("MemTotal"), kib.get("MemAvailable")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """Whether bf16 matmuls run on the device (on CUDA: natively, as the autocast choice needs)."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    try:
+        a = torch.ones(4, 4, device=device, dtype=torch.bfloat16)
+        return bool((a @ a).float().sum().item() == 64.0)
+    except (RuntimeError, TypeError):
+        return False
+
+
+def sdpa_backends(device: torch.device, dtype: torch.dtype, head_dim: int, n_head: int = 2) -> dict[str, str]:
+    """Each SDPA kernel -> "ok", or why it cannot run a causal forward+backward of this head size and dtype."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kernels = {"flash": SDPBackend.FLASH_ATTENTION, "memory-efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    result: dict[str, str] = {}
+    for name in SDPA_BACKENDS:
+        q, k, v = (torch.randn(1, n_head, 64, head_dim, device=device, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                with sdpa_kernel([kernels[name]]):
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+                result[name] = "ok"
+            except RuntimeError as e:
+                # torch warns with the reason a kernel was skipped (head size, dtype, GPU generation) on CUDA
+                reasons = [str(w.message).splitlines()[0] for w in seen if "kernel" in str(w.message).lower()
+                           or "requires" in str(w.message).lower()]
+                fallback = f"no {device.type} kernel" if "No viable backend" in str(e) else str(e).splitlines()[0]
+                result[name] = reasons[0] if reasons else fallback
+    return result
+
+
+def versions() -> dict[str, str | None]:
+    """torch, CUDA/ROCm, cuDNN and NCCL versions (None where not built in or not present)."""
+    nccl = None
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        v = torch.cuda.nccl.version()
+        nccl = ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "rocm": torch.version.hip,
+            "cudnn": str(cudnn) if cudnn else None, "nccl": nccl}

@@ -1,0 +1,26 @@
+"""`kubetrain doctor [CONFIG]` through the real entry point."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import RunMain
+
+
+def test_doctor_prints_the_machine(run_main: RunMain) -> None:
+    code, out, err = run_main("doctor")
+    assert (code, err) == (0, "")
+    assert out.startswith("device: ") and "  math: ok" in out
+
+
+def test_doctor_json_with_a_config(run_main: RunMain) -> None:
+    code, out, _ = run_main("doctor", "--preset", "tiny", "--set", "run.device=cpu", "--json")
+    assert code == 0
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["settings"]["device"] == "cpu" and report["fit"]["fits"] in (True, False)
+
+
+def test_doctor_with_a_bad_config_is_one_error_line(run_main: RunMain) -> None:
+    code, out, err = run_main("doctor", "--set", "train.lrr=1")
+    assert (code, out) == (2, "")
+    assert err.startswith("error: --set: unknown key 'train.lrr'") and err.count("\n") == 1
