@@ -39,8 +39,8 @@ def _workload(name: str | None) -> str | None:
 
 def _rendered(config: Path | None, preset: str | None, set_: list[str] | None, workload: str | None,
               namespace: str | None, validate: bool) -> list[dict[str, object]]:
-    from kubetrain.k8s import validate as checks
-    from kubetrain.k8s.render import render
+    from kubetrain.k8s.render import validate as checks
+    from kubetrain.k8s.render.manifest import render
 
     overrides = list(set_ or [])
     if namespace:
@@ -52,7 +52,7 @@ def _rendered(config: Path | None, preset: str | None, set_: list[str] | None, w
 
 
 def _cluster(kubeconfig: Path | None, context: str | None) -> Any:
-    from kubetrain.k8s.api import connect
+    from kubetrain.k8s.cluster.api import connect
 
     return connect(kubeconfig, context)
 
@@ -69,7 +69,7 @@ def render(
     no_validate: NoValidateOpt = False,
 ) -> None:
     """Print the job's Kubernetes objects as YAML, validated strictly against their schemas."""
-    from kubetrain.k8s.render import to_yaml, write_files
+    from kubetrain.k8s.render.manifest import to_yaml, write_files
 
     objects = _rendered(config, preset, set_, workload, namespace, not no_validate)
     if output is None:
@@ -92,7 +92,7 @@ def launch(
                                           "store nothing.")] = False,
 ) -> None:
     """Apply the job's objects (server-side apply: launching twice changes nothing)."""
-    from kubetrain.k8s.launch import launch as apply_job
+    from kubetrain.k8s.cluster.launch import launch as apply_job
 
     objects = _rendered(config, preset, set_, workload, namespace, validate=True)
     apply_job(_cluster(kubeconfig, context), objects, dry_run=dry_run, log=typer.echo)
@@ -110,7 +110,7 @@ def status(
     json_: JsonOpt = False,
 ) -> None:
     """The job's state, each rank's pod (phase, node, restarts) and the last step it logged."""
-    from kubetrain.k8s.status import format_status, job_status
+    from kubetrain.k8s.cluster.status import format_status, job_status
 
     cluster = _cluster(kubeconfig, context)
     result = job_status(cluster, name, namespace or cluster.default_namespace)
@@ -128,7 +128,7 @@ def logs(
     context: ContextOpt = None,
 ) -> None:
     """Every rank's log, interleaved as it arrives, prefixed with the rank."""
-    from kubetrain.k8s.logs import stream_logs
+    from kubetrain.k8s.cluster.logs import stream_logs
 
     cluster = _cluster(kubeconfig, context)
     stream_logs(cluster, name, namespace or cluster.default_namespace, follow=follow, rank=rank, tail=tail,
@@ -143,7 +143,7 @@ def stop(
     context: ContextOpt = None,
 ) -> None:
     """Delete the job (its pods save a checkpoint on SIGTERM); the claims stay, so a launch resumes."""
-    from kubetrain.k8s.launch import stop as delete_job
+    from kubetrain.k8s.cluster.launch import stop as delete_job
 
     cluster = _cluster(kubeconfig, context)
     delete_job(cluster, name, namespace or cluster.default_namespace, log=typer.echo)
@@ -158,7 +158,7 @@ def list_(
     json_: JsonOpt = False,
 ) -> None:
     """The jobs kubetrain launched, with their state."""
-    from kubetrain.k8s.status import list_jobs
+    from kubetrain.k8s.cluster.status import list_jobs
 
     cluster = _cluster(kubeconfig, context)
     jobs = list_jobs(cluster, namespace or cluster.default_namespace, all_namespaces)
@@ -183,7 +183,7 @@ def shell(
     import os
     import shutil
 
-    from kubetrain.k8s.status import main_container, pods_by_rank
+    from kubetrain.k8s.cluster.status import main_container, pods_by_rank
 
     cluster = _cluster(kubeconfig, context)
     ns = namespace or cluster.default_namespace
@@ -211,7 +211,7 @@ def doctor(
     context: ContextOpt = None,
 ) -> None:
     """Check that the cluster can run this job: reachable, namespace, CRD, GPU nodes, storage, Secrets."""
-    from kubetrain.k8s.doctor import run_checks
+    from kubetrain.k8s.cluster.doctor import run_checks
 
     overrides = list(set_ or []) + ([f"k8s.namespace={namespace}"] if namespace else [])
     cfg = load(config, preset, overrides)
@@ -267,7 +267,7 @@ def entrypoint(
                                                     "finished (StatefulSet pods).")] = False,
 ) -> None:
     """What every training pod runs: node rank from the workload, wait for the rendezvous, start torchrun."""
-    from kubetrain.k8s.entrypoint import run
+    from kubetrain.k8s.pod.entrypoint import run
 
     code = run(config, rdzv_id=rdzv_id, max_restarts=max_restarts, wait_timeout=wait_timeout,
                shutdown_timeout=shutdown_timeout, output_dir=output_dir, idle_after_finish=idle_after_finish)

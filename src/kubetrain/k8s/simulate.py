@@ -28,9 +28,9 @@ import yaml
 import kubetrain
 from kubetrain.config.loading import validate as validate_config
 from kubetrain.config.schema import Config
-from kubetrain.k8s.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT
-from kubetrain.k8s.render import pod_templates, render
-from kubetrain.k8s.workloads.trainjob import RUNTIME_PORT
+from kubetrain.k8s.render.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT
+from kubetrain.k8s.render.manifest import pod_templates, render
+from kubetrain.k8s.render.trainjob import RUNTIME_PORT
 
 Log = Callable[[str], None]
 LOOPBACK = "127.0.0.1"

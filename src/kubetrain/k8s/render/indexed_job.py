@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubetrain.k8s import podspec
-from kubetrain.k8s.context import RenderContext
-from kubetrain.k8s.objects import headless_service
+from kubetrain.k8s.render import podspec
+from kubetrain.k8s.render.context import RenderContext
+from kubetrain.k8s.render.objects import headless_service
 
 # Exit code 2 is bad input (a config error): retrying cannot help, so the job fails at once.
 BAD_INPUT_EXIT = 2

@@ -1,7 +1,7 @@
 """Render a config into Kubernetes objects, in apply order: ConfigMap, claims, NetworkPolicy, the workload.
 
-One renderer per workload lives in k8s/workloads/; they all share the pod template of k8s/podspec.py and the
-common objects of k8s/objects.py.
+One renderer per workload lives beside this module; they all share the pod template of podspec.py and the
+common objects of objects.py.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 import yaml
 
 from kubetrain.config.schema import Config
-from kubetrain.k8s.context import context
-from kubetrain.k8s.objects import claims, config_map, network_policy
-from kubetrain.k8s.workloads import RENDERERS
+from kubetrain.k8s.render.context import context
+from kubetrain.k8s.render.objects import claims, config_map, network_policy
+from kubetrain.k8s.render.renderers import RENDERERS
 
 
 def render(cfg: Config, workload: str | None = None) -> list[dict[str, Any]]:

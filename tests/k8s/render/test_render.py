@@ -12,12 +12,12 @@ import yaml
 from kubetrain.config import load_config
 from kubetrain.config.k8s import WORKLOADS
 from kubetrain.config.schema import Config
-from kubetrain.k8s import validate
-from kubetrain.k8s.context import RenderError
-from kubetrain.k8s.podsecurity import restricted_violations
-from kubetrain.k8s.render import pod_templates, render, to_yaml, write_files
+from kubetrain.k8s.render import validate
+from kubetrain.k8s.render.context import RenderError
+from kubetrain.k8s.render.podsecurity import restricted_violations
+from kubetrain.k8s.render.manifest import pod_templates, render, to_yaml, write_files
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples" / "k8s").glob("*.yaml"))
+EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples" / "k8s").glob("*.yaml"))
 
 # Settings a workload cannot express are refused (test_trainjob_refuses_priority_class); drop them there.
 UNSUPPORTED = {"trainjob": ["k8s.priority_class_name=null"]}

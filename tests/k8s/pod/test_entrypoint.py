@@ -10,7 +10,7 @@ import pytest
 from kubetrain.cli import main
 from kubetrain.dist.env import NodeEnv
 from kubetrain.errors import UserInputError
-from kubetrain.k8s import entrypoint
+from kubetrain.k8s.pod import entrypoint
 
 
 def node(rank: int) -> NodeEnv:
@@ -87,7 +87,7 @@ def test_cli_non_zero_rank_waits_then_fails(tmp_path: Path, monkeypatch: pytest.
 
 SUPERVISE = (
     "import sys\n"
-    "from kubetrain.k8s.entrypoint import supervise\n"
+    "from kubetrain.k8s.pod.entrypoint import supervise\n"
     "sys.exit(supervise([sys.executable, '-c', sys.argv[1]], lambda m: print(m, flush=True)))\n"
 )
 

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from kubetrain.k8s import probe
+from kubetrain.k8s.pod import probe
 
 
 class Health(BaseHTTPRequestHandler):
@@ -54,7 +54,7 @@ def test_not_served_in_this_pod_passes() -> None:
 
 def test_exit_codes_as_the_kubelet_sees_them(server: int) -> None:
     Health.status = 503
-    done = subprocess.run([sys.executable, "-m", "kubetrain.k8s.probe", "--port", str(server)],
+    done = subprocess.run([sys.executable, "-m", "kubetrain.k8s.pod.probe", "--port", str(server)],
                           capture_output=True, text=True, check=False)
     assert done.returncode == 1 and "503" in done.stderr
     Health.status = 200

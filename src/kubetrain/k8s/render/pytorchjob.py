@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubetrain.k8s import podspec
-from kubetrain.k8s.context import RenderContext
+from kubetrain.k8s.render import podspec
+from kubetrain.k8s.render.context import RenderContext
 
 CONTAINER = "pytorch"
 PORT_NAME = "pytorchjob-port"

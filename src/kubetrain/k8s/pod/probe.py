@@ -1,4 +1,4 @@
-"""Liveness probe of a training pod: `python -m kubetrain.k8s.probe --port 9400`.
+"""Liveness probe of a training pod: `python -m kubetrain.k8s.pod.probe --port 9400`.
 
 Only global rank 0 serves /healthz (the training loop's heartbeat), and which pod holds global rank 0 is
 decided by the c10d rendezvous, not by the pod's index. So the probe runs in every pod and asks its own
@@ -32,7 +32,7 @@ def check(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> tuple[boo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kubetrain.k8s.probe", description="Liveness probe.")
+    parser = argparse.ArgumentParser(prog="python -m kubetrain.k8s.pod.probe", description="Liveness probe.")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--timeout", type=float, default=5.0)

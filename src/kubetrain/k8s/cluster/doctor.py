@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubetrain.config.schema import Config
-from kubetrain.k8s.api import CUSTOM_KINDS, Cluster, Forbidden, NotFound
-from kubetrain.k8s.context import RenderContext, context
+from kubetrain.k8s.cluster.api import CUSTOM_KINDS, Cluster, Forbidden, NotFound
+from kubetrain.k8s.render.context import RenderContext, context
 
 # Provisioners of block storage: their volumes attach to one node at a time (ReadWriteOnce).
 BLOCK_PROVISIONERS = (
@@ -198,8 +198,8 @@ def _crd(cluster: Cluster, ctx: RenderContext, kind: str) -> list[Check]:
 
 
 def run_checks(cluster: Cluster, cfg: Config, workload: str | None = None) -> list[Check]:
-    from kubetrain.k8s.podspec import tolerations
-    from kubetrain.k8s.render import render
+    from kubetrain.k8s.render.podspec import tolerations
+    from kubetrain.k8s.render.manifest import render
 
     ctx = context(cfg, workload)
     version = cluster.request("GET", "/version", what="get the server version")

@@ -8,8 +8,8 @@ import yaml
 
 from kubetrain.config.loading import validate as validate_config
 from kubetrain.config.schema import Config
-from kubetrain.k8s.context import CONFIG_FILE, RenderContext, RenderError
-from kubetrain.k8s.podspec import METRICS_PORT_NAME
+from kubetrain.k8s.render.context import CONFIG_FILE, RenderContext, RenderError
+from kubetrain.k8s.render.podspec import METRICS_PORT_NAME
 from kubetrain.runs import redact, redact_text
 
 

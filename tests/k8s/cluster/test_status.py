@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kubetrain.k8s.status import node_rank, workload_state
+from kubetrain.k8s.cluster.status import node_rank, workload_state
 
 Cli = Callable[..., tuple[int, str, str]]
 PODS = "/api/v1/namespaces/ml/pods"

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kubetrain.k8s.api import CUSTOM_KINDS, Cluster, ClusterError
-from kubetrain.k8s.context import JOB_LABEL
+from kubetrain.k8s.cluster.api import CUSTOM_KINDS, Cluster, ClusterError
+from kubetrain.k8s.render.context import JOB_LABEL
 
 Log = Callable[[str], None]
 WORKLOAD_KINDS = ("Job", "JobSet", "PyTorchJob", "TrainJob", "StatefulSet")

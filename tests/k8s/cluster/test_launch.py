@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kubetrain.config import load_config
-from kubetrain.k8s.render import render
+from kubetrain.k8s.render.manifest import render
 
 Cli = Callable[..., tuple[int, str, str]]
 JOB = "/apis/batch/v1/namespaces/ml/jobs/tiny"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kubetrain.k8s.api import CUSTOM_KINDS, Cluster, ClusterError
-from kubetrain.k8s.context import JOB_LABEL, MANAGED_BY, WORKLOAD_LABEL
+from kubetrain.k8s.cluster.api import CUSTOM_KINDS, Cluster, ClusterError
+from kubetrain.k8s.render.context import JOB_LABEL, MANAGED_BY, WORKLOAD_LABEL
 
 KIND_OF_WORKLOAD = {
     "indexed-job": "Job",

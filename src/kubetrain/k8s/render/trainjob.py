@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubetrain.k8s import podspec
-from kubetrain.k8s.context import FIELD_MANAGER, RenderContext
+from kubetrain.k8s.render import podspec
+from kubetrain.k8s.render.context import FIELD_MANAGER, RenderContext
 
 NODE = "node"  # the runtime's replicated job and container name
 RUNTIME_PORT = 29400

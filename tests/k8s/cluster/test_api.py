@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kubetrain.k8s import api
+from kubetrain.k8s.cluster import api
 
 Cli = Callable[..., tuple[int, str, str]]
 

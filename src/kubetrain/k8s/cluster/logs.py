@@ -7,8 +7,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kubetrain.k8s.api import Cluster, ClusterError
-from kubetrain.k8s.status import main_container, pods_by_rank
+from kubetrain.k8s.cluster.api import Cluster, ClusterError
+from kubetrain.k8s.cluster.status import main_container, pods_by_rank
 
 Emit = Callable[[str], None]
 _DONE = object()

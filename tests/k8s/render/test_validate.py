@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from kubetrain.config import load_config
-from kubetrain.k8s import validate
-from kubetrain.k8s.render import pod_templates, render
+from kubetrain.k8s.render import validate
+from kubetrain.k8s.render.manifest import pod_templates, render
 
 
 def workload(name: str) -> dict[str, Any]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubetrain.k8s import podspec
-from kubetrain.k8s.context import RenderContext
-from kubetrain.k8s.workloads.indexed_job import job_spec
+from kubetrain.k8s.render import podspec
+from kubetrain.k8s.render.context import RenderContext
+from kubetrain.k8s.render.indexed_job import job_spec
 
 REPLICATED_JOB = "node"
 JOB_INDEX_ANNOTATION = "jobset.sigs.k8s.io/job-index"

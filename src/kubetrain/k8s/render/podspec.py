@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kubetrain.k8s.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT, RenderContext
+from kubetrain.k8s.render.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT, RenderContext
 
 METRICS_PORT_NAME = "metrics"
 ENTRYPOINT = ["kubetrain", "k8s", "entrypoint"]
@@ -142,12 +142,12 @@ def pod_security(ctx: RenderContext) -> dict[str, Any]:
 
 
 def liveness_probe(ctx: RenderContext) -> dict[str, Any] | None:
-    """An exec probe of rank 0's /healthz (see k8s/probe.py for why it is exec and not httpGet)."""
+    """An exec probe of rank 0's /healthz (see k8s/pod/probe.py for why it is exec and not httpGet)."""
     m = ctx.k.metrics
     if not (m.enabled and m.liveness):
         return None
     return {
-        "exec": {"command": ["python", "-m", "kubetrain.k8s.probe", "--port", str(m.port)]},
+        "exec": {"command": ["python", "-m", "kubetrain.k8s.pod.probe", "--port", str(m.port)]},
         "periodSeconds": 30,
         "timeoutSeconds": 10,
         "failureThreshold": 3,
