@@ -39,6 +39,13 @@ def crd_folder() -> Path:
     pytest.skip(f"needs the CRD copies at {SHARED_CRDS} (absent on a fresh clone)")
 
 
+@pytest.fixture(scope="session")
+def crd_schemas(crd_folder: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    from kubetrain.k8s.render.validate import folder_schemas
+
+    return folder_schemas(crd_folder)
+
+
 def status(code: int, reason: str, message: str, **details: Any) -> dict[str, Any]:
     """A metav1.Status, the body of every error answer of kube-apiserver."""
     out = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
@@ -337,7 +344,7 @@ class ApiServer:
 
     def _discovery(self, method: str, path: str) -> Answer | None:
         """/apis/GROUP/VERSION lists the kinds served; a custom group is served once its CRD is installed."""
-        custom = {f"/apis/{c['spec']['group']}/{v['name']}": c for c in self.crds.values() for v in c["spec"]["versions"]}
+        custom = {f"/apis/{c['spec']['group']}/{v['name']}" for c in self.crds.values() for v in c["spec"]["versions"]}
         if method != "GET":
             return None
         if path in custom or any(r.base == path and r.kind not in CUSTOM_KINDS for r in RESOURCES.values()):
@@ -349,7 +356,8 @@ class ApiServer:
         if crd:
             if crd[1] in self.crds:
                 return _json(200, self.crds[crd[1]])
-            return _json(404, status(404, "NotFound", f'customresourcedefinitions.apiextensions.k8s.io "{crd[1]}" not found'))
+            what = f'customresourcedefinitions.apiextensions.k8s.io "{crd[1]}"'
+            return _json(404, status(404, "NotFound", f"{what} not found"))
         return None
 
     def _apply(self, path: str, obj: dict[str, Any], dry_run: bool) -> Answer:

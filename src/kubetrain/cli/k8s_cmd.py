@@ -29,6 +29,11 @@ NamespaceOpt = Annotated[
     typer.Option("--namespace", "-n", help="Namespace (default: k8s.namespace, else the context's)."),
 ]
 NoValidateOpt = Annotated[bool, typer.Option("--no-validate", help="Skip the offline schema validation.")]
+CrdsOpt = Annotated[
+    Path | None,
+    typer.Option("--crds", help="Folder of CRD *.yaml files to check custom resources against offline "
+                 "(default: $KUBETRAIN_CRD_DIR; `launch` uses the cluster's own CRDs when it may read them)."),
+]
 
 
 def _workload(name: str | None) -> str | None:
@@ -38,17 +43,24 @@ def _workload(name: str | None) -> str | None:
 
 
 def _rendered(config: Path | None, preset: str | None, set_: list[str] | None, workload: str | None,
-              namespace: str | None, validate: bool) -> list[dict[str, object]]:
-    from kubetrain.k8s.render import validate as checks
+              namespace: str | None) -> list[dict[str, Any]]:
     from kubetrain.k8s.render.manifest import render
 
     overrides = list(set_ or [])
     if namespace:
         overrides.append(f"k8s.namespace={namespace}")
-    objects = render(load(config, preset, overrides), _workload(workload))
-    if validate:
-        checks.check(objects)
-    return objects
+    return render(load(config, preset, overrides), _workload(workload))
+
+
+def _validate(objects: list[dict[str, Any]], schemas: Any) -> None:
+    """Strict schema validation; one line on stderr for custom resources no CRD schema was given for."""
+    from kubetrain.k8s.render import validate
+
+    validate.check(objects, schemas)
+    kinds = validate.unchecked(objects, schemas)
+    if kinds:
+        typer.echo(f"note: {', '.join(kinds)} rendered without a CRD schema check (give --crds DIR or "
+                   f"{validate.CRD_DIR_ENV}; launch checks against the cluster's CRD)", err=True)
 
 
 def _cluster(kubeconfig: Path | None, context: str | None) -> Any:
@@ -67,11 +79,15 @@ def render(
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write one file per object into "
                                                 "this folder instead of printing.")] = None,
     no_validate: NoValidateOpt = False,
+    crds: CrdsOpt = None,
 ) -> None:
     """Print the job's Kubernetes objects as YAML, validated strictly against their schemas."""
     from kubetrain.k8s.render.manifest import to_yaml, write_files
+    from kubetrain.k8s.render.validate import offline_schemas
 
-    objects = _rendered(config, preset, set_, workload, namespace, not no_validate)
+    objects = _rendered(config, preset, set_, workload, namespace)
+    if not no_validate:
+        _validate(objects, offline_schemas(crds))
     if output is None:
         typer.echo(to_yaml(objects), nl=False)
         return
@@ -88,16 +104,24 @@ def launch(
     namespace: NamespaceOpt = None,
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
+    crds: CrdsOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Have the API server validate everything; "
                                           "store nothing.")] = False,
 ) -> None:
-    """Apply the job's objects (server-side apply: launching twice changes nothing)."""
+    """Apply the job's objects, after the API server accepted all of them in a dry run.
+
+    Relaunching an unchanged running job changes nothing; a finished job, or a running one whose spec
+    changed, is refused with what to do (nothing is changed on the cluster then).
+    """
+    from kubetrain.k8s.cluster.launch import cr_schemas
     from kubetrain.k8s.cluster.launch import launch as apply_job
 
-    objects = _rendered(config, preset, set_, workload, namespace, validate=True)
-    apply_job(_cluster(kubeconfig, context), objects, dry_run=dry_run, log=typer.echo)
-    if not dry_run:
-        name = objects[-1]["metadata"]["name"]  # type: ignore[index]
+    objects = _rendered(config, preset, set_, workload, namespace)
+    cluster = _cluster(kubeconfig, context)
+    _validate(objects, cr_schemas(cluster, objects, crds))
+    applied = apply_job(cluster, objects, dry_run=dry_run, log=typer.echo)
+    if applied and not dry_run:
+        name = objects[-1]["metadata"]["name"]
         typer.echo(f"follow it: kubetrain k8s logs {name} -f   |   kubetrain k8s status {name}")
 
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from kubetrain.config import load_config
-from kubetrain.k8s.render.podsecurity import restricted_violations
 from kubetrain.k8s.render.manifest import pod_templates, render
+from kubetrain.k8s.render.podsecurity import restricted_violations
 
 
 def rendered_pod() -> dict[str, Any]:

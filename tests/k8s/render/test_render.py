@@ -14,8 +14,8 @@ from kubetrain.config.k8s import WORKLOADS
 from kubetrain.config.schema import Config
 from kubetrain.k8s.render import validate
 from kubetrain.k8s.render.context import RenderError
-from kubetrain.k8s.render.podsecurity import restricted_violations
 from kubetrain.k8s.render.manifest import pod_templates, render, to_yaml, write_files
+from kubetrain.k8s.render.podsecurity import restricted_violations
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples" / "k8s").glob("*.yaml"))
 
@@ -44,11 +44,11 @@ def test_examples_exist() -> None:
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
-def test_every_workload_of_every_example_validates(example: Path, crd_folder: Path) -> None:
+def test_every_workload_of_every_example_validates(example: Path, crd_schemas: Any) -> None:
     for workload in WORKLOADS:
         cfg = load_config(example, None, UNSUPPORTED.get(workload, []))
         objects = render(cfg, workload)
-        assert validate.problems(objects, crd_folder) == [], (example.name, workload)
+        assert validate.problems(objects, crd_schemas) == [], (example.name, workload)
         templates = [t for o in objects for _, t in pod_templates(o)]
         assert templates, workload
         for template in templates:
@@ -84,7 +84,9 @@ def test_job_policies_protect_preempted_and_stopping_pods() -> None:
     rules = spec["podFailurePolicy"]["rules"]
     assert rules[0]["action"] == "Ignore"
     assert rules[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
-    assert rules[1]["action"] == "FailJob" and rules[1]["onExitCodes"]["values"] == [2]
+    # a pod that saved a checkpoint on SIGTERM (exit 75) is replaced, not counted; bad input fails the Job
+    assert rules[1]["action"] == "Ignore" and rules[1]["onExitCodes"]["values"] == [75]
+    assert rules[2]["action"] == "FailJob" and rules[2]["onExitCodes"]["values"] == [2]
     assert spec["template"]["spec"]["restartPolicy"] == "Never"
     assert spec["ttlSecondsAfterFinished"] == 600 and spec["backoffLimit"] == 5
     grace = spec["template"]["spec"]["terminationGracePeriodSeconds"]

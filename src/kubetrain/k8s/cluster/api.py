@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from kubetrain.errors import UserInputError
+import yaml
 
-FIELD_MANAGER = "kubetrain"
+from kubetrain.errors import UserInputError
+from kubetrain.k8s.workloads import FIELD_MANAGER, WORKLOADS
+
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"  # server-side apply (a JSON body is valid YAML)
 
 
@@ -35,6 +37,14 @@ class Conflict(ClusterError):
 
 class Forbidden(ClusterError):
     pass
+
+
+class Invalid(ClusterError):
+    """422: the server refused the object; `causes` are (field, reason) pairs from the Status details."""
+
+    def __init__(self, message: str, causes: list[tuple[str, str]]) -> None:
+        super().__init__(message)
+        self.causes = causes
 
 
 @dataclass(frozen=True)
@@ -69,22 +79,19 @@ _KINDS = [
     Resource("Namespace", "v1", "namespaces", namespaced=False),
     Resource("Node", "v1", "nodes", namespaced=False),
     Resource("NetworkPolicy", "networking.k8s.io/v1", "networkpolicies"),
-    Resource("Job", "batch/v1", "jobs"),
-    Resource("StatefulSet", "apps/v1", "statefulsets"),
     Resource("StorageClass", "storage.k8s.io/v1", "storageclasses", namespaced=False),
-    Resource("JobSet", "jobset.x-k8s.io/v1alpha2", "jobsets"),
-    Resource("PyTorchJob", "kubeflow.org/v1", "pytorchjobs"),
-    Resource("TrainJob", "trainer.kubeflow.org/v1alpha1", "trainjobs"),
+    Resource("PersistentVolume", "v1", "persistentvolumes", namespaced=False),
+    Resource("CustomResourceDefinition", "apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False),
     Resource(
         "ClusterTrainingRuntime", "trainer.kubeflow.org/v1alpha1", "clustertrainingruntimes", namespaced=False
     ),
 ]
-RESOURCES = {r.kind: r for r in _KINDS}
-CUSTOM_KINDS = {
-    "JobSet": "JobSet (jobset.x-k8s.io)",
-    "PyTorchJob": "Kubeflow training-operator",
-    "TrainJob": "Kubeflow Trainer v2",
-    "ClusterTrainingRuntime": "Kubeflow Trainer v2",
+RESOURCES = {r.kind: r for r in _KINDS} | {
+    w.kind: Resource(w.kind, w.api_version, w.plural) for w in WORKLOADS.values()
+}
+# Custom kinds, and what to install when the cluster does not serve them.
+CUSTOM_KINDS = {w.kind: w.operator for w in WORKLOADS.values() if w.operator} | {
+    "ClusterTrainingRuntime": WORKLOADS["trainjob"].operator
 }
 
 
@@ -161,12 +168,18 @@ class Cluster:
         return response.status, json.loads(data) if data else {}
 
     def _error(self, status: int, data: bytes, what: str) -> ClusterError:
-        message = ""
+        message, body = "", {}
         try:
-            message = str(json.loads(data).get("message", ""))
+            body = json.loads(data)
+            message = str(body.get("message", ""))
         except (ValueError, AttributeError):
             message = data.decode(errors="replace").strip()[:200]
         detail = f": {message}" if message else ""
+        causes = [(str(c.get("field", "")), _reason(str(c.get("message", ""))))
+                  for c in ((body.get("details") or {}).get("causes") or []) if isinstance(body, dict)]
+        if status == 422 and causes:  # the message repeats the whole rejected value; the causes name fields
+            found = "; ".join(f"{f}: {r}" if f else r for f, r in causes)
+            return Invalid(f"{what}: rejected as invalid (422) by {self.where}: {found}", causes)
         if status == 401:
             return ClusterError(
                 f"{what}: unauthorized (401): the credentials of {self.where} were refused{detail}"
@@ -253,11 +266,27 @@ class Cluster:
 
     def require(self, kind: str) -> None:
         if not self.served(kind):
-            res = RESOURCES[kind]
-            raise ClusterError(
-                f"{self.where} does not serve {kind} ({res.group_version}): its CRD is not installed "
-                f"(install {CUSTOM_KINDS.get(kind, 'its operator')}, or use --workload indexed-job)"
-            )
+            raise self._not_served(kind)
+
+    def _not_served(self, kind: str) -> ClusterError:
+        res = RESOURCES[kind]
+        return ClusterError(
+            f"{self.where} does not serve {kind} ({res.group_version}): its CRD is not installed "
+            f"(install {CUSTOM_KINDS.get(kind, 'its operator')}, or use --workload indexed-job)"
+        )
+
+    def crd(self, kind: str) -> dict[str, Any] | None:
+        """The CustomResourceDefinition this server serves for a custom kind: the schema that matters.
+
+        None when the user may not read CRDs (a namespace editor); a kind whose CRD is missing is refused.
+        """
+        res = RESOURCES[kind]
+        try:
+            return self.get("CustomResourceDefinition", f"{res.plural}.{res.group_version.split('/')[0]}")
+        except NotFound:
+            raise self._not_served(kind) from None
+        except Forbidden:
+            return None
 
     def log_lines(
         self,
@@ -286,6 +315,11 @@ class Cluster:
                 yield pending.decode(errors="replace")
         finally:
             response.release_conn()
+
+
+def _reason(message: str) -> str:
+    """'Invalid value: core.PodTemplateSpec{...kilobytes...}: field is immutable' -> 'field is immutable'."""
+    return message.rsplit(": ", 1)[-1][:200]
 
 
 def _short(error: object) -> str:
@@ -343,6 +377,11 @@ def connect(kubeconfig: Path | None = None, context: str | None = None) -> Clust
         raise ClusterError(
             f"cannot load kubeconfig {source}" + (f" (context {context})" if context else "") + f": {e}"
         ) from None
+    except yaml.YAMLError as e:  # the client hands the parser's error through
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise ClusterError(f"kubeconfig {source} is not valid YAML{at}: {problem}") from None
     name = (chosen or {}).get("name", "?")
     namespace = (chosen or {}).get("context", {}).get("namespace") or "default"
     where = f"{configuration.host} (kubeconfig {source}, context {name})"

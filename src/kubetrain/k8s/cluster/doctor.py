@@ -198,8 +198,8 @@ def _crd(cluster: Cluster, ctx: RenderContext, kind: str) -> list[Check]:
 
 
 def run_checks(cluster: Cluster, cfg: Config, workload: str | None = None) -> list[Check]:
-    from kubetrain.k8s.render.podspec import tolerations
     from kubetrain.k8s.render.manifest import render
+    from kubetrain.k8s.render.podspec import tolerations
 
     ctx = context(cfg, workload)
     version = cluster.request("GET", "/version", what="get the server version")

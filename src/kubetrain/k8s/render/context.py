@@ -10,11 +10,8 @@ from typing import Any
 from kubetrain.config.k8s import K8sConfig, VolumeConfig
 from kubetrain.config.schema import Config
 from kubetrain.errors import UserInputError
+from kubetrain.k8s.workloads import JOB_LABEL, MANAGED_BY, WORKLOAD_LABEL, WORKLOADS, Workload
 
-JOB_LABEL = "kubetrain.dev/job"
-WORKLOAD_LABEL = "kubetrain.dev/workload"
-MANAGED_BY = "kubetrain"
-FIELD_MANAGER = "kubetrain"
 CONFIG_MOUNT = "/etc/kubetrain"
 CONFIG_FILE = "config.yaml"
 CACHE_MOUNT = "/cache"
@@ -54,6 +51,15 @@ class RenderContext:
     name: str
     workload: str
     volumes: list[Volume] = field(default_factory=list)
+
+    @property
+    def kind(self) -> Workload:
+        return WORKLOADS[self.workload]
+
+    def workload_meta(self) -> dict[str, Any]:
+        """apiVersion, kind and metadata of the workload object (the Kueue queue label goes there)."""
+        return {"apiVersion": self.kind.api_version, "kind": self.kind.kind,
+                "metadata": self.meta(self.name, self.workload_labels)}
 
     @property
     def k(self) -> K8sConfig:

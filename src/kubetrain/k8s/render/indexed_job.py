@@ -4,23 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 
+from kubetrain.errors import EXIT_BAD_INPUT, EXIT_STOPPED_RESUMABLE
 from kubetrain.k8s.render import podspec
 from kubetrain.k8s.render.context import RenderContext
 from kubetrain.k8s.render.objects import headless_service
 
-# Exit code 2 is bad input (a config error): retrying cannot help, so the job fails at once.
-BAD_INPUT_EXIT = 2
-
 
 def pod_failure_policy(container: str) -> dict[str, Any]:
-    """Preemption and eviction (DisruptionTarget) do not count against backoffLimit; bad input fails now."""
+    """What a failed pod means to the Job.
+
+    Preemption and eviction (DisruptionTarget), and a pod that stopped on SIGTERM after saving a checkpoint
+    (exit 75), are not failures: they do not count against backoffLimit and the pod is replaced, resuming
+    from the checkpoint. Bad input (exit 2) fails the Job at once, since retrying cannot help.
+    """
+    def on_exit(action: str, code: int) -> dict[str, Any]:
+        return {"action": action, "onExitCodes": {"containerName": container, "operator": "In", "values": [code]}}
+
     return {
         "rules": [
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-            {
-                "action": "FailJob",
-                "onExitCodes": {"containerName": container, "operator": "In", "values": [BAD_INPUT_EXIT]},
-            },
+            on_exit("Ignore", EXIT_STOPPED_RESUMABLE),
+            on_exit("FailJob", EXIT_BAD_INPUT),
         ]
     }
 
@@ -50,9 +54,7 @@ def render(ctx: RenderContext) -> list[dict[str, Any]]:
         extra_env={"MASTER_ADDR": f"{ctx.name}-0.{ctx.name}", "MASTER_PORT": str(ctx.k.rdzv_port)},
     )
     job = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": ctx.meta(ctx.name, ctx.workload_labels),
+        **ctx.workload_meta(),
         "spec": job_spec(ctx, template),
     }
     return [headless_service(ctx), job]

@@ -50,9 +50,7 @@ def render(ctx: RenderContext) -> list[dict[str, Any]]:
         spec["ttlSecondsAfterFinished"] = k.ttl_seconds_after_finished
     return [
         {
-            "apiVersion": "jobset.x-k8s.io/v1alpha2",
-            "kind": "JobSet",
-            "metadata": ctx.meta(ctx.name, ctx.workload_labels),
+            **ctx.workload_meta(),
             "spec": spec,
         }
     ]

@@ -6,6 +6,8 @@ common objects of objects.py.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from kubetrain.config.schema import Config
 from kubetrain.k8s.render.context import context
 from kubetrain.k8s.render.objects import claims, config_map, network_policy
 from kubetrain.k8s.render.renderers import RENDERERS
+from kubetrain.k8s.workloads import SPEC_HASH
 
 
 def render(cfg: Config, workload: str | None = None) -> list[dict[str, Any]]:
@@ -25,7 +28,21 @@ def render(cfg: Config, workload: str | None = None) -> list[dict[str, Any]]:
     if ctx.k.network_policy:
         objects.append(network_policy(ctx))
     objects.extend(RENDERERS[ctx.workload](ctx))
+    stamp(objects)
     return objects
+
+
+def stamp(objects: list[dict[str, Any]]) -> None:
+    """Put a hash of everything rendered on the workload and its pod templates.
+
+    The same hash on the cluster means an unchanged relaunch (launch then does nothing); a different one
+    changes the pod template, which a running Job refuses (immutable) instead of running on with an old
+    config while the ConfigMap holds a new one.
+    """
+    digest = hashlib.sha256(json.dumps(objects, sort_keys=True).encode()).hexdigest()[:16]
+    workload = objects[-1]
+    for meta in [workload["metadata"], *(t.setdefault("metadata", {}) for _, t in pod_templates(workload))]:
+        meta["annotations"] = {**(meta.get("annotations") or {}), SPEC_HASH: digest}
 
 
 class _Dumper(yaml.SafeDumper):

@@ -37,9 +37,7 @@ def render(ctx: RenderContext) -> list[dict[str, Any]]:
         run_policy["schedulingPolicy"] = {"priorityClass": k.priority_class_name}
     return [
         {
-            "apiVersion": "kubeflow.org/v1",
-            "kind": "PyTorchJob",
-            "metadata": ctx.meta(ctx.name, ctx.workload_labels),
+            **ctx.workload_meta(),
             "spec": {
                 "nprocPerNode": str(k.nproc_per_node),
                 "runPolicy": run_policy,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kubetrain.k8s.render.context import RenderContext
 from kubetrain.k8s.render import indexed_job, jobset, pytorchjob, statefulset, trainjob
+from kubetrain.k8s.render.context import RenderContext
 
 Renderer = Callable[[RenderContext], list[dict[str, Any]]]
 

@@ -26,9 +26,7 @@ def render(ctx: RenderContext) -> list[dict[str, Any]]:
         extra_args=("--idle-after-finish",),
     )
     sts = {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": ctx.meta(ctx.name, ctx.workload_labels),
+        **ctx.workload_meta(),
         "spec": {
             "serviceName": ctx.name,
             "replicas": k.nnodes,

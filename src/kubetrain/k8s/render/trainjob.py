@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from kubetrain.k8s.render import podspec
-from kubetrain.k8s.render.context import FIELD_MANAGER, RenderContext
+from kubetrain.k8s.render.context import RenderContext
+from kubetrain.k8s.workloads import FIELD_MANAGER
 
 NODE = "node"  # the runtime's replicated job and container name
 RUNTIME_PORT = 29400
@@ -60,9 +61,7 @@ def render(ctx: RenderContext) -> list[dict[str, Any]]:
     }
     return [
         {
-            "apiVersion": "trainer.kubeflow.org/v1alpha1",
-            "kind": "TrainJob",
-            "metadata": ctx.meta(ctx.name, ctx.workload_labels),
+            **ctx.workload_meta(),
             "spec": {
                 "runtimeRef": {
                     "apiGroup": "trainer.kubeflow.org",

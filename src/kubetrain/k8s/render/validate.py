@@ -5,6 +5,12 @@ Core kinds go through `kubernetes-validate` (the official OpenAPI schemas, stric
 Kubernetes' structural rules: an object schema without `x-kubernetes-preserve-unknown-fields` is closed,
 `x-kubernetes-int-or-string` takes either, `nullable` admits null, map-lists have unique keys. CEL rules
 (`x-kubernetes-validations`) need a CEL interpreter and are left to the API server (`launch --dry-run`).
+
+Which CRD: the one the target cluster serves when connected (`launch` reads it from apiextensions.k8s.io);
+offline, a folder named by `--crds DIR` or $KUBETRAIN_CRD_DIR; with neither, custom resources are rendered
+without a schema check (the CLI says so). The Python models that kubeflow-trainer-api and kubeflow-training
+ship are not used: their `from_dict` drops unknown fields without a word, which is the mistake this module
+exists to catch.
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ from kubetrain.errors import UserInputError
 
 KUBERNETES_VERSION = "1.35"  # the oldest minor release still in upstream support when this was written
 CRD_DIR_ENV = "KUBETRAIN_CRD_DIR"
-CRD_SUBDIR = Path("shared") / "k8s" / "crds"
 _OBJECT_META = "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
+Schemas = dict[tuple[str, str], dict[str, Any]]  # (apiVersion, kind) -> JSON Schema
 
 
 class ValidationFailed(UserInputError):
@@ -31,46 +37,51 @@ class ValidationFailed(UserInputError):
 
 
 class CrdSchemasMissing(UserInputError):
-    """The CRD schema folder cannot be found."""
+    """The CRD folder that was named cannot be used."""
 
 
-def crd_dir() -> Path:
-    """The CRD folder: $KUBETRAIN_CRD_DIR, else ../shared/k8s/crds beside the repository (or above it)."""
-    if os.environ.get(CRD_DIR_ENV):
-        path = Path(os.environ[CRD_DIR_ENV])
-        if not path.is_dir():
-            raise CrdSchemasMissing(f"{CRD_DIR_ENV}={path} is not a folder")
-        return path
-    repo = Path(__file__).resolve().parents[3]  # src/kubetrain/k8s/validate.py -> the repository root
-    tried = []
-    for base in (repo.parent, *repo.parent.parents, Path.cwd(), *Path.cwd().parents):
-        candidate = base / CRD_SUBDIR
-        if candidate.is_dir():
-            return candidate
-        tried.append(str(candidate))
-    raise CrdSchemasMissing(
-        f"no CRD schemas found (looked for {CRD_SUBDIR} in {', '.join(dict.fromkeys(tried[:3]))} and above); "
-        f"set {CRD_DIR_ENV} to the folder that holds the *.yaml CRDs"
-    )
+def offline_schemas(folder: Path | None = None) -> Schemas | None:
+    """CRD schemas from `--crds DIR`, else from $KUBETRAIN_CRD_DIR; None when neither names a folder.
+
+    Nothing is looked up on its own: an installed kubetrain has no repository (or CRD copies) around it.
+    """
+    if folder is None and not os.environ.get(CRD_DIR_ENV):
+        return None
+    path, where = (folder, "--crds") if folder is not None else (Path(os.environ[CRD_DIR_ENV]), CRD_DIR_ENV)
+    if not path.is_dir():
+        raise CrdSchemasMissing(f"{where}: {path} is not a folder")
+    schemas = folder_schemas(path.resolve())
+    if not schemas:
+        raise CrdSchemasMissing(f"{where}: {path} holds no CustomResourceDefinition (*.yaml)")
+    return schemas
 
 
 @cache
-def crd_schemas(folder: Path) -> dict[tuple[str, str], dict[str, Any]]:
-    """(apiVersion, kind) -> JSON Schema, for every served version of every CRD in the folder."""
-    out: dict[tuple[str, str], dict[str, Any]] = {}
-    for path in sorted(folder.glob("*.yaml")):
-        # libyaml's loader when present: these files are large (thousands of lines each)
-        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-        for doc in yaml.load_all(path.read_text(encoding="utf-8"), Loader=loader):
-            if not doc or doc.get("kind") != "CustomResourceDefinition":
-                continue
-            spec = doc["spec"]
-            for version in spec["versions"]:
-                schema = version.get("schema", {}).get("openAPIV3Schema")
-                if version.get("served", True) and schema:
-                    key = (f"{spec['group']}/{version['name']}", spec["names"]["kind"])
-                    out[key] = structural(schema, root=True)
+def folder_schemas(folder: Path) -> Schemas:
+    """The schemas of every CRD in a folder of *.yaml files."""
+    # libyaml's loader when present: these files are large (thousands of lines each)
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    docs = (d for p in sorted(folder.glob("*.yaml")) for d in yaml.load_all(p.read_text("utf-8"), Loader=loader))
+    return schemas_of(d for d in docs if d)
+
+
+def schemas_of(crds: Iterable[dict[str, Any]]) -> Schemas:
+    """(apiVersion, kind) -> JSON Schema, for every served version of every CRD given."""
+    out: Schemas = {}
+    for doc in crds:
+        if doc.get("kind") != "CustomResourceDefinition":
+            continue
+        spec = doc["spec"]
+        for version in spec["versions"]:
+            schema = version.get("schema", {}).get("openAPIV3Schema")
+            if version.get("served", True) and schema:
+                out[(f"{spec['group']}/{version['name']}", spec["names"]["kind"])] = structural(schema, root=True)
     return out
+
+
+def unchecked(objects: Iterable[dict[str, Any]], schemas: Schemas | None) -> list[str]:
+    """The kinds of custom resources that go without a schema check (no CRD schema was given)."""
+    return [] if schemas is not None else sorted({o["kind"] for o in objects if not is_core(o)})
 
 
 def structural(node: dict[str, Any], root: bool = False) -> dict[str, Any]:
@@ -179,11 +190,8 @@ def _object_meta_validator(version: str) -> Any:
     return jsonschema.Draft202012Validator(ref, registry=registry)
 
 
-def validate_custom(
-    obj: dict[str, Any], folder: Path | None = None, version: str = KUBERNETES_VERSION
-) -> list[str]:
+def validate_custom(obj: dict[str, Any], schemas: Schemas, version: str = KUBERNETES_VERSION) -> list[str]:
     """Problems of a custom resource against its CRD's schema (and its metadata against ObjectMeta)."""
-    schemas = crd_schemas(folder or crd_dir())
     key = (obj.get("apiVersion", ""), obj.get("kind", ""))
     if key not in schemas:
         known = ", ".join(f"{v} {k}" for v, k in sorted(schemas))
@@ -204,7 +212,8 @@ def is_core(obj: dict[str, Any]) -> bool:
     return group in ("", "apps", "batch", "networking.k8s.io", "policy", "rbac.authorization.k8s.io")
 
 
-def problems(objects: Iterable[dict[str, Any]], crd_folder: Path | None = None) -> list[str]:
+def problems(objects: Iterable[dict[str, Any]], schemas: Schemas | None = None) -> list[str]:
+    """Every problem of the objects; custom resources are checked only when CRD schemas are given."""
     try:
         import jsonschema  # noqa: F401
         import kubernetes_validate  # noqa: F401
@@ -215,13 +224,16 @@ def problems(objects: Iterable[dict[str, Any]], crd_folder: Path | None = None) 
         ) from None
     out: list[str] = []
     for obj in objects:
-        out.extend(validate_core(obj) if is_core(obj) else validate_custom(obj, crd_folder))
+        if is_core(obj):
+            out.extend(validate_core(obj))
+        elif schemas is not None:
+            out.extend(validate_custom(obj, schemas))
     return out
 
 
-def check(objects: Iterable[dict[str, Any]], crd_folder: Path | None = None) -> None:
+def check(objects: Iterable[dict[str, Any]], schemas: Schemas | None = None) -> None:
     """Raise with every problem found, one per line; silent when all objects are valid."""
-    found = problems(objects, crd_folder)
+    found = problems(objects, schemas)
     if found:
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise ValidationFailed(f"rendered objects do not validate{more}:\n  " + "\n  ".join(found))
