@@ -2,31 +2,41 @@
 
 from __future__ import annotations
 
+import json
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from kubetrain.cli import main
+from kubetrain.config import load_config
 from kubetrain.dist.env import NodeEnv
 from kubetrain.errors import UserInputError
 from kubetrain.k8s.pod import entrypoint
+from kubetrain.k8s.simulate import Simulation
 
 
 def node(rank: int) -> NodeEnv:
     return NodeEnv(rank, 4, 8, "job-0.job", 29500, "indexed-job")
 
 
-def test_torchrun_command_line() -> None:
-    argv = entrypoint.torchrun_argv(node(0), Path("/etc/kubetrain/config.yaml"), rdzv_id="job",
-                                    max_restarts=5, local_addr="10.0.0.7", overrides=["run.output_dir=/ckpt"])
-    line = " ".join(argv[1:])
-    assert line.startswith("-m torch.distributed.run --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d ")
-    assert "--rdzv-endpoint job-0.job:29500 --rdzv-id job --rdzv-conf is_host=true --max-restarts 5" in line
-    assert "--local-addr 10.0.0.7" in line
-    assert line.endswith("-m kubetrain train /etc/kubetrain/config.yaml --resume auto "
-                         "--set run.output_dir=/ckpt")
-    other = entrypoint.torchrun_argv(node(3), Path("c.yaml"), rdzv_id="job", max_restarts=0)
+def test_elastic_agent_command_line() -> None:
+    from kubetrain.launch.elastic import torchrun_args
+
+    opts = entrypoint.launch_options(node(0), rdzv_id="job", max_restarts=5, shutdown_timeout=120,
+                                     local_addr="10.0.0.7")
+    line = " ".join(torchrun_args(opts, ["/etc/kubetrain/config.yaml", "--resume", "auto"]))
+    for part in ("--nproc-per-node=8", "--max-restarts=5", "--shutdown-timeout=120", "--nnodes=4",
+                 "--rdzv-backend=c10d", "--rdzv-endpoint=job-0.job:29500", "--rdzv-id=job",
+                 "--rdzv-conf=is_host=true", "--local-addr=10.0.0.7"):
+        assert part in line
+    assert line.endswith("--module kubetrain train /etc/kubetrain/config.yaml --resume auto")
+    other = " ".join(torchrun_args(entrypoint.launch_options(node(3), rdzv_id="job", max_restarts=0,
+                                                             shutdown_timeout=90), []))
     assert "is_host=false" in other and "--local-addr" not in other
 
 
@@ -85,26 +95,39 @@ def test_cli_non_zero_rank_waits_then_fails(tmp_path: Path, monkeypatch: pytest.
     assert "node 1/2 (indexed-job)" in err and f"127.0.0.1:{port} did not accept connections" in err
 
 
-SUPERVISE = (
+IDLE = (
     "import sys\n"
-    "from kubetrain.k8s.pod.entrypoint import supervise\n"
-    "sys.exit(supervise([sys.executable, '-c', sys.argv[1]], lambda m: print(m, flush=True)))\n"
+    "from kubetrain.k8s.pod.entrypoint import idle_until_stopped\n"
+    "print('idling', flush=True)\n"
+    "sys.exit(idle_until_stopped())\n"
 )
 
 
-def test_statefulset_pod_idles_after_success_until_sigterm() -> None:
-    import signal
-    import subprocess
-    import sys
-
-    child = subprocess.Popen([sys.executable, "-c", SUPERVISE, "print('trained', flush=True)"],
-                             stdout=subprocess.PIPE, text=True)
+def test_statefulset_pod_idles_until_sigterm() -> None:
+    child = subprocess.Popen([sys.executable, "-c", IDLE], stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
-    assert child.stdout.readline() == "trained\n"
-    assert child.stdout.readline().startswith("training finished; idling")
+    assert child.stdout.readline() == "idling\n"
     assert child.poll() is None  # still up: a StatefulSet would restart a container that exits
     child.send_signal(signal.SIGTERM)
     assert child.wait(timeout=60) == 0
-    failed = subprocess.run([sys.executable, "-c", SUPERVISE, "raise SystemExit(3)"], capture_output=True,
-                            text=True, check=False)
-    assert failed.returncode == 3 and "idling" not in failed.stdout
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_pod_ends_it_with_75_after_a_checkpoint(tmp_path: Path) -> None:
+    """The pod's main process gets SIGTERM (what the kubelet sends); its workers save and the pod exits 75."""
+    tiny = ["run.threads=1", "run.device=cpu", "model.n_layer=1", "model.n_head=2", "model.n_embd=16",
+            "model.block_size=16", "train.micro_batch_size=2", "train.warmup_steps=1", "train.log_every_steps=1",
+            "train.max_steps=100000", "eval.every_steps=100000", "eval.sample_prompt=null"]
+    s = Simulation(load_config(None, "tiny", tiny), tmp_path / "sim", "indexed-job", echo=False)
+    pod = s.start_pod(0)
+    assert pod.process is not None
+    deadline = time.monotonic() + 300  # a safety net against a hang, not a timing assertion
+    while "step 1/" not in (pod.log_path.read_text() if pod.log_path.exists() else ""):
+        assert pod.running() and time.monotonic() < deadline, pod.log_path.read_text()[-3000:]
+        time.sleep(0.1)
+    pod.process.send_signal(signal.SIGTERM)  # to the container's main process only, like the kubelet
+    assert pod.process.wait(timeout=300) == 75, pod.log_path.read_text()[-3000:]
+    checkpoints = s.root / "volumes" / "checkpoints" / "tiny" / "checkpoints"
+    assert (checkpoints / "latest").exists(), pod.log_path.read_text()[-3000:]
+    meta = json.loads((s.root / "volumes" / "checkpoints" / "tiny" / "meta.json").read_text())
+    assert meta["status"] == "stopped"
