@@ -207,11 +207,11 @@ def shell(
     import os
     import shutil
 
-    from kubetrain.k8s.cluster.status import main_container, pods_by_rank
+    from kubetrain.k8s.cluster.status import job_ranks, main_container
 
     cluster = _cluster(kubeconfig, context)
     ns = namespace or cluster.default_namespace
-    pod = next((p for r, p in pods_by_rank(cluster, name, ns) if r == rank), None)
+    pod = next((r.pod for r in job_ranks(cluster, name, ns) if r.rank == rank), None)
     if pod is None:
         raise UserInputError(f"job '{name}' has no pod with rank {rank} in namespace {ns}")
     argv = ["kubectl", "exec", "-it", "-n", ns, pod["metadata"]["name"], "-c", main_container(pod)]

@@ -20,6 +20,8 @@ FIELD_MANAGER = "kubetrain"  # server-side apply, and the TrainJob's runtime pat
 # launch makes the workload their owner from their first apply.
 OWNED_KINDS = ("ConfigMap", "NetworkPolicy", "Service")
 INDEX_KEY = "batch.kubernetes.io/job-completion-index"
+# What a StatefulSet pod's entrypoint logs once training finished: the pod idles instead of exiting.
+IDLE_MARKER = "training finished; idling"
 _ORDINAL = re.compile(r"-(\d+)$")
 
 

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from kubetrain.k8s.cluster.status import node_rank, workload_state
 
 Cli = Callable[..., tuple[int, str, str]]
 PODS = "/api/v1/namespaces/ml/pods"
@@ -79,45 +78,59 @@ def test_list_finds_launched_jobs(tmp_path: Path, apiserver: Any, cli: Cli) -> N
     assert code == 0 and out.startswith("ml/tiny  indexed-job  running")
 
 
-@pytest.mark.parametrize(
-    ("labels", "annotations", "name", "rank"),
-    [
-        (
-            {"training.kubeflow.org/replica-type": "master", "training.kubeflow.org/replica-index": "0"},
-            {},
-            "j-master-0",
-            0,
-        ),
-        (
-            {"training.kubeflow.org/replica-type": "worker", "training.kubeflow.org/replica-index": "2"},
-            {},
-            "j-worker-2",
-            3,
-        ),
-        ({}, {"batch.kubernetes.io/job-completion-index": "5"}, "j-5-abcde", 5),
-        ({"apps.kubernetes.io/pod-index": "3"}, {}, "j-3", 3),
-        ({}, {}, "j-7", 7),
-        ({}, {}, "no-ordinal-here", None),
-    ],
-)
-def test_node_rank_of_each_controllers_pods(
-    labels: dict[str, str], annotations: dict[str, str], name: str, rank: int | None
+def launch(cli: Cli, kubeconfig: Path, *sets: str) -> None:
+    args = [a for item in ("k8s.namespace=ml", *sets) for a in ("--set", item)]
+    code, _, err = cli("k8s", "launch", *args, "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+
+
+def test_one_line_per_rank_from_its_newest_pod(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, "k8s.nnodes=2")
+    first, other = apiserver.pod("tiny", 0), apiserver.pod("tiny", 1)
+    apiserver.start(first, "step 10/20 | loss 3.1\n")
+    apiserver.start(other, "[entrypoint] node 1/2\n", node="node-b")
+    apiserver.exit(first, 1, "RuntimeError: NCCL timeout\n")  # the Job controller replaces it
+    replacement = apiserver.pod("tiny", 0)
+    assert replacement != first
+    apiserver.start(replacement, "resuming from step 14\nstep 14/20 | loss 2.9\n")
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    assert out.splitlines() == [
+        "tiny (indexed-job, namespace ml): running, step 14/20",
+        f"  rank 0: {replacement} Running on node-a, 0 restarts, 1 earlier failed pod",
+        f"  rank 1: {other} Running on node-b, 0 restarts",
+    ]
+
+
+def test_pods_that_cannot_be_scheduled_are_pending_with_the_reason(
+    tmp_path: Path, apiserver: Any, cli: Cli
 ) -> None:
-    assert node_rank({"metadata": {"name": name, "labels": labels, "annotations": annotations}}) == rank
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, "k8s.nnodes=2", "k8s.resources.memory=100Gi")
+    assert apiserver.objects["/apis/batch/v1/namespaces/ml/jobs/tiny"]["status"]["active"] == 2
+    for rank in (0, 1):
+        apiserver.unschedulable(apiserver.pod("tiny", rank), "0/1 nodes are available: 1 Insufficient memory.")
+    code, out, _ = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")
+    status = json.loads(out)
+    assert status["state"] == "pending: 0/1 nodes are available: 1 Insufficient memory."
+    code, out, _ = cli("k8s", "list", "--kubeconfig", str(kubeconfig))
+    assert code == 0 and out.startswith("ml/tiny  indexed-job  pending: 0/1 nodes are available")
 
 
-def test_workload_states() -> None:
-    def obj(kind: str, *conditions: str, **status: Any) -> dict[str, Any]:
-        conds = [{"type": c, "status": "True"} for c in conditions]
-        return {"kind": kind, "spec": {"replicas": 2}, "status": {"conditions": conds, **status}}
-
-    assert workload_state(obj("Job", "Complete")) == "succeeded"
-    assert workload_state(obj("Job", "Failed")) == "failed"
-    assert workload_state(obj("Job")) == "pending"
-    assert workload_state(obj("PyTorchJob", "Created", "Running")) == "running"
-    assert workload_state(obj("JobSet", "Completed")) == "succeeded"
-    assert workload_state(obj("StatefulSet", readyReplicas=1)) == "1/2 pods ready"
-    assert workload_state(None).startswith("gone")
+def test_a_finished_run_says_so(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, "k8s.nnodes=2", "k8s.workload=statefulset")
+    for rank in (0, 1):
+        apiserver.start(apiserver.pod("tiny", rank), "step 20/20 | loss 2.0\n[entrypoint] training finished; "
+                        "idling so the StatefulSet does not restart it\n")
+    code, out, _ = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0 and out.splitlines()[0] == "tiny (statefulset, namespace ml): finished, step 20/20"
+    launch(cli, kubeconfig, "k8s.name=job2")
+    apiserver.start(apiserver.pod("job2", 0), "step 200/200\n")
+    apiserver.exit(apiserver.pod("job2", 0), 0)
+    code, out, _ = cli("k8s", "list", "--kubeconfig", str(kubeconfig), "--json")
+    assert {j["name"]: j["state"] for j in json.loads(out)} == {"job2": "succeeded", "tiny": "finished"}
 
 
 def test_shell_execs_kubectl_into_the_ranks_pod(tmp_path: Path, apiserver: Any, cli: Cli,

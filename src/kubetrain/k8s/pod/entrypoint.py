@@ -20,6 +20,7 @@ from pathlib import Path
 
 from kubetrain.dist.env import NodeEnv, node_env
 from kubetrain.errors import KubetrainError, UserInputError
+from kubetrain.k8s.workloads import IDLE_MARKER
 from kubetrain.launch.elastic import LaunchOptions, launch
 
 Log = Callable[[str], None]
@@ -101,7 +102,7 @@ def run(config: Path, *, rdzv_id: str, max_restarts: int, wait_timeout: float, s
     code = launch(opts, train_args, runs.run_dir(cfg))
     if code != 0 or not idle_after_finish:
         return code
-    say("training finished; idling so the StatefulSet does not restart it (kubetrain k8s stop removes it)")
+    say(f"{IDLE_MARKER} so the StatefulSet does not restart it (kubetrain k8s stop removes it)")
     return idle_until_stopped()
 
 
