@@ -151,7 +151,11 @@ def logs(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
 ) -> None:
-    """Every rank's log, interleaved as it arrives, prefixed with the rank."""
+    """Every rank's log, interleaved as it arrives, prefixed with the rank.
+
+    With -f, ranks whose pod is not scheduled or still starting are waited for, and a rank is followed into
+    the pod that replaces a failed one. Without -f, a rank with no log yet is named with why (exit 1).
+    """
     from kubetrain.k8s.cluster.logs import stream_logs
 
     cluster = _cluster(kubeconfig, context)

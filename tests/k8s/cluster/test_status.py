@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-
 Cli = Callable[..., tuple[int, str, str]]
 PODS = "/api/v1/namespaces/ml/pods"
 
