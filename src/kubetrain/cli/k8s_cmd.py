@@ -238,15 +238,21 @@ def doctor(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
 ) -> None:
-    """Check that the cluster can run this job: reachable, namespace, CRD, GPU nodes, storage, Secrets."""
+    """Check that the cluster can run this job: reachable, namespace, CRD, nodes, storage, Secrets.
+
+    Nodes must match the selector, admit the pod (taints) and allocate its CPU, memory and GPU requests;
+    storage is a storage class or a free static PersistentVolume. Checks this user may not run (a namespace
+    editor cannot list nodes or storage classes) print "cannot check ...: forbidden"; the others still run.
+    """
     from kubetrain.k8s.cluster.doctor import run_checks
 
     overrides = list(set_ or []) + ([f"k8s.namespace={namespace}"] if namespace else [])
     cfg = load(config, preset, overrides)
-    checks = run_checks(_cluster(kubeconfig, context), cfg, _workload(workload))
-    for check in checks:
-        typer.echo(f"{check.status:<4}  {check.name}: {check.detail}")
-    if any(c.status == "fail" for c in checks):
+    failed = False
+    for check in run_checks(_cluster(kubeconfig, context), cfg, _workload(workload)):
+        typer.echo(f"{check.status:<4}  {check.name}: {check.detail}")  # as found: a slow check holds none back
+        failed |= check.status == "fail"
+    if failed:
         raise typer.Exit(1)
 
 

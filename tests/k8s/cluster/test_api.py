@@ -121,3 +121,12 @@ def test_log_lines_stream(tmp_path: Path, apiserver: Any) -> None:
     assert lines == ["step 1/3 | loss 5.5", "step 2/3 | loss 5.1", "partial"]
     query = server.requests[-1]["query"]
     assert query == {"follow": ["true"], "container": ["trainer"], "tailLines": ["10"]}
+
+
+def test_a_kubeconfig_that_is_not_yaml_is_one_line(tmp_path: Path, cli: Cli) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("apiVersion: v1\nclusters:\n  - name: x\n   cluster: {server: https://h:6443}\n")
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 2 and out == ""
+    assert err == f"error: kubeconfig {kubeconfig} is not valid YAML at line 4, column 4: expected <block end>, " \
+        "but found '<block mapping start>'\n"

@@ -7,6 +7,7 @@ nodes (ReadWriteMany); the Secrets and keys the pods read exist (their values ar
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,35 +51,56 @@ def _tolerated(taint: dict[str, Any], tolerations: list[dict[str, Any]]) -> bool
     return False
 
 
+_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "m": 1e-3, "k": 1e3, "K": 1e3,
+           "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+
+
+def quantity(text: object) -> float:
+    """A Kubernetes quantity ('500m', '16Gi', '4') as a number."""
+    value = str(text)
+    for suffix in sorted(_SUFFIX, key=len, reverse=True):
+        if value.endswith(suffix):
+            return float(value[: -len(suffix)]) * _SUFFIX[suffix]
+    return float(value)
+
+
+def _requests(ctx: RenderContext) -> dict[str, str]:
+    r = ctx.k.resources
+    wanted = {"cpu": r.cpu, "memory": r.memory, r.gpu_resource: str(r.gpu) if r.gpu else None}
+    return {k: v for k, v in wanted.items() if v}
+
+
 def _nodes(cluster: Cluster, ctx: RenderContext, tolerations: list[dict[str, Any]]) -> Check:
-    r, k = ctx.k.resources, ctx.k
-    try:
-        nodes = cluster.list("Node")
-    except Forbidden:
-        return Check("nodes", "warn", "cannot list nodes (forbidden); the scheduler will decide")
-    fit, blocked = [], []
+    """Nodes that match the selector, tolerate-wise admit the pod, and can allocate what one pod requests."""
+    k = ctx.k
+    nodes = cluster.list("Node")
+    wanted = _requests(ctx)
+    fit, blocked, small = [], [], []
     for node in nodes:
         name = node["metadata"]["name"]
         labels = node["metadata"].get("labels") or {}
         if any(labels.get(key) != value for key, value in k.node_selector.items()):
             continue
-        if (
-            r.gpu
-            and int(str((node.get("status") or {}).get("allocatable", {}).get(r.gpu_resource, 0))) < r.gpu
-        ):
-            continue
+        allocatable = (node.get("status") or {}).get("allocatable") or {}
+        short = [f"{key} {allocatable.get(key, 0)} < {value}" for key, value in wanted.items()
+                 if quantity(allocatable.get(key, 0)) < quantity(value)]
         taints = [t for t in (node.get("spec") or {}).get("taints") or [] if not _tolerated(t, tolerations)]
-        if taints:
+        if short:
+            small.append(f"{name} ({', '.join(short)})")
+        elif taints:
             blocked.append(f"{name} ({', '.join(_taint(t) for t in taints)})")
         else:
             fit.append(name)
-    what = f"{r.gpu} x {r.gpu_resource}" if r.gpu else "the node selector"
+    what = ", ".join(f"{v} {key}" for key, v in wanted.items())
+    if k.node_selector:
+        what += " on nodes labelled " + ",".join(f"{key}={v}" for key, v in k.node_selector.items())
     if not fit:
-        why = f"; tainted and not tolerated: {'; '.join(blocked)}" if blocked else ""
-        return Check("nodes", "fail", f"no node offers {what}{why}")
-    status = "ok" if len(fit) >= k.nnodes or not r.gpu else "warn"
+        why = "".join(f"; {label}: {'; '.join(names)}" for label, names in (
+            ("too small", small), ("tainted and not tolerated", blocked)) if names)
+        return Check("nodes", "fail", f"no node can run a pod of {what}{why}")
+    status = "ok" if len(fit) >= k.nnodes else "warn"
     more = f" (the job needs {k.nnodes})" if status == "warn" else ""
-    return Check("nodes", status, f"{len(fit)} node(s) with {what}: {', '.join(fit[:8])}{more}")
+    return Check("nodes", status, f"{len(fit)} node(s) fit a pod of {what}: {', '.join(fit[:8])}{more}")
 
 
 def _taint(t: dict[str, Any]) -> str:
@@ -112,7 +134,11 @@ def _storage(cluster: Cluster, ctx: RenderContext) -> list[Check]:
             else:
                 out.append(Check(name, "ok", f"claim {v.claim} ({', '.join(sorted(modes))})"))
             continue
-        classes = cluster.list("StorageClass")
+        try:
+            classes = cluster.list("StorageClass")
+        except Forbidden:
+            out.append(Check(name, "warn", f"cannot check storage classes for the {v.spec.size} claim: forbidden"))
+            continue
         if v.spec.storage_class:
             cls = next((c for c in classes if c["metadata"]["name"] == v.spec.storage_class), None)
         else:
@@ -124,6 +150,15 @@ def _storage(cluster: Cluster, ctx: RenderContext) -> list[Check]:
                 ),
                 None,
             )
+        if cls is None and not v.spec.storage_class:
+            try:
+                volume = _free_volume(cluster, v.spec.size or "0", v.access_mode or "ReadWriteOnce")
+            except Forbidden:
+                volume = None
+            if volume is not None:
+                out.append(Check(name, "ok", f"{v.spec.size} {v.access_mode}: no default storage class, but the "
+                                             f"free PersistentVolume {volume} matches; the claim binds to it"))
+                continue
         if cls is None:
             wanted = (
                 f"storage class {v.spec.storage_class}"
@@ -152,6 +187,17 @@ def _storage(cluster: Cluster, ctx: RenderContext) -> list[Check]:
                 )
             )
     return out
+
+
+def _free_volume(cluster: Cluster, size: str, mode: str) -> str | None:
+    """A static PersistentVolume a claim without a class binds to: Available, class "", mode and size fit."""
+    for pv in cluster.list("PersistentVolume"):
+        spec = pv.get("spec") or {}
+        if ((pv.get("status") or {}).get("phase") == "Available" and not spec.get("storageClassName")
+                and mode in (spec.get("accessModes") or [])
+                and quantity((spec.get("capacity") or {}).get("storage", 0)) >= quantity(size)):
+            return str(pv["metadata"]["name"])
+    return None
 
 
 def _secrets(cluster: Cluster, ctx: RenderContext) -> list[Check]:
@@ -197,23 +243,31 @@ def _crd(cluster: Cluster, ctx: RenderContext, kind: str) -> list[Check]:
     return out
 
 
-def run_checks(cluster: Cluster, cfg: Config, workload: str | None = None) -> list[Check]:
-    from kubetrain.k8s.render.manifest import render
+def _guarded(name: str, what: str, check: Callable[[], Check | list[Check]]) -> list[Check]:
+    """Run one check; a user without the rights to it (403) gets 'cannot check' instead of an abort."""
+    try:
+        found = check()
+    except Forbidden:
+        return [Check(name, "warn", f"cannot check {what}: forbidden")]
+    return found if isinstance(found, list) else [found]
+
+
+def run_checks(cluster: Cluster, cfg: Config, workload: str | None = None) -> Iterator[Check]:
+    """Each check as soon as it is known (a slow or forbidden one does not hold back the others)."""
     from kubetrain.k8s.render.podspec import tolerations
 
     ctx = context(cfg, workload)
     version = cluster.request("GET", "/version", what="get the server version")
-    checks = [Check("cluster", "ok", f"Kubernetes {version.get('gitVersion', '?')} at {cluster.where}")]
+    yield Check("cluster", "ok", f"Kubernetes {version.get('gitVersion', '?')} at {cluster.where}")
     try:
         cluster.get("Namespace", ctx.namespace)
-        checks.append(Check("namespace", "ok", ctx.namespace))
+        yield Check("namespace", "ok", ctx.namespace)
     except NotFound:
-        checks.append(Check("namespace", "fail", f"namespace {ctx.namespace} does not exist"))
-        return checks
+        yield Check("namespace", "fail", f"namespace {ctx.namespace} does not exist")
+        return
     except Forbidden:
-        checks.append(Check("namespace", "warn", f"cannot read namespace {ctx.namespace} (forbidden)"))
-    checks.extend(_crd(cluster, ctx, render(cfg, workload)[-1]["kind"]))
-    checks.append(_nodes(cluster, ctx, tolerations(ctx)))
-    checks.extend(_storage(cluster, ctx))
-    checks.extend(_secrets(cluster, ctx))
-    return checks
+        yield Check("namespace", "warn", f"cannot check namespace {ctx.namespace}: forbidden")
+    yield from _guarded("workload", "the workload's CRD", lambda: _crd(cluster, ctx, ctx.kind.kind))
+    yield from _guarded("nodes", "nodes", lambda: _nodes(cluster, ctx, tolerations(ctx)))
+    yield from _guarded("storage", "storage classes and volumes", lambda: _storage(cluster, ctx))
+    yield from _secrets(cluster, ctx)
