@@ -117,16 +117,6 @@ def test_pod_shape_security_shm_and_probe() -> None:
         pod_templates(by_kind(render(tiny("k8s.metrics.liveness=false")), "Job"))[0][1])
 
 
-def test_network_policy_admits_own_pods_and_metrics_namespace() -> None:
-    policy = by_kind(render(tiny("k8s.metrics.scrape_namespace=prom")), "NetworkPolicy")["spec"]
-    assert policy["podSelector"]["matchLabels"] == {"kubetrain.dev/job": "tiny"}
-    own, metrics = policy["ingress"]
-    assert own == {"from": [{"podSelector": {"matchLabels": {"kubetrain.dev/job": "tiny"}}}]}
-    assert metrics["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "prom"}
-    assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}]
-    assert "NetworkPolicy" not in [o["kind"] for o in render(tiny("k8s.network_policy=false"))]
-
-
 def test_pytorchjob_master_and_workers() -> None:
     cfg = tiny("k8s.nnodes=3", "k8s.volumes.checkpoints.access_mode=ReadWriteMany")
     job = by_kind(render(cfg, "pytorchjob"), "PyTorchJob")

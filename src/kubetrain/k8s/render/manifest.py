@@ -16,7 +16,8 @@ import yaml
 
 from kubetrain.config.schema import Config
 from kubetrain.k8s.render.context import context
-from kubetrain.k8s.render.objects import claims, config_map, network_policy
+from kubetrain.k8s.render.network import network_policy
+from kubetrain.k8s.render.objects import claims, config_map
 from kubetrain.k8s.render.renderers import RENDERERS
 from kubetrain.k8s.workloads import SPEC_HASH
 
@@ -25,7 +26,7 @@ def render(cfg: Config, workload: str | None = None) -> list[dict[str, Any]]:
     """Every object of the job, in the order they are applied (the workload last)."""
     ctx = context(cfg, workload)
     objects = [config_map(ctx), *claims(ctx)]
-    if ctx.k.network_policy:
+    if ctx.k.network_policy.enabled:
         objects.append(network_policy(ctx))
     objects.extend(RENDERERS[ctx.workload](ctx))
     stamp(objects)

@@ -9,7 +9,6 @@ import yaml
 from kubetrain.config.loading import validate as validate_config
 from kubetrain.config.schema import Config
 from kubetrain.k8s.render.context import CONFIG_FILE, RenderContext, RenderError
-from kubetrain.k8s.render.podspec import METRICS_PORT_NAME
 from kubetrain.runs import redact, redact_text
 
 
@@ -94,32 +93,6 @@ def claims(ctx: RenderContext) -> list[dict[str, Any]]:
             {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": ctx.meta(v.claim), "spec": spec}
         )
     return out
-
-
-def network_policy(ctx: RenderContext) -> dict[str, Any]:
-    """Admit the job's own pods on every port, and the metrics port from the monitoring namespace.
-
-    Every port, not just the rendezvous one: gloo and NCCL open connections between ranks on ephemeral ports.
-    """
-    ingress: list[dict[str, Any]] = [{"from": [{"podSelector": {"matchLabels": ctx.selector}}]}]
-    scrape = ctx.k.metrics.scrape_namespace
-    if scrape and ctx.k.metrics.enabled:
-        ingress.append(
-            {
-                "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": scrape}}}],
-                "ports": [{"port": METRICS_PORT_NAME, "protocol": "TCP"}],
-            }
-        )
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": ctx.meta(ctx.name),
-        "spec": {
-            "podSelector": {"matchLabels": ctx.selector},
-            "policyTypes": ["Ingress"],
-            "ingress": ingress,
-        },
-    }
 
 
 def headless_service(ctx: RenderContext) -> dict[str, Any]:
