@@ -133,7 +133,11 @@ def status(
     context: ContextOpt = None,
     json_: JsonOpt = False,
 ) -> None:
-    """The job's state, each rank's pod (phase, node, restarts) and the last step it logged."""
+    """The job's state, one line per rank from its newest pod, and the step the live pods logged.
+
+    States: pending (with the scheduler's reason), running, succeeded, failed, finished (a StatefulSet idling
+    after training), gone. Each rank counts the earlier pods of that rank that failed and were replaced.
+    """
     from kubetrain.k8s.cluster.status import format_status, job_status
 
     cluster = _cluster(kubeconfig, context)
@@ -170,7 +174,10 @@ def stop(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
 ) -> None:
-    """Delete the job (its pods save a checkpoint on SIGTERM); the claims stay, so a launch resumes."""
+    """Delete the job (its pods save a checkpoint on SIGTERM and exit 75); the claims stay, so a launch resumes.
+
+    Acts on the workload kind that was launched; kinds this user may not list are skipped.
+    """
     from kubetrain.k8s.cluster.launch import stop as delete_job
 
     cluster = _cluster(kubeconfig, context)
@@ -300,7 +307,8 @@ def entrypoint(
     idle_after_finish: Annotated[bool, typer.Option("--idle-after-finish", help="Stay up after training "
                                                     "finished (StatefulSet pods).")] = False,
 ) -> None:
-    """What every training pod runs: node rank from the workload, wait for the rendezvous, start torchrun."""
+    """What every training pod runs: node rank from the workload, wait for the rendezvous, run the elastic
+    agent; exit 75 when stopped by SIGTERM after a checkpoint."""
     from kubetrain.k8s.pod.entrypoint import run
 
     code = run(config, rdzv_id=rdzv_id, max_restarts=max_restarts, wait_timeout=wait_timeout,
