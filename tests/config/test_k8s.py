@@ -12,7 +12,7 @@ def test_defaults_render_a_single_node_indexed_job() -> None:
     k = load_config(None, "tiny").k8s
     assert (k.workload, k.nnodes, k.nproc_per_node) == ("indexed-job", 1, 1)
     assert k.volumes.checkpoints.size and k.volumes.checkpoints.claim is None
-    assert k.metrics.liveness and k.network_policy
+    assert k.metrics.liveness and k.network_policy.enabled and not k.network_policy.egress
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,14 @@
-"""Fixtures of the Kubernetes tests: the CRD schema folder, and a recorded API server on 127.0.0.1."""
+"""Fixtures of the Kubernetes tests: the CRD schema folder, and a small API server on 127.0.0.1.
+
+The API server is a claim about kube-apiserver and its controllers. Each behaviour below names where the real
+one does the same (kubernetes/kubernetes paths), so that a test passing here means something on a cluster.
+"""
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -14,67 +20,240 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import yaml
 
-from kubetrain.k8s.api import RESOURCES
+from kubetrain.k8s.cluster.api import CUSTOM_KINDS, RESOURCES, Resource
 
 RESPONSES = Path(__file__).parent / "responses"
-PLURALS = {r.plural for r in RESOURCES.values()}
+SHARED_CRDS = Path(__file__).resolve().parents[3] / "shared" / "k8s" / "crds"  # beside the checkout
+INDEX = "batch.kubernetes.io/job-completion-index"
+JSON = "application/json"
+Answer = tuple[int, bytes, str]
 
 
 @pytest.fixture(scope="session")
 def crd_folder() -> Path:
-    """The CRD schemas (../shared/k8s/crds); a missing folder fails the test with the places looked at."""
-    from kubetrain.k8s.validate import crd_dir
+    """The CRD copies in ../shared/k8s/crds: skipped on a fresh clone, a failure under CI (where they are)."""
+    if SHARED_CRDS.is_dir():
+        return SHARED_CRDS
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"CI=true but the CRD copies are missing at {SHARED_CRDS}")
+    pytest.skip(f"needs the CRD copies at {SHARED_CRDS} (absent on a fresh clone)")
 
-    return crd_dir()
+
+@pytest.fixture(scope="session")
+def crd_schemas(crd_folder: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    from kubetrain.k8s.render.validate import folder_schemas
+
+    return folder_schemas(crd_folder)
 
 
-class RecordedApiServer:
-    """A local HTTP server that answers like the Kubernetes API server, for the client's real round-trips.
+def status(code: int, reason: str, message: str, **details: Any) -> dict[str, Any]:
+    """A metav1.Status, the body of every error answer of kube-apiserver."""
+    out = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+           "reason": reason, "code": code}
+    return out | ({"details": details} if details else {})
 
-    Objects applied (PATCH) are kept and served back (GET, list with label selectors, DELETE), the way the API
-    server does; `answer` pins a recorded response (from tests/k8s/responses/) to one request.
+
+class ApiServer:
+    """A local HTTP server that answers like kube-apiserver (with the Job and StatefulSet controllers).
+
+    Objects applied (server-side apply) are stored and served back (get, list by label, delete with garbage
+    collection); a Job or StatefulSet gets its pods, which tests move through their life with `schedule`,
+    `start` and `exit`. `answer` pins a recorded response (tests/k8s/responses/) to one request.
     """
 
     def __init__(self) -> None:
         self.objects: dict[str, dict[str, Any]] = {}
-        self.answers: dict[tuple[str, str], tuple[int, bytes, str]] = {}
+        self.logs: dict[str, str] = {}  # pod name -> what its container wrote
+        self.answers: dict[tuple[str, str], Answer] = {}
         self.requests: list[dict[str, Any]] = []
-        self.uids = 0
+        self.crds: dict[str, dict[str, Any]] = {}
+        self.editor_of: str | None = None  # act as a user with the `edit` role in this namespace only
+        self.forbidden: set[str] = set()  # plurals that user may not touch even there (e.g. jobsets)
+        self.changed = threading.Condition()
+        self.serial = 0
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
-    def answer(
-        self, method: str, path: str, status: int, body: Any, content_type: str = "application/json"
-    ) -> None:
+    # -- what tests set up -------------------------------------------------------------------------
+
+    def answer(self, method: str, path: str, code: int, body: Any, content_type: str = JSON) -> None:
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-        self.answers[(method, path)] = (status, raw, content_type)
+        self.answers[(method, path)] = (code, raw, content_type)
 
     def recorded(self, name: str) -> dict[str, Any]:
         data: dict[str, Any] = json.loads((RESPONSES / f"{name}.json").read_text())
         return data
 
+    def put(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Store an object as another client would have created it (a node, a PersistentVolume, ...)."""
+        obj = copy.deepcopy(obj)
+        obj["metadata"].setdefault("uid", self._next("uid"))
+        obj["metadata"].setdefault("creationTimestamp", self._now())
+        with self.changed:
+            self.objects[_path_of(obj)] = obj
+            self.changed.notify_all()
+        return obj
+
+    def install_crd(self, crd: dict[str, Any]) -> None:
+        self.crds[crd["metadata"]["name"]] = crd
+
     def kubeconfig(self, folder: Path, namespace: str = "ml") -> Path:
         path = folder / "kubeconfig"
-        path.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "current-context": "test",
-                    "clusters": [{"name": "test", "cluster": {"server": self.url}}],
-                    "users": [{"name": "alice", "user": {"token": "test-token"}}],
-                    "contexts": [
-                        {
-                            "name": "test",
-                            "context": {"cluster": "test", "user": "alice", "namespace": namespace},
-                        }
-                    ],
-                }
-            )
-        )
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "test",
+            "clusters": [{"name": "test", "cluster": {"server": self.url}}],
+            "users": [{"name": "alice", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "alice", "namespace": namespace}}],
+        }))
         return path
+
+    # -- pods, as the scheduler and the kubelet move them -----------------------------------------------
+
+    def pods(self, job: str | None = None) -> list[dict[str, Any]]:
+        return [o for o in self.objects.values() if o["kind"] == "Pod"
+                and (job is None or (o["metadata"].get("labels") or {}).get("kubetrain.dev/job") == job)]
+
+    def pod(self, job: str, rank: int) -> str:
+        """The name of the newest pod of a rank."""
+        pods = [p for p in self.pods(job) if _rank(p) == rank]
+        return str(max(pods, key=lambda p: p["metadata"]["creationTimestamp"])["metadata"]["name"])
+
+    def schedule(self, name: str, node: str = "node-a") -> None:
+        """Bound to a node; the kubelet pulls the image: ContainerCreating."""
+        def change(pod: dict[str, Any]) -> None:
+            pod["spec"]["nodeName"] = node
+            pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "True"}]
+            pod["status"]["containerStatuses"] = [_container(pod, {"waiting": {"reason": "ContainerCreating"}})]
+        self._change_pod(name, change)
+
+    def unschedulable(self, name: str, message: str) -> None:
+        """The scheduler's verdict stays in the pod's PodScheduled condition (pkg/scheduler/schedule_one.go)."""
+        def change(pod: dict[str, Any]) -> None:
+            pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "False",
+                                            "reason": "Unschedulable", "message": message}]
+        self._change_pod(name, change)
+
+    def start(self, name: str, log: str = "", node: str = "node-a") -> None:
+        def change(pod: dict[str, Any]) -> None:
+            pod["spec"].setdefault("nodeName", node)
+            pod["status"].update(phase="Running", containerStatuses=[
+                _container(pod, {"running": {"startedAt": self._now()}}, ready=True)])
+        self._change_pod(name, change)
+        self.write_log(name, log)
+
+    def write_log(self, name: str, text: str) -> None:
+        with self.changed:
+            self.logs[name] = self.logs.get(name, "") + text
+            self.changed.notify_all()
+
+    def exit(self, name: str, code: int, log: str = "") -> None:
+        """The container ends; the pod's controller reacts (a Job replaces a failed pod)."""
+        self.write_log(name, log)
+
+        def change(pod: dict[str, Any]) -> None:
+            pod["status"].update(phase="Succeeded" if code == 0 else "Failed", containerStatuses=[
+                _container(pod, {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}})])
+        self._change_pod(name, change)
+
+    def _change_pod(self, name: str, change: Callable[[dict[str, Any]], None]) -> None:
+        with self.changed:
+            pod = next(p for p in self.pods() if p["metadata"]["name"] == name)
+            change(pod)
+            for ref in pod["metadata"].get("ownerReferences") or []:
+                owner = next((o for o in self.objects.values() if o["metadata"].get("uid") == ref["uid"]), None)
+                if owner is not None:
+                    self._reconcile(owner)
+            self.changed.notify_all()
+
+    # -- the controllers ---------------------------------------------------------------------------
+
+    def _reconcile(self, owner: dict[str, Any]) -> None:
+        if owner["kind"] == "Job":
+            self._reconcile_job(owner)
+        elif owner["kind"] == "StatefulSet":
+            self._reconcile_statefulset(owner)
+
+    def _reconcile_job(self, job: dict[str, Any]) -> None:
+        """pkg/controller/job/job_controller.go, the parts a training job meets:
+
+        - `active` counts every pod that is not finished, Pending ones included (a Job whose pods cannot be
+          scheduled is "active");
+        - a failed pod stays listed until the Job is deleted, and its index gets a new pod with a new name
+          and the same `batch.kubernetes.io/job-completion-index` label; `failed` counts the failed pods
+          except those a podFailurePolicy `Ignore` rule matched (and those are replaced too);
+        - finishing adds `SuccessCriteriaMet` then `Complete`, or `FailureTarget` then `Failed` (a FailJob rule,
+          or more failures than backoffLimit).
+        """
+        spec, uid = job["spec"], job["metadata"]["uid"]
+        pods = [p for p in self.pods() if any(r["uid"] == uid for r in p["metadata"].get("ownerReferences") or [])]
+        ignored, fail_job = 0, False
+        for pod in pods:
+            if pod["status"].get("phase") == "Failed":
+                action = _failure_action(spec.get("podFailurePolicy"), pod)
+                ignored += action == "Ignore"
+                fail_job |= action == "FailJob"
+        failed = sum(p["status"].get("phase") == "Failed" for p in pods) - ignored
+        done = {_rank(p) for p in pods if p["status"].get("phase") == "Succeeded"}
+        conditions = [c["type"] for c in job.get("status", {}).get("conditions", [])]
+        finished = "Complete" in conditions or "Failed" in conditions
+        if not finished and (fail_job or failed > spec.get("backoffLimit", 6)):
+            conditions, finished = ["FailureTarget", "Failed"], True
+        elif not finished and len(done) == spec["completions"]:
+            conditions, finished = ["SuccessCriteriaMet", "Complete"], True
+        for index in range(spec["completions"]):
+            mine = [p for p in pods if _rank(p) == index]
+            if not finished and not any(p["status"].get("phase") in ("Pending", "Running", "Succeeded") for p in mine):
+                pods.append(self._create_pod(job, index, f"{job['metadata']['name']}-{index}-{self._next('')}"))
+        job["status"] = {
+            "active": sum(p["status"].get("phase") in ("Pending", "Running") for p in pods),
+            "succeeded": len(done), "failed": failed,
+            "conditions": [{"type": c, "status": "True"} for c in conditions],
+        }
+
+    def _reconcile_statefulset(self, sts: dict[str, Any]) -> None:
+        """pkg/controller/statefulset: pod i is `<name>-i`, labelled apps.kubernetes.io/pod-index; the
+        kubelet restarts a container that exits (restartPolicy Always), so a pod never finishes."""
+        name = sts["metadata"]["name"]
+        for index in range(sts["spec"]["replicas"]):
+            path = RESOURCES["Pod"].path(sts["metadata"]["namespace"], f"{name}-{index}")
+            if path not in self.objects:
+                self._create_pod(sts, index, f"{name}-{index}", {"apps.kubernetes.io/pod-index": str(index)})
+        ready = sum(p["status"].get("phase") == "Running" for p in self.pods(name))
+        sts["status"] = {"replicas": sts["spec"]["replicas"], "readyReplicas": ready}
+
+    def _create_pod(self, owner: dict[str, Any], index: int, name: str,
+                    labels: dict[str, str] | None = None) -> dict[str, Any]:
+        template = copy.deepcopy(owner["spec"]["template"])
+        meta = template.get("metadata") or {}
+        if owner["kind"] == "Job":
+            labels = {INDEX: str(index), "job-name": owner["metadata"]["name"]}
+            meta["annotations"] = {**(meta.get("annotations") or {}), INDEX: str(index)}
+        pod = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {**meta, "name": name, "namespace": owner["metadata"]["namespace"],
+                         "labels": {**(meta.get("labels") or {}), **(labels or {})},
+                         "uid": self._next("uid"), "creationTimestamp": self._now(),
+                         "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
+                                              "name": owner["metadata"]["name"], "uid": owner["metadata"]["uid"],
+                                              "controller": True}]},
+            "spec": template["spec"],
+            "status": {"phase": "Pending"},
+        }
+        self.objects[_path_of(pod)] = pod
+        return pod
+
+    # -- HTTP --------------------------------------------------------------------------------------
+
+    def _next(self, prefix: str) -> str:
+        self.serial += 1
+        return f"{prefix}-{self.serial}" if prefix else f"{self.serial:05d}"
+
+    def _now(self) -> str:
+        self.serial += 1
+        return f"2026-03-02T{self.serial // 3600 % 24:02d}:{self.serial // 60 % 60:02d}:{self.serial % 60:02d}Z"
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         server = self
@@ -89,75 +268,219 @@ class RecordedApiServer:
                 url = urlsplit(self.path)
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                server.requests.append(
-                    {
-                        "method": self.command,
-                        "path": url.path,
-                        "query": parse_qs(url.query),
-                        "content_type": self.headers.get("Content-Type"),
-                        "authorization": self.headers.get("Authorization"),
-                        "body": json.loads(body) if body else None,
-                    }
-                )
-                status, raw, ctype = server._respond(self.command, url.path, parse_qs(url.query), body)
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(raw)))
+                query = parse_qs(url.query)
+                server.requests.append({
+                    "method": self.command, "path": url.path, "query": query,
+                    "content_type": self.headers.get("Content-Type"),
+                    "authorization": self.headers.get("Authorization"),
+                    "body": json.loads(body) if body else None,
+                })
+                answer = server._respond(self.command, url.path, query, body)
+                if isinstance(answer, tuple):
+                    code, raw, ctype = answer
+                    self.send_response(code)
+                    self.send_header("Content-Type", ctype)
+                    self.send_header("Content-Length", str(len(raw)))
+                    self.end_headers()
+                    self.wfile.write(raw)
+                    return
+                self.send_response(200)  # a followed log: chunks as the container writes them
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
-                self.wfile.write(raw)
+                for chunk in answer:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
 
             do_GET = do_PATCH = do_DELETE = do_POST = _serve
 
         return Handler
 
-    def _respond(
-        self, method: str, path: str, query: dict[str, list[str]], body: bytes
-    ) -> tuple[int, bytes, str]:
+    def _respond(self, method: str, path: str, query: dict[str, list[str]],
+                 body: bytes) -> Answer | Iterator[bytes]:
         if (method, path) in self.answers:
             return self.answers[(method, path)]
-        if method == "PATCH":
-            obj = json.loads(body)
-            created = path not in self.objects
-            self.uids += created
-            old_uid = self.objects.get(path, {}).get("metadata", {}).get("uid")
-            obj["metadata"]["uid"] = old_uid or f"uid-{self.uids}"
-            if "dryRun" not in query:
-                self.objects[path] = obj
-            return (201 if created else 200), json.dumps(obj).encode(), "application/json"
-        if method == "GET" and path in self.objects:
-            return 200, json.dumps(self.objects[path]).encode(), "application/json"
-        if method == "GET" and path.rsplit("/", 1)[-1] in PLURALS:  # a collection, in one or all namespaces
-            every_namespace = "/namespaces/" not in path
-            items = [
-                o
-                for p, o in self.objects.items()
-                if (re.sub(r"/namespaces/[^/]+", "", p) if every_namespace else p).rsplit("/", 1)[0] == path
-            ]
-            selector = query.get("labelSelector", [""])[0]
-            items = [o for o in items if _selects(selector, o["metadata"].get("labels") or {})]
-            return 200, json.dumps({"kind": "List", "items": items}).encode(), "application/json"
-        if method == "DELETE" and path in self.objects:
-            del self.objects[path]
-            return 200, json.dumps({"kind": "Status", "status": "Success"}).encode(), "application/json"
+        denied = self._rbac(method, path)
+        if denied:
+            return _json(403, denied)
+        if path.endswith("/log"):
+            return self._log(path.rsplit("/", 2)[-2], query)
+        discovered = self._discovery(method, path)
+        if discovered:
+            return discovered
+        with self.changed:
+            if method == "PATCH":
+                return self._apply(path, json.loads(body), "dryRun" in query)
+            if method == "GET" and path in self.objects:
+                return _json(200, self.objects[path])
+            if method == "GET" and path.rsplit("/", 1)[-1] in _PLURALS:
+                return _json(200, {"kind": "List", "items": self._list(path, query)})
+            if method == "DELETE" and path in self.objects:
+                self._delete(self.objects[path])
+                return _json(200, {"kind": "Status", "status": "Success"})
         name = path.rsplit("/", 1)[-1]
-        return (
-            404,
-            json.dumps(
-                {
-                    "kind": "Status",
-                    "apiVersion": "v1",
-                    "status": "Failure",
-                    "code": 404,
-                    "reason": "NotFound",
-                    "message": f'"{name}" not found',
-                }
-            ).encode(),
-            "application/json",
-        )
+        return _json(404, status(404, "NotFound", f'"{name}" not found'))
+
+    def _rbac(self, method: str, path: str) -> dict[str, Any] | None:
+        """plugin/pkg/auth/authorizer/rbac: a RoleBinding grants its namespace only; cluster-scoped kinds
+        (Node, StorageClass, PersistentVolume, CRD) and other namespaces are 403 with this message.
+        Discovery and /version stay open (the system:discovery role); a namespace may read itself."""
+        if self.editor_of is None or path in ("/version", "/api", "/apis"):
+            return None
+        match = re.fullmatch(r"/apis?/(?:(?P<group>[^/]+)/)?v[^/]*(?P<rest>/.*)?", path)
+        if match is None or not match["rest"] or path == f"/api/v1/namespaces/{self.editor_of}":
+            return None
+        scoped = re.match(r"/namespaces/([^/]+)/([^/]+)", match["rest"])
+        plural = scoped[2] if scoped else match["rest"].split("/")[1]
+        group = "" if path.startswith("/api/") else match["group"]
+        if scoped and scoped[1] == self.editor_of and plural not in self.forbidden:
+            return None
+        verb = {"PATCH": "patch", "DELETE": "delete"}.get(method, "list" if match["rest"].endswith(plural) else "get")
+        where = f'in the namespace "{scoped[1]}"' if scoped else "at the cluster scope"
+        what = f"{plural}.{group}" if group else plural
+        return status(403, "Forbidden", f'{what} is forbidden: User "alice" cannot {verb} resource "{plural}" in '
+                      f'API group "{group}" {where}')
+
+    def _discovery(self, method: str, path: str) -> Answer | None:
+        """/apis/GROUP/VERSION lists the kinds served; a custom group is served once its CRD is installed."""
+        custom = {f"/apis/{c['spec']['group']}/{v['name']}" for c in self.crds.values() for v in c["spec"]["versions"]}
+        if method != "GET":
+            return None
+        if path in custom or any(r.base == path and r.kind not in CUSTOM_KINDS for r in RESOURCES.values()):
+            served = [r for r in RESOURCES.values() if r.base == path]
+            return _json(200, {"kind": "APIResourceList", "groupVersion": path.split("/", 2)[-1],
+                               "resources": [{"name": r.plural, "kind": r.kind, "namespaced": r.namespaced}
+                                             for r in served]})
+        crd = re.fullmatch(r"/apis/apiextensions\.k8s\.io/v1/customresourcedefinitions/([^/]+)", path)
+        if crd:
+            if crd[1] in self.crds:
+                return _json(200, self.crds[crd[1]])
+            what = f'customresourcedefinitions.apiextensions.k8s.io "{crd[1]}"'
+            return _json(404, status(404, "NotFound", f"{what} not found"))
+        return None
+
+    def _apply(self, path: str, obj: dict[str, Any], dry_run: bool) -> Answer:
+        """Server-side apply by our one field manager (k8s.io/apimachinery/pkg/util/managedfields): the object
+        becomes what was applied, so a field the manager set before and leaves out now (ownerReferences
+        included) is removed. A no-op apply keeps the resourceVersion. dryRun=All validates, stores nothing."""
+        old = self.objects.get(path)
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        if old is not None and kind == "Job" and old["spec"]["template"] != obj["spec"]["template"]:
+            # pkg/apis/batch/validation/validation.go, ValidateJobSpecUpdate
+            message = "Invalid value: core.PodTemplateSpec{...}: field is immutable"
+            return _json(422, status(422, "Invalid", f'Job.batch "{name}" is invalid: spec.template: {message}',
+                                     name=name, group="batch", kind="Job",
+                                     causes=[{"reason": "FieldValueInvalid", "message": message,
+                                              "field": "spec.template"}]))
+        new = copy.deepcopy(obj)
+        meta = new["metadata"]
+        if old is None:
+            meta.update(uid="" if dry_run else self._next("uid"), creationTimestamp=self._now(),
+                        resourceVersion=self._next(""))
+        else:
+            meta.update({k: old["metadata"][k] for k in ("uid", "creationTimestamp", "resourceVersion")})
+            if "status" in old:
+                new["status"] = old["status"]
+            if _spec_of(old) != _spec_of(new):
+                meta["resourceVersion"] = self._next("")
+        if not dry_run:
+            self.objects[path] = new
+            if old is None and kind in ("Job", "StatefulSet"):
+                self._reconcile(new)
+            self.changed.notify_all()
+        return _json(201 if old is None else 200, new)
+
+    def _list(self, path: str, query: dict[str, list[str]]) -> list[dict[str, Any]]:
+        every_namespace = "/namespaces/" not in path
+        selector = query.get("labelSelector", [""])[0]
+        return [o for p, o in sorted(self.objects.items())
+                if (re.sub(r"/namespaces/[^/]+", "", p) if every_namespace else p).rsplit("/", 1)[0] == path
+                and _selects(selector, o["metadata"].get("labels") or {})]
+
+    def _delete(self, obj: dict[str, Any]) -> None:
+        """Background propagation: the garbage collector deletes what the object owns (here at once)."""
+        del self.objects[_path_of(obj)]
+        uid = obj["metadata"]["uid"]
+        for other in list(self.objects.values()):
+            if any(r["uid"] == uid for r in other["metadata"].get("ownerReferences") or []):
+                self._delete(other)
+
+    def _log(self, name: str, query: dict[str, list[str]]) -> Answer | Iterator[bytes]:
+        pod = next((p for p in self.pods() if p["metadata"]["name"] == name), None)
+        if pod is None:
+            return _json(404, status(404, "NotFound", f'pods "{name}" not found'))
+        if not pod["spec"].get("nodeName"):
+            return 200, b"", "text/plain"  # LogLocation (pkg/registry/core/pod/strategy.go): no node, no location
+        state = ((pod["status"].get("containerStatuses") or [{}])[0].get("state")) or {}
+        if "waiting" in state:  # the kubelet's validateContainerLogStatus (pkg/kubelet/kubelet_pods.go)
+            message = (f'container "{pod["spec"]["containers"][0]["name"]}" in pod "{name}" is waiting to start: '
+                       f'{state["waiting"]["reason"]}')
+            return _json(400, status(400, "BadRequest", message))
+        text = self.logs.get(name, "")
+        if "tailLines" in query:
+            text = "".join(text.splitlines(keepends=True)[-int(query["tailLines"][0]):])
+        if query.get("follow") != ["true"]:
+            return 200, text.encode(), "text/plain"
+        return self._follow(pod, name)
+
+    def _follow(self, pod: dict[str, Any], name: str) -> Iterator[bytes]:
+        """A followed log streams until the container ends (the kubelet closes it then)."""
+        sent = 0
+        while True:
+            with self.changed:
+                text = self.logs.get(name, "")
+                ended = pod["status"].get("phase") in ("Succeeded", "Failed") or _path_of(pod) not in self.objects
+                if len(text) == sent and not ended:
+                    self.changed.wait(1.0)
+                    continue
+            if len(text) > sent:
+                yield text[sent:].encode()
+                sent = len(text)
+            elif ended:
+                return
 
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+_PLURALS = {r.plural for r in RESOURCES.values()}
+
+
+def _json(code: int, body: Any) -> Answer:
+    return code, json.dumps(body).encode(), JSON
+
+
+def _path_of(obj: dict[str, Any]) -> str:
+    res: Resource = RESOURCES[obj["kind"]]
+    return res.path(obj["metadata"].get("namespace"), obj["metadata"]["name"])
+
+
+def _spec_of(obj: dict[str, Any]) -> Any:
+    meta = {k: v for k, v in obj["metadata"].items() if k not in ("resourceVersion", "uid", "creationTimestamp")}
+    return {**obj, "metadata": meta, "status": None}
+
+
+def _rank(pod: dict[str, Any]) -> int:
+    labels = pod["metadata"].get("labels") or {}
+    return int(labels.get(INDEX, labels.get("apps.kubernetes.io/pod-index", -1)))
+
+
+def _container(pod: dict[str, Any], state: dict[str, Any], ready: bool = False) -> dict[str, Any]:
+    return {"name": pod["spec"]["containers"][0]["name"], "state": state, "ready": ready, "restartCount": 0}
+
+
+def _failure_action(policy: dict[str, Any] | None, pod: dict[str, Any]) -> str | None:
+    """The first podFailurePolicy rule whose exit codes match the failed container (pkg/controller/job/
+    pod_failure_policy.go; onPodConditions rules need conditions the kubelet sets, which tests do not)."""
+    statuses = pod["status"].get("containerStatuses") or []
+    code = ((statuses[0].get("state") or {}).get("terminated") or {}).get("exitCode") if statuses else None
+    for rule in (policy or {}).get("rules", []):
+        match = rule.get("onExitCodes")
+        if match and code is not None and (code in match["values"]) == (match["operator"] == "In"):
+            return str(rule["action"])
+    return None
 
 
 def _selects(selector: str, labels: dict[str, str]) -> bool:
@@ -169,8 +492,8 @@ def _selects(selector: str, labels: dict[str, str]) -> bool:
 
 
 @pytest.fixture
-def apiserver() -> Iterator[RecordedApiServer]:
-    server = RecordedApiServer()
+def apiserver() -> Iterator[ApiServer]:
+    server = ApiServer()
     yield server
     server.close()
 

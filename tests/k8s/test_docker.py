@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kubetrain.config import load_config
-from kubetrain.k8s.render import pod_templates, render
+from kubetrain.k8s.render.manifest import pod_templates, render
 
 DOCKER = Path(__file__).resolve().parents[2] / "deploy" / "docker"
 

@@ -15,7 +15,7 @@ import yaml
 
 from kubetrain.config import load_config
 from kubetrain.config.k8s import WORKLOADS
-from kubetrain.distributed.env import node_env
+from kubetrain.k8s.pod.node import node_env
 from kubetrain.k8s.simulate import Simulation
 
 # A tiny run: 2 layers x 32 wide, 1 thread per process, no samples, cheap evals.

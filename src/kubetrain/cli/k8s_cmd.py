@@ -29,6 +29,11 @@ NamespaceOpt = Annotated[
     typer.Option("--namespace", "-n", help="Namespace (default: k8s.namespace, else the context's)."),
 ]
 NoValidateOpt = Annotated[bool, typer.Option("--no-validate", help="Skip the offline schema validation.")]
+CrdsOpt = Annotated[
+    Path | None,
+    typer.Option("--crds", help="Folder of CRD *.yaml files to check custom resources against offline "
+                 "(default: $KUBETRAIN_CRD_DIR; `launch` uses the cluster's own CRDs when it may read them)."),
+]
 
 
 def _workload(name: str | None) -> str | None:
@@ -38,21 +43,28 @@ def _workload(name: str | None) -> str | None:
 
 
 def _rendered(config: Path | None, preset: str | None, set_: list[str] | None, workload: str | None,
-              namespace: str | None, validate: bool) -> list[dict[str, object]]:
-    from kubetrain.k8s import validate as checks
-    from kubetrain.k8s.render import render
+              namespace: str | None) -> list[dict[str, Any]]:
+    from kubetrain.k8s.render.manifest import render
 
     overrides = list(set_ or [])
     if namespace:
         overrides.append(f"k8s.namespace={namespace}")
-    objects = render(load(config, preset, overrides), _workload(workload))
-    if validate:
-        checks.check(objects)
-    return objects
+    return render(load(config, preset, overrides), _workload(workload))
+
+
+def _validate(objects: list[dict[str, Any]], schemas: Any) -> None:
+    """Strict schema validation; one line on stderr for custom resources no CRD schema was given for."""
+    from kubetrain.k8s.render import validate
+
+    validate.check(objects, schemas)
+    kinds = validate.unchecked(objects, schemas)
+    if kinds:
+        typer.echo(f"note: {', '.join(kinds)} rendered without a CRD schema check (give --crds DIR or "
+                   f"{validate.CRD_DIR_ENV}; launch checks against the cluster's CRD)", err=True)
 
 
 def _cluster(kubeconfig: Path | None, context: str | None) -> Any:
-    from kubetrain.k8s.api import connect
+    from kubetrain.k8s.cluster.api import connect
 
     return connect(kubeconfig, context)
 
@@ -67,11 +79,15 @@ def render(
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write one file per object into "
                                                 "this folder instead of printing.")] = None,
     no_validate: NoValidateOpt = False,
+    crds: CrdsOpt = None,
 ) -> None:
     """Print the job's Kubernetes objects as YAML, validated strictly against their schemas."""
-    from kubetrain.k8s.render import to_yaml, write_files
+    from kubetrain.k8s.render.manifest import to_yaml, write_files
+    from kubetrain.k8s.render.validate import offline_schemas
 
-    objects = _rendered(config, preset, set_, workload, namespace, not no_validate)
+    objects = _rendered(config, preset, set_, workload, namespace)
+    if not no_validate:
+        _validate(objects, offline_schemas(crds))
     if output is None:
         typer.echo(to_yaml(objects), nl=False)
         return
@@ -88,16 +104,24 @@ def launch(
     namespace: NamespaceOpt = None,
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
+    crds: CrdsOpt = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Have the API server validate everything; "
                                           "store nothing.")] = False,
 ) -> None:
-    """Apply the job's objects (server-side apply: launching twice changes nothing)."""
-    from kubetrain.k8s.launch import launch as apply_job
+    """Apply the job's objects, after the API server accepted all of them in a dry run.
 
-    objects = _rendered(config, preset, set_, workload, namespace, validate=True)
-    apply_job(_cluster(kubeconfig, context), objects, dry_run=dry_run, log=typer.echo)
-    if not dry_run:
-        name = objects[-1]["metadata"]["name"]  # type: ignore[index]
+    Relaunching an unchanged running job changes nothing; a finished job, or a running one whose spec
+    changed, is refused with what to do (nothing is changed on the cluster then).
+    """
+    from kubetrain.k8s.cluster.launch import cr_schemas
+    from kubetrain.k8s.cluster.launch import launch as apply_job
+
+    objects = _rendered(config, preset, set_, workload, namespace)
+    cluster = _cluster(kubeconfig, context)
+    _validate(objects, cr_schemas(cluster, objects, crds))
+    applied = apply_job(cluster, objects, dry_run=dry_run, log=typer.echo)
+    if applied and not dry_run:
+        name = objects[-1]["metadata"]["name"]
         typer.echo(f"follow it: kubetrain k8s logs {name} -f   |   kubetrain k8s status {name}")
 
 
@@ -109,8 +133,12 @@ def status(
     context: ContextOpt = None,
     json_: JsonOpt = False,
 ) -> None:
-    """The job's state, each rank's pod (phase, node, restarts) and the last step it logged."""
-    from kubetrain.k8s.status import format_status, job_status
+    """The job's state, one line per rank from its newest pod, and the step the live pods logged.
+
+    States: pending (with the scheduler's reason), running, succeeded, failed, finished (a StatefulSet idling
+    after training), gone. Each rank counts the earlier pods of that rank that failed and were replaced.
+    """
+    from kubetrain.k8s.cluster.status import format_status, job_status
 
     cluster = _cluster(kubeconfig, context)
     result = job_status(cluster, name, namespace or cluster.default_namespace)
@@ -127,8 +155,12 @@ def logs(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
 ) -> None:
-    """Every rank's log, interleaved as it arrives, prefixed with the rank."""
-    from kubetrain.k8s.logs import stream_logs
+    """Every rank's log, interleaved as it arrives, prefixed with the rank.
+
+    With -f, ranks whose pod is not scheduled or still starting are waited for, and a rank is followed into
+    the pod that replaces a failed one. Without -f, a rank with no log yet is named with why (exit 1).
+    """
+    from kubetrain.k8s.cluster.logs import stream_logs
 
     cluster = _cluster(kubeconfig, context)
     stream_logs(cluster, name, namespace or cluster.default_namespace, follow=follow, rank=rank, tail=tail,
@@ -142,8 +174,11 @@ def stop(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
 ) -> None:
-    """Delete the job (its pods save a checkpoint on SIGTERM); the claims stay, so a launch resumes."""
-    from kubetrain.k8s.launch import stop as delete_job
+    """Delete the job (its pods save a checkpoint on SIGTERM and exit 75); the claims stay, so a launch resumes.
+
+    Acts on the workload kind that was launched; kinds this user may not list are skipped.
+    """
+    from kubetrain.k8s.cluster.launch import stop as delete_job
 
     cluster = _cluster(kubeconfig, context)
     delete_job(cluster, name, namespace or cluster.default_namespace, log=typer.echo)
@@ -158,7 +193,7 @@ def list_(
     json_: JsonOpt = False,
 ) -> None:
     """The jobs kubetrain launched, with their state."""
-    from kubetrain.k8s.status import list_jobs
+    from kubetrain.k8s.cluster.status import list_jobs
 
     cluster = _cluster(kubeconfig, context)
     jobs = list_jobs(cluster, namespace or cluster.default_namespace, all_namespaces)
@@ -183,11 +218,11 @@ def shell(
     import os
     import shutil
 
-    from kubetrain.k8s.status import main_container, pods_by_rank
+    from kubetrain.k8s.cluster.status import job_ranks, main_container
 
     cluster = _cluster(kubeconfig, context)
     ns = namespace or cluster.default_namespace
-    pod = next((p for r, p in pods_by_rank(cluster, name, ns) if r == rank), None)
+    pod = next((r.pod for r in job_ranks(cluster, name, ns) if r.rank == rank), None)
     if pod is None:
         raise UserInputError(f"job '{name}' has no pod with rank {rank} in namespace {ns}")
     argv = ["kubectl", "exec", "-it", "-n", ns, pod["metadata"]["name"], "-c", main_container(pod)]
@@ -210,15 +245,21 @@ def doctor(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
 ) -> None:
-    """Check that the cluster can run this job: reachable, namespace, CRD, GPU nodes, storage, Secrets."""
-    from kubetrain.k8s.doctor import run_checks
+    """Check that the cluster can run this job: reachable, namespace, CRD, nodes, storage, Secrets.
+
+    Nodes must match the selector, admit the pod (taints) and allocate its CPU, memory and GPU requests;
+    storage is a storage class or a free static PersistentVolume. Checks this user may not run (a namespace
+    editor cannot list nodes or storage classes) print "cannot check ...: forbidden"; the others still run.
+    """
+    from kubetrain.k8s.cluster.doctor import run_checks
 
     overrides = list(set_ or []) + ([f"k8s.namespace={namespace}"] if namespace else [])
     cfg = load(config, preset, overrides)
-    checks = run_checks(_cluster(kubeconfig, context), cfg, _workload(workload))
-    for check in checks:
-        typer.echo(f"{check.status:<4}  {check.name}: {check.detail}")
-    if any(c.status == "fail" for c in checks):
+    failed = False
+    for check in run_checks(_cluster(kubeconfig, context), cfg, _workload(workload)):
+        typer.echo(f"{check.status:<4}  {check.name}: {check.detail}")  # as found: a slow check holds none back
+        failed |= check.status == "fail"
+    if failed:
         raise typer.Exit(1)
 
 
@@ -266,8 +307,9 @@ def entrypoint(
     idle_after_finish: Annotated[bool, typer.Option("--idle-after-finish", help="Stay up after training "
                                                     "finished (StatefulSet pods).")] = False,
 ) -> None:
-    """What every training pod runs: node rank from the workload, wait for the rendezvous, start torchrun."""
-    from kubetrain.k8s.entrypoint import run
+    """What every training pod runs: node rank from the workload, wait for the rendezvous, run the elastic
+    agent; exit 75 when stopped by SIGTERM after a checkpoint."""
+    from kubetrain.k8s.pod.entrypoint import run
 
     code = run(config, rdzv_id=rdzv_id, max_restarts=max_restarts, wait_timeout=wait_timeout,
                shutdown_timeout=shutdown_timeout, output_dir=output_dir, idle_after_finish=idle_after_finish)

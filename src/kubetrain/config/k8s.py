@@ -153,6 +153,38 @@ class MetricsConfig(_Section):
     )
 
 
+class NetworkPolicyConfig(_Section):
+    """The job's NetworkPolicy (`k8s.network_policy: true|false` is the same as `enabled`)."""
+
+    enabled: bool = Field(default=True, description="Admit traffic only from the job's own pods (+ metrics).")
+    egress: bool = Field(
+        default=False,
+        description="Also restrict egress: pods reach only the job's pods, cluster DNS, the MLflow tracking "
+        "server the config names, and egress_cidrs.",
+    )
+    egress_cidrs: list[str] = Field(
+        default_factory=list,
+        description="More destinations pods may reach (object storage, a tracking server outside the cluster, "
+        "a model hub), as CIDRs such as 10.0.5.0/24.",
+    )
+    dns_namespace: str = Field(default="kube-system", pattern=_DNS_LABEL, description="Where cluster DNS runs.")
+    dns_labels: dict[str, str] = Field(
+        default_factory=lambda: {"k8s-app": "kube-dns"}, description="Labels of the cluster DNS pods."
+    )
+
+    @field_validator("egress_cidrs")
+    @classmethod
+    def _cidrs(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"'{cidr}' is not a CIDR such as 10.0.5.0/24") from None
+        return value
+
+
 class K8sConfig(_Section):
     name: str | None = Field(
         default=None,
@@ -227,8 +259,9 @@ class K8sConfig(_Section):
     labels: dict[str, str] = Field(default_factory=dict, description="Extra labels on every object.")
     annotations: dict[str, str] = Field(default_factory=dict, description="Extra annotations on every pod.")
     run_as_user: int = Field(default=1000, ge=1, description="Non-root uid (and gid) the container runs as.")
-    network_policy: bool = Field(
-        default=True, description="Admit traffic only from the job's own pods (+ metrics)."
+    network_policy: NetworkPolicyConfig = Field(
+        default_factory=lambda: NetworkPolicyConfig(),
+        description="The job's NetworkPolicy: true/false, or its settings (egress, egress_cidrs, ...).",
     )
     metrics: MetricsConfig = Field(
         default_factory=lambda: MetricsConfig(), description="Prometheus endpoint and liveness probe."
@@ -236,6 +269,11 @@ class K8sConfig(_Section):
     trainjob_runtime: str = Field(
         default="torch-distributed", description="ClusterTrainingRuntime of a TrainJob."
     )
+
+    @field_validator("network_policy", mode="before")
+    @classmethod
+    def _policy_switch(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
 
     @field_validator("env")
     @classmethod

@@ -26,20 +26,19 @@ from typing import Any
 import yaml
 
 import kubetrain
+from kubetrain.config.k8s import RESERVED_ENV
 from kubetrain.config.loading import validate as validate_config
 from kubetrain.config.schema import Config
-from kubetrain.k8s.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT
-from kubetrain.k8s.render import pod_templates, render
-from kubetrain.k8s.workloads.trainjob import RUNTIME_PORT
+from kubetrain.errors import EXIT_BAD_INPUT, EXIT_STOPPED_RESUMABLE
+from kubetrain.k8s.render.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT
+from kubetrain.k8s.render.manifest import pod_templates, render
+from kubetrain.k8s.render.trainjob import RUNTIME_PORT
 
 Log = Callable[[str], None]
 LOOPBACK = "127.0.0.1"
-BAD_INPUT_EXIT = 2
-# Variables of this machine that would confuse a simulated pod (they come from its controller instead).
-_FOREIGN_ENV = re.compile(
-    r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|MASTER_ADDR|MASTER_PORT|JOB_COMPLETION_INDEX"
-    r"|HOSTNAME|PET_.*|TORCHELASTIC_.*|KUBETRAIN_.*|JOBSET_.*)$"
-)
+# Variables of this machine that would confuse a simulated pod: those kubetrain, the launcher or the controller
+# set (config.k8s.RESERVED_ENV), and the few more a controller gives a pod.
+_FOREIGN_ENV = re.compile(rf"{RESERVED_ENV.pattern}|^(HOSTNAME|JOBSET_.*)$")
 
 
 @dataclass
@@ -295,9 +294,13 @@ class Simulation:
                 if code == 0:
                     done.add(pod.name)
                     continue
-                if code == BAD_INPUT_EXIT and self.kind in ("Job", "JobSet"):
+                if code == EXIT_BAD_INPUT and self.kind in ("Job", "JobSet"):
                     self.stop()
                     return self._result(False, f"{pod.name} exited {code} (bad input): the job fails at once")
+                if code == EXIT_STOPPED_RESUMABLE and self.kind in ("Job", "JobSet"):  # podFailurePolicy Ignore
+                    self.log(f"[simulate] {pod.name} stopped after a checkpoint; starting its replacement")
+                    self.start_pod(pod.name)
+                    continue
                 failures += 1
                 if failures > k.backoff_limit:
                     self.stop()

@@ -27,6 +27,8 @@ class LaunchOptions:
     max_restarts: int = 0
     shutdown_timeout: int = 90  # how long workers get to save after SIGTERM
     monitor_interval: float = 0.5
+    rdzv_conf: str | None = None  # e.g. "is_host=true": which node hosts the c10d store (set by k8s pods)
+    local_addr: str | None = None  # the address this node advertises to the others (a pod's IP)
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -59,6 +61,10 @@ def torchrun_args(opts: LaunchOptions, train_args: list[str]) -> list[str]:
                  f"--rdzv-id={opts.rdzv_id}"]
         if opts.node_rank is not None:
             args.append(f"--node-rank={opts.node_rank}")
+        if opts.rdzv_conf:
+            args.append(f"--rdzv-conf={opts.rdzv_conf}")
+        if opts.local_addr:
+            args.append(f"--local-addr={opts.local_addr}")
     return [*args, "--module", "kubetrain", "train", *train_args]
 
 

@@ -1,0 +1,273 @@
+"""`kubetrain k8s doctor CONFIG`: can this cluster run this job? Each check says ok, warn or fail, and why.
+
+Checks: the API server answers; the namespace exists; the workload's CRD (and TrainJob runtime) is installed;
+nodes have the GPU resource and their taints are tolerated; storage classes exist and claims fit several
+nodes (ReadWriteMany); the Secrets and keys the pods read exist (their values are never shown).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kubetrain.config.schema import Config
+from kubetrain.k8s.cluster.api import CUSTOM_KINDS, Cluster, Forbidden, NotFound
+from kubetrain.k8s.render.context import RenderContext, context
+
+# Provisioners of block storage: their volumes attach to one node at a time (ReadWriteOnce).
+BLOCK_PROVISIONERS = (
+    "ebs.csi.aws.com",
+    "kubernetes.io/aws-ebs",
+    "pd.csi.storage.gke.io",
+    "kubernetes.io/gce-pd",
+    "disk.csi.azure.com",
+    "kubernetes.io/azure-disk",
+    "rancher.io/local-path",
+    "openebs.io/local",
+    "kubernetes.io/cinder",
+    "cinder.csi.openstack.org",
+)
+DEFAULT_CLASS = "storageclass.kubernetes.io/is-default-class"
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | warn | fail
+    detail: str
+
+
+def _tolerated(taint: dict[str, Any], tolerations: list[dict[str, Any]]) -> bool:
+    if taint.get("effect") == "PreferNoSchedule":
+        return True
+    for t in tolerations:
+        if t.get("effect") and t["effect"] != taint.get("effect"):
+            continue
+        if t.get("operator") == "Exists" and (not t.get("key") or t["key"] == taint.get("key")):
+            return True
+        if t.get("key") == taint.get("key") and t.get("value") == taint.get("value"):
+            return True
+    return False
+
+
+_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "m": 1e-3, "k": 1e3, "K": 1e3,
+           "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+
+
+def quantity(text: object) -> float:
+    """A Kubernetes quantity ('500m', '16Gi', '4') as a number."""
+    value = str(text)
+    for suffix in sorted(_SUFFIX, key=len, reverse=True):
+        if value.endswith(suffix):
+            return float(value[: -len(suffix)]) * _SUFFIX[suffix]
+    return float(value)
+
+
+def _requests(ctx: RenderContext) -> dict[str, str]:
+    r = ctx.k.resources
+    wanted = {"cpu": r.cpu, "memory": r.memory, r.gpu_resource: str(r.gpu) if r.gpu else None}
+    return {k: v for k, v in wanted.items() if v}
+
+
+def _nodes(cluster: Cluster, ctx: RenderContext, tolerations: list[dict[str, Any]]) -> Check:
+    """Nodes that match the selector, tolerate-wise admit the pod, and can allocate what one pod requests."""
+    k = ctx.k
+    nodes = cluster.list("Node")
+    wanted = _requests(ctx)
+    fit, blocked, small = [], [], []
+    for node in nodes:
+        name = node["metadata"]["name"]
+        labels = node["metadata"].get("labels") or {}
+        if any(labels.get(key) != value for key, value in k.node_selector.items()):
+            continue
+        allocatable = (node.get("status") or {}).get("allocatable") or {}
+        short = [f"{key} {allocatable.get(key, 0)} < {value}" for key, value in wanted.items()
+                 if quantity(allocatable.get(key, 0)) < quantity(value)]
+        taints = [t for t in (node.get("spec") or {}).get("taints") or [] if not _tolerated(t, tolerations)]
+        if short:
+            small.append(f"{name} ({', '.join(short)})")
+        elif taints:
+            blocked.append(f"{name} ({', '.join(_taint(t) for t in taints)})")
+        else:
+            fit.append(name)
+    what = ", ".join(f"{v} {key}" for key, v in wanted.items())
+    if k.node_selector:
+        what += " on nodes labelled " + ",".join(f"{key}={v}" for key, v in k.node_selector.items())
+    if not fit:
+        why = "".join(f"; {label}: {'; '.join(names)}" for label, names in (
+            ("too small", small), ("tainted and not tolerated", blocked)) if names)
+        return Check("nodes", "fail", f"no node can run a pod of {what}{why}")
+    status = "ok" if len(fit) >= k.nnodes else "warn"
+    more = f" (the job needs {k.nnodes})" if status == "warn" else ""
+    return Check("nodes", status, f"{len(fit)} node(s) fit a pod of {what}: {', '.join(fit[:8])}{more}")
+
+
+def _taint(t: dict[str, Any]) -> str:
+    value = f"={t['value']}" if t.get("value") else ""
+    return f"{t.get('key')}{value}:{t.get('effect')}"
+
+
+def _storage(cluster: Cluster, ctx: RenderContext) -> list[Check]:
+    out = []
+    many = ctx.k.nnodes > 1
+    for v in ctx.volumes:
+        name = f"volume {v.role}"
+        if not v.created:
+            claim = cluster.find("PersistentVolumeClaim", v.claim, ctx.namespace)
+            if claim is None:
+                out.append(
+                    Check(name, "fail", f"claim {v.claim} does not exist in namespace {ctx.namespace}")
+                )
+                continue
+            modes = set(claim["spec"].get("accessModes") or [])
+            shared = "ReadWriteMany" in modes or (v.spec.read_only and "ReadOnlyMany" in modes)
+            if many and not shared:
+                out.append(
+                    Check(
+                        name,
+                        "fail",
+                        f"claim {v.claim} is {', '.join(sorted(modes))}; "
+                        f"{ctx.k.nnodes} nodes need ReadWriteMany",
+                    )
+                )
+            else:
+                out.append(Check(name, "ok", f"claim {v.claim} ({', '.join(sorted(modes))})"))
+            continue
+        try:
+            classes = cluster.list("StorageClass")
+        except Forbidden:
+            out.append(Check(name, "warn", f"cannot check storage classes for the {v.spec.size} claim: forbidden"))
+            continue
+        if v.spec.storage_class:
+            cls = next((c for c in classes if c["metadata"]["name"] == v.spec.storage_class), None)
+        else:
+            cls = next(
+                (
+                    c
+                    for c in classes
+                    if (c["metadata"].get("annotations") or {}).get(DEFAULT_CLASS) == "true"
+                ),
+                None,
+            )
+        if cls is None and not v.spec.storage_class:
+            try:
+                volume = _free_volume(cluster, v.spec.size or "0", v.access_mode or "ReadWriteOnce")
+            except Forbidden:
+                volume = None
+            if volume is not None:
+                out.append(Check(name, "ok", f"{v.spec.size} {v.access_mode}: no default storage class, but the "
+                                             f"free PersistentVolume {volume} matches; the claim binds to it"))
+                continue
+        if cls is None:
+            wanted = (
+                f"storage class {v.spec.storage_class}"
+                if v.spec.storage_class
+                else "a default storage class"
+            )
+            out.append(Check(name, "fail", f"{wanted} does not exist; the claim would stay Pending"))
+            continue
+        provisioner = cls.get("provisioner", "?")
+        if v.access_mode in ("ReadWriteMany", "ReadOnlyMany") and provisioner in BLOCK_PROVISIONERS:
+            out.append(
+                Check(
+                    name,
+                    "fail",
+                    f"storage class {cls['metadata']['name']} ({provisioner}) is block "
+                    f"storage: it cannot give {v.access_mode}",
+                )
+            )
+        else:
+            out.append(
+                Check(
+                    name,
+                    "ok",
+                    f"{v.spec.size} {v.access_mode} from storage class "
+                    f"{cls['metadata']['name']} ({provisioner})",
+                )
+            )
+    return out
+
+
+def _free_volume(cluster: Cluster, size: str, mode: str) -> str | None:
+    """A static PersistentVolume a claim without a class binds to: Available, class "", mode and size fit."""
+    for pv in cluster.list("PersistentVolume"):
+        spec = pv.get("spec") or {}
+        if ((pv.get("status") or {}).get("phase") == "Available" and not spec.get("storageClassName")
+                and mode in (spec.get("accessModes") or [])
+                and quantity((spec.get("capacity") or {}).get("storage", 0)) >= quantity(size)):
+            return str(pv["metadata"]["name"])
+    return None
+
+
+def _secrets(cluster: Cluster, ctx: RenderContext) -> list[Check]:
+    refs = dict(ctx.k.secrets.env)
+    if ctx.k.secrets.hf_token is not None:
+        refs["HF_TOKEN"] = ctx.k.secrets.hf_token
+    out = []
+    for env, ref in refs.items():
+        try:
+            secret = cluster.get("Secret", ref.name, ctx.namespace)
+        except NotFound:
+            out.append(
+                Check(f"secret {env}", "fail", f"Secret {ref.name} does not exist in {ctx.namespace}")
+            )
+            continue
+        except Forbidden:
+            out.append(Check(f"secret {env}", "warn", f"cannot read Secret {ref.name} (forbidden)"))
+            continue
+        keys = set(secret.get("data") or {}) | set(secret.get("stringData") or {})
+        ok = ref.key in keys
+        detail = f"Secret {ref.name} has key {ref.key}" if ok else f"Secret {ref.name} has no key {ref.key}"
+        out.append(Check(f"secret {env}", "ok" if ok else "fail", detail))
+    return out
+
+
+def _crd(cluster: Cluster, ctx: RenderContext, kind: str) -> list[Check]:
+    if kind not in CUSTOM_KINDS:
+        return []
+    if not cluster.served(kind):
+        return [Check("workload", "fail", f"{kind} is not served: install {CUSTOM_KINDS[kind]}")]
+    out = [Check("workload", "ok", f"{kind} CRD installed")]
+    if kind == "TrainJob":
+        runtime = cluster.find("ClusterTrainingRuntime", ctx.k.trainjob_runtime)
+        status = "ok" if runtime else "fail"
+        out.append(
+            Check(
+                "runtime",
+                status,
+                f"ClusterTrainingRuntime {ctx.k.trainjob_runtime} "
+                f"{'exists' if runtime else 'does not exist'}",
+            )
+        )
+    return out
+
+
+def _guarded(name: str, what: str, check: Callable[[], Check | list[Check]]) -> list[Check]:
+    """Run one check; a user without the rights to it (403) gets 'cannot check' instead of an abort."""
+    try:
+        found = check()
+    except Forbidden:
+        return [Check(name, "warn", f"cannot check {what}: forbidden")]
+    return found if isinstance(found, list) else [found]
+
+
+def run_checks(cluster: Cluster, cfg: Config, workload: str | None = None) -> Iterator[Check]:
+    """Each check as soon as it is known (a slow or forbidden one does not hold back the others)."""
+    from kubetrain.k8s.render.podspec import tolerations
+
+    ctx = context(cfg, workload)
+    version = cluster.request("GET", "/version", what="get the server version")
+    yield Check("cluster", "ok", f"Kubernetes {version.get('gitVersion', '?')} at {cluster.where}")
+    try:
+        cluster.get("Namespace", ctx.namespace)
+        yield Check("namespace", "ok", ctx.namespace)
+    except NotFound:
+        yield Check("namespace", "fail", f"namespace {ctx.namespace} does not exist")
+        return
+    except Forbidden:
+        yield Check("namespace", "warn", f"cannot check namespace {ctx.namespace}: forbidden")
+    yield from _guarded("workload", "the workload's CRD", lambda: _crd(cluster, ctx, ctx.kind.kind))
+    yield from _guarded("nodes", "nodes", lambda: _nodes(cluster, ctx, tolerations(ctx)))
+    yield from _guarded("storage", "storage classes and volumes", lambda: _storage(cluster, ctx))
+    yield from _secrets(cluster, ctx)

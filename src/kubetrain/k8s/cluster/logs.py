@@ -1,0 +1,148 @@
+"""The logs of every rank of a job, interleaved as they arrive, each line prefixed with its rank.
+
+A rank is read from its newest pod. With --follow, a pod that is not scheduled or whose container is still
+starting is waited for (the log endpoint answers an empty body or 400 until then), and when a pod fails
+the rank is followed into the pod the controller makes in its place. Without --follow, a rank that has no
+log yet is named with the reason, and the command exits 1.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kubetrain.errors import KubetrainError
+from kubetrain.k8s.cluster.api import Cluster, ClusterError
+from kubetrain.k8s.cluster.status import Rank, job_ranks, main_container, waiting_reason
+from kubetrain.k8s.workloads import WORKLOAD_LABEL, WORKLOADS, finished
+
+Emit = Callable[[str], None]
+_DONE = object()
+
+
+class LogsIncomplete(KubetrainError):
+    """Some ranks had no log to show (not scheduled, or not started)."""
+
+
+def _not_started(pod: dict[str, Any]) -> str | None:
+    """Why this pod's log cannot be read yet, or None when it can."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    waiting = any("waiting" in (s.get("state") or {}) for s in statuses)
+    if not pod["spec"].get("nodeName") or waiting or not statuses:
+        return waiting_reason(pod) or "waiting to start"
+    return None
+
+
+class _RankReader:
+    """Reads one rank's log into the shared queue, following it across pod replacements when asked."""
+
+    def __init__(self, cluster: Cluster, job: str, namespace: str, rank: Rank, lines: queue.Queue[Any],
+                 follow: bool, tail: int | None, poll: float) -> None:
+        self.cluster, self.job, self.namespace = cluster, job, namespace
+        self.rank, self.lines, self.follow, self.tail, self.poll = rank, lines, follow, tail, poll
+        self.prefix = f"[rank {'?' if rank.rank is None else rank.rank}] "
+
+    def run(self) -> None:
+        try:
+            while self._read_pod():
+                pass
+        except ClusterError as e:
+            self.lines.put(e)
+        finally:
+            self.lines.put(_DONE)
+
+    def _refresh(self) -> Rank | None:
+        return next((r for r in job_ranks(self.cluster, self.job, self.namespace) if r.rank == self.rank.rank), None)
+
+    def _read_pod(self) -> bool:
+        """Stream the current pod; True when there is more to follow (a restart or a replacement)."""
+        noted = ""
+        while (why := _not_started(self.rank.pod)) is not None:
+            if not self.follow:
+                self.lines.put(LogsIncomplete(f"rank {self.rank.rank}: pod {self.rank.name} has no log yet: {why}"))
+                return False
+            if why != noted:
+                self.lines.put(f"{self.prefix}(pod {self.rank.name} waiting: {why})")
+                noted = why
+            time.sleep(self.poll)
+            self.rank = self._refresh() or self.rank
+        try:
+            for line in self.cluster.log_lines(self.rank.name, self.namespace, main_container(self.rank.pod),
+                                               follow=self.follow, tail=self.tail):
+                self.lines.put(self.prefix + line)
+        except ClusterError as e:
+            if "is waiting to start" not in str(e) or not self.follow:  # the kubelet's view lags the pod's
+                raise
+            time.sleep(self.poll)
+            self.rank = self._refresh() or self.rank
+            return True
+        return self.follow and self._next_pod()
+
+    def _next_pod(self) -> bool:
+        """After a followed stream ended: a replacement pod, a restarted container, or the end."""
+        before = self.rank
+        while True:
+            now = self._refresh()
+            if now is None:  # the job was deleted
+                return False
+            if now.name != before.name:
+                self.lines.put(f"{self.prefix}(pod {before.name} was replaced by {now.name}; following it)")
+                self.rank, self.tail = now, None
+                return True
+            restarts = _restarts(now.pod) > _restarts(before.pod)
+            if restarts or now.phase == "Succeeded" or now.phase == "Running" or self._workload_over():
+                self.rank, self.tail = now, None
+                return restarts
+            time.sleep(self.poll)  # failed: the controller makes a replacement, or gives up
+
+    def _workload_over(self) -> bool:
+        config_map = self.cluster.find("ConfigMap", f"{self.job}-config", self.namespace)
+        workload = WORKLOADS.get(((config_map or {}).get("metadata", {}).get("labels") or {}).get(WORKLOAD_LABEL, ""))
+        if workload is None:
+            return True
+        obj = self.cluster.find(workload.kind, self.job, self.namespace)
+        return obj is None or finished(obj) is not None
+
+
+def _restarts(pod: dict[str, Any]) -> int:
+    return sum(int(c.get("restartCount", 0)) for c in (pod.get("status") or {}).get("containerStatuses") or [])
+
+
+def stream_logs(
+    cluster: Cluster,
+    name: str,
+    namespace: str,
+    *,
+    follow: bool = False,
+    rank: int | None = None,
+    tail: int | None = None,
+    emit: Emit = print,
+    poll: float = 2.0,
+) -> int:
+    """Print the ranks' logs line by line (one reader per rank); returns how many ranks were read."""
+    ranks = [r for r in job_ranks(cluster, name, namespace) if rank is None or r.rank == rank]
+    if not ranks:
+        which = f" with rank {rank}" if rank is not None else ""
+        raise ClusterError(f"no pods{which} of job '{name}' in namespace {namespace} on {cluster.where}")
+    lines: queue.Queue[Any] = queue.Queue(maxsize=1000)
+    for r in ranks:
+        reader = _RankReader(cluster, name, namespace, r, lines, follow, tail, poll)
+        threading.Thread(target=reader.run, daemon=True).start()
+    open_streams, errors = len(ranks), []
+    while open_streams:
+        item = lines.get()
+        if item is _DONE:
+            open_streams -= 1
+        elif isinstance(item, KubetrainError):
+            errors.append(item)
+        else:
+            emit(item)
+    cluster_errors = [e for e in errors if isinstance(e, ClusterError)]
+    if cluster_errors:
+        raise cluster_errors[0]
+    if errors:
+        raise LogsIncomplete("; ".join(sorted(str(e) for e in errors)))
+    return len(ranks)

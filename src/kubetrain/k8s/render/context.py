@@ -1,0 +1,167 @@
+"""What every renderer needs to know about one job: its name, labels, volumes and limits, checked once."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubetrain.config.k8s import K8sConfig, VolumeConfig
+from kubetrain.config.schema import Config
+from kubetrain.errors import UserInputError
+from kubetrain.k8s.workloads import JOB_LABEL, MANAGED_BY, WORKLOAD_LABEL, WORKLOADS, Workload
+
+CONFIG_MOUNT = "/etc/kubetrain"
+CONFIG_FILE = "config.yaml"
+CACHE_MOUNT = "/cache"
+MAX_NAME = 40  # leaves room for "-worker-63", "-node-0-63" and the like within a 63-character hostname
+
+ROLE_MOUNTS = {
+    "checkpoints": "/checkpoints",
+    "data": "/data",
+    "models": "/models",
+    "hf_cache": "/cache/huggingface",
+}
+# Seconds a pod gets beyond the checkpoint grace: torchrun's shutdown and process exit after the save.
+GRACE_MARGIN = 30
+
+
+class RenderError(UserInputError):
+    """The config cannot be turned into Kubernetes objects as asked."""
+
+
+@dataclass(frozen=True)
+class Volume:
+    role: str  # checkpoints, data, models, hf_cache
+    spec: VolumeConfig
+    claim: str  # the PersistentVolumeClaim the pod mounts
+    mount_path: str
+    created: bool  # kubetrain renders the claim (and keeps it on stop)
+    access_mode: str | None
+
+    @property
+    def volume_name(self) -> str:
+        return self.role.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    cfg: Config
+    name: str
+    workload: str
+    volumes: list[Volume] = field(default_factory=list)
+
+    @property
+    def kind(self) -> Workload:
+        return WORKLOADS[self.workload]
+
+    def workload_meta(self) -> dict[str, Any]:
+        """apiVersion, kind and metadata of the workload object (the Kueue queue label goes there)."""
+        return {"apiVersion": self.kind.api_version, "kind": self.kind.kind,
+                "metadata": self.meta(self.name, self.workload_labels)}
+
+    @property
+    def k(self) -> K8sConfig:
+        return self.cfg.k8s
+
+    @property
+    def namespace(self) -> str:
+        return self.k.namespace
+
+    @property
+    def config_map(self) -> str:
+        return f"{self.name}-config"
+
+    @property
+    def selector(self) -> dict[str, str]:
+        """Labels that pick exactly this job's pods."""
+        return {JOB_LABEL: self.name}
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {
+            **self.k.labels,
+            "app.kubernetes.io/name": "kubetrain",
+            "app.kubernetes.io/instance": self.name,
+            "app.kubernetes.io/managed-by": MANAGED_BY,
+            JOB_LABEL: self.name,
+            WORKLOAD_LABEL: self.workload,
+        }
+
+    @property
+    def workload_labels(self) -> dict[str, str]:
+        """Labels of the workload object itself: the Kueue queue goes there (not on pods, which Kueue's pod
+        integration would otherwise gate one by one)."""
+        if self.k.queue:
+            return {**self.labels, "kueue.x-k8s.io/queue-name": self.k.queue}
+        return self.labels
+
+    @property
+    def grace_seconds(self) -> int:
+        """terminationGracePeriodSeconds: long enough for the loop to save a checkpoint after SIGTERM."""
+        return self.k.grace_period_seconds or math.ceil(self.cfg.checkpoint.grace_seconds) + GRACE_MARGIN
+
+    @property
+    def checkpoint_mount(self) -> str:
+        return next(v.mount_path for v in self.volumes if v.role == "checkpoints")
+
+    def meta(self, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+        return {"name": name, "namespace": self.namespace, "labels": dict(labels or self.labels)}
+
+
+def job_name(cfg: Config) -> str:
+    """k8s.name, or run.name made into a DNS label (lower case, '-' for anything else)."""
+    if cfg.k8s.name:
+        return cfg.k8s.name
+    name = re.sub(r"[^a-z0-9-]+", "-", cfg.run.name.lower()).strip("-")
+    if not name or not name[0].isalpha():
+        name = f"kt-{name}".rstrip("-")
+    if len(name) > MAX_NAME:
+        raise RenderError(
+            f"run.name '{cfg.run.name}' makes a job name longer than {MAX_NAME} characters; set k8s.name"
+        )
+    return name
+
+
+def context(cfg: Config, workload: str | None = None) -> RenderContext:
+    """Check the parts of the config that span sections, and resolve names, volumes and modes."""
+    k = cfg.k8s
+    wl = workload or k.workload
+    name = job_name(cfg)
+    if k.grace_period_seconds is not None and k.grace_period_seconds < cfg.checkpoint.grace_seconds:
+        raise RenderError(
+            f"k8s.grace_period_seconds ({k.grace_period_seconds}) is shorter than checkpoint.grace_seconds "
+            f"({cfg.checkpoint.grace_seconds:g}): a stopped pod would be killed before saving its checkpoint"
+        )
+    if k.resources.gpu and k.nproc_per_node > k.resources.gpu:
+        raise RenderError(
+            f"k8s.nproc_per_node ({k.nproc_per_node}) is more than the GPUs per pod (k8s.resources.gpu = "
+            f"{k.resources.gpu})"
+        )
+    if k.metrics.port == k.rdzv_port:
+        raise RenderError(f"k8s.metrics.port and k8s.rdzv_port are both {k.rdzv_port}")
+    volumes = []
+    for role, default_mount in ROLE_MOUNTS.items():
+        spec: VolumeConfig | None = getattr(k.volumes, role)
+        if spec is None:
+            continue
+        created = spec.size is not None
+        mode = spec.access_mode or ("ReadWriteOnce" if k.nnodes == 1 else "ReadWriteMany")
+        if created and k.nnodes > 1 and mode in ("ReadWriteOnce", "ReadWriteOncePod") and not spec.read_only:
+            raise RenderError(
+                f"k8s.volumes.{role}: {k.nnodes} nodes share this claim, so it needs ReadWriteMany "
+                f"(or ReadOnlyMany when read_only), not {mode}"
+            )
+        claim = spec.claim or f"{name}-{role.replace('_', '-')}"
+        volumes.append(
+            Volume(role, spec, claim, spec.mount_path or default_mount, created, mode if created else None)
+        )
+    mounts = [v.mount_path for v in volumes]
+    if len(set(mounts)) != len(mounts):
+        raise RenderError(f"k8s.volumes: two volumes share a mount path ({', '.join(mounts)})")
+    if wl == "trainjob" and k.priority_class_name:
+        raise RenderError(
+            "k8s.priority_class_name cannot be set on a TrainJob: the training runtime's pod template owns it"
+        )
+    return RenderContext(cfg, name, wl, volumes)

@@ -1,0 +1,92 @@
+"""Render a config into Kubernetes objects, in apply order: ConfigMap, claims, NetworkPolicy, the workload.
+
+One renderer per workload lives beside this module; they all share the pod template of podspec.py and the
+common objects of objects.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kubetrain.config.schema import Config
+from kubetrain.k8s.render.context import context
+from kubetrain.k8s.render.network import network_policy
+from kubetrain.k8s.render.objects import claims, config_map
+from kubetrain.k8s.render.renderers import RENDERERS
+from kubetrain.k8s.workloads import SPEC_HASH
+
+
+def render(cfg: Config, workload: str | None = None) -> list[dict[str, Any]]:
+    """Every object of the job, in the order they are applied (the workload last)."""
+    ctx = context(cfg, workload)
+    objects = [config_map(ctx), *claims(ctx)]
+    if ctx.k.network_policy.enabled:
+        objects.append(network_policy(ctx))
+    objects.extend(RENDERERS[ctx.workload](ctx))
+    stamp(objects)
+    return objects
+
+
+def stamp(objects: list[dict[str, Any]]) -> None:
+    """Put a hash of everything rendered on the workload and its pod templates.
+
+    The same hash on the cluster means an unchanged relaunch (launch then does nothing); a different one
+    changes the pod template, which a running Job refuses (immutable) instead of running on with an old
+    config while the ConfigMap holds a new one.
+    """
+    digest = hashlib.sha256(json.dumps(objects, sort_keys=True).encode()).hexdigest()[:16]
+    workload = objects[-1]
+    for meta in [workload["metadata"], *(t.setdefault("metadata", {}) for _, t in pod_templates(workload))]:
+        meta["annotations"] = {**(meta.get("annotations") or {}), SPEC_HASH: digest}
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the config inside the ConfigMap) as readable `|` blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def to_yaml(objects: list[dict[str, Any]]) -> str:
+    return yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+
+
+def write_files(objects: list[dict[str, Any]], folder: Path) -> list[Path]:
+    """One file per object, numbered in apply order: 00-configmap-NAME.yaml, ..."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, obj in enumerate(objects):
+        slug = re.sub(r"[^a-z0-9-]+", "-", f"{obj['kind'].lower()}-{obj['metadata']['name']}")
+        path = folder / f"{i:02d}-{slug}.yaml"
+        path.write_text(to_yaml([obj]), encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+def pod_templates(obj: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(role, PodTemplateSpec) of a rendered workload; the TrainJob's is the patch kubetrain applies."""
+    kind, spec = obj["kind"], obj.get("spec", {})
+    if kind in ("Job", "StatefulSet"):
+        return [("node", spec["template"])]
+    if kind == "JobSet":
+        return [(rj["name"], rj["template"]["spec"]["template"]) for rj in spec["replicatedJobs"]]
+    if kind == "PyTorchJob":
+        return [(role.lower(), r["template"]) for role, r in spec["pytorchReplicaSpecs"].items()]
+    if kind == "TrainJob":
+        return [
+            (rj["name"], rj["template"]["spec"]["template"])
+            for patch in spec.get("runtimePatches", [])
+            for rj in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+        ]
+    return []

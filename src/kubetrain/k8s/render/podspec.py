@@ -1,0 +1,256 @@
+"""The one pod template every workload shares: entrypoint, env, volumes, resources, security, probes.
+
+The pod is Pod Security "restricted": non-root, read-only root filesystem (with writable mounts for /tmp,
+caches, /dev/shm and outputs), seccomp RuntimeDefault, every capability dropped, no privilege escalation,
+and no service-account token (training never talks to the API server).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kubetrain.k8s.render.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT, RenderContext
+
+METRICS_PORT_NAME = "metrics"
+ENTRYPOINT = ["kubetrain", "k8s", "entrypoint"]
+
+
+def entrypoint_args(ctx: RenderContext, *extra: str) -> list[str]:
+    """Arguments of `kubetrain k8s entrypoint` in the pod."""
+    # torchrun waits this long for its workers after SIGTERM before killing them: >= the checkpoint grace.
+    shutdown = max(math.ceil(ctx.cfg.checkpoint.grace_seconds), ctx.grace_seconds - 10)
+    return [
+        "--config",
+        f"{CONFIG_MOUNT}/{CONFIG_FILE}",
+        "--rdzv-id",
+        ctx.name,
+        "--max-restarts",
+        str(ctx.k.max_restarts),
+        "--wait-timeout",
+        str(ctx.k.wait_timeout_seconds),
+        "--shutdown-timeout",
+        str(shutdown),
+        *extra,
+    ]
+
+
+def env(ctx: RenderContext, extra: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """The container's environment; secrets only as secretKeyRef, never as values."""
+    k = ctx.k
+    hf_home = next((v.mount_path for v in ctx.volumes if v.role == "hf_cache"), f"{CACHE_MOUNT}/huggingface")
+    plain = {
+        "PYTHONUNBUFFERED": "1",
+        "HOME": "/tmp",  # the root filesystem is read-only
+        "XDG_CACHE_HOME": CACHE_MOUNT,
+        "HF_HOME": hf_home,
+        "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_MOUNT}/torchinductor",
+        "TRITON_CACHE_DIR": f"{CACHE_MOUNT}/triton",
+        "MPLCONFIGDIR": f"{CACHE_MOUNT}/matplotlib",
+        "KUBETRAIN_NNODES": str(k.nnodes),
+        "KUBETRAIN_NPROC_PER_NODE": str(k.nproc_per_node),
+        **(extra or {}),
+        **k.env,
+    }
+    out: list[dict[str, Any]] = [{"name": n, "value": v} for n, v in plain.items()]
+    # torchrun advertises this address to the other nodes: a pod IP always routes, a hostname may not.
+    out.append({"name": "KUBETRAIN_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    secrets = dict(k.secrets.env)
+    if k.secrets.hf_token is not None:
+        secrets["HF_TOKEN"] = k.secrets.hf_token
+    for name, ref in secrets.items():
+        out.append({"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    return out
+
+
+def resources(ctx: RenderContext) -> dict[str, Any]:
+    r = ctx.k.resources
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if r.cpu:
+        requests["cpu"] = r.cpu
+        if r.cpu_limit:
+            limits["cpu"] = r.cpu
+    if r.memory:
+        requests["memory"] = limits["memory"] = r.memory
+    if r.ephemeral_storage:
+        requests["ephemeral-storage"] = r.ephemeral_storage
+    if r.gpu:
+        requests[r.gpu_resource] = limits[r.gpu_resource] = r.gpu
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def volume_mounts(ctx: RenderContext) -> list[dict[str, Any]]:
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "cache", "mountPath": CACHE_MOUNT},
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
+    for v in ctx.volumes:
+        mount: dict[str, Any] = {"name": v.volume_name, "mountPath": v.mount_path}
+        if v.spec.read_only:
+            mount["readOnly"] = True
+        mounts.append(mount)
+    return mounts
+
+
+def volumes(ctx: RenderContext) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": ctx.config_map}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
+        # NCCL and dataloader workers need more shared memory than the runtime's 64 MiB default.
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": ctx.k.volumes.shm_size}},
+    ]
+    for v in ctx.volumes:
+        claim: dict[str, Any] = {"claimName": v.claim}
+        if v.spec.read_only:
+            claim["readOnly"] = True
+        out.append({"name": v.volume_name, "persistentVolumeClaim": claim})
+    return out
+
+
+def container_security(ctx: RenderContext) -> dict[str, Any]:
+    uid = ctx.k.run_as_user
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def pod_security(ctx: RenderContext) -> dict[str, Any]:
+    uid = ctx.k.run_as_user
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "fsGroup": uid,  # makes the volumes writable for the non-root user
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def liveness_probe(ctx: RenderContext) -> dict[str, Any] | None:
+    """An exec probe of rank 0's /healthz (see k8s/pod/probe.py for why it is exec and not httpGet)."""
+    m = ctx.k.metrics
+    if not (m.enabled and m.liveness):
+        return None
+    return {
+        "exec": {"command": ["python", "-m", "kubetrain.k8s.pod.probe", "--port", str(m.port)]},
+        "periodSeconds": 30,
+        "timeoutSeconds": 10,
+        "failureThreshold": 3,
+    }
+
+
+def tolerations(ctx: RenderContext) -> list[dict[str, Any]]:
+    out = []
+    for t in ctx.k.tolerations:
+        item: dict[str, Any] = {"operator": t.operator}
+        for key, value in (
+            ("key", t.key),
+            ("value", t.value),
+            ("effect", t.effect),
+            ("tolerationSeconds", t.toleration_seconds),
+        ):
+            if value is not None:
+                item[key] = value
+        out.append(item)
+    return out
+
+
+def container(
+    ctx: RenderContext,
+    *,
+    name: str = "trainer",
+    rdzv_port_name: str = "rdzv",
+    extra_env: dict[str, str] | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    k = ctx.k
+    c: dict[str, Any] = {
+        "name": name,
+        "image": k.image,
+        "imagePullPolicy": k.image_pull_policy,
+        "command": ENTRYPOINT,
+        "args": entrypoint_args(ctx, *extra_args),
+        "env": env(ctx, extra_env),
+        "ports": [{"name": rdzv_port_name, "containerPort": k.rdzv_port, "protocol": "TCP"}],
+        "resources": resources(ctx),
+        "volumeMounts": volume_mounts(ctx),
+        "securityContext": container_security(ctx),
+    }
+    if k.metrics.enabled:
+        c["ports"].append({"name": METRICS_PORT_NAME, "containerPort": k.metrics.port, "protocol": "TCP"})
+    probe = liveness_probe(ctx)
+    if probe:
+        c["livenessProbe"] = probe
+    return c
+
+
+def pod_spec(
+    ctx: RenderContext, main: dict[str, Any], *, restart_policy: str, subdomain: str | None = None
+) -> dict[str, Any]:
+    k = ctx.k
+    spec: dict[str, Any] = {
+        "restartPolicy": restart_policy,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,  # no Docker-link variables from every Service in the namespace
+        "terminationGracePeriodSeconds": ctx.grace_seconds,
+        "securityContext": pod_security(ctx),
+        "containers": [main],
+        "volumes": volumes(ctx),
+    }
+    if subdomain:
+        spec["subdomain"] = subdomain
+    if k.service_account:
+        spec["serviceAccountName"] = k.service_account
+    if k.priority_class_name:
+        spec["priorityClassName"] = k.priority_class_name
+    if k.node_selector:
+        spec["nodeSelector"] = dict(k.node_selector)
+    if k.tolerations:
+        spec["tolerations"] = tolerations(ctx)
+    if k.affinity:
+        spec["affinity"] = k.affinity
+    if k.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": s} for s in k.image_pull_secrets]
+    return spec
+
+
+def pod_metadata(ctx: RenderContext, container_name: str = "trainer") -> dict[str, Any]:
+    annotations = {**ctx.k.annotations, "kubectl.kubernetes.io/default-container": container_name}
+    if ctx.k.metrics.enabled:
+        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(ctx.k.metrics.port)})
+    return {"labels": {**ctx.labels, "app.kubernetes.io/component": "trainer"}, "annotations": annotations}
+
+
+def pod_template(
+    ctx: RenderContext,
+    *,
+    restart_policy: str,
+    container_name: str = "trainer",
+    rdzv_port_name: str = "rdzv",
+    extra_env: dict[str, str] | None = None,
+    extra_args: tuple[str, ...] = (),
+    subdomain: str | None = None,
+) -> dict[str, Any]:
+    """A PodTemplateSpec: the same pod for every workload, with the workload's few differences passed in."""
+    main = container(
+        ctx, name=container_name, rdzv_port_name=rdzv_port_name, extra_env=extra_env, extra_args=extra_args
+    )
+    return {
+        "metadata": pod_metadata(ctx, container_name),
+        "spec": pod_spec(ctx, main, restart_policy=restart_policy, subdomain=subdomain),
+    }

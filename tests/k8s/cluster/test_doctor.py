@@ -1,0 +1,142 @@
+"""doctor against recorded cluster answers: each check's verdict, and exit 1 when one fails."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Cli = Callable[..., tuple[int, str, str]]
+HOMELAB = [
+    "k8s.namespace=homelab",
+    "k8s.resources.gpu=1",
+    'k8s.tolerations=[{"key": "dedicated", "value": "arcanine", "effect": "NoSchedule"}]',
+    'k8s.volumes.checkpoints={"size": "100Gi", "storage_class": "local-path"}',
+    'k8s.secrets.hf_token={"name": "hf-token", "key": "token"}',
+]
+
+
+def cluster(tmp_path: Path, apiserver: Any) -> str:
+    for path, name in [
+        ("/version", "version"),
+        ("/api/v1/namespaces/homelab", "namespace_homelab"),
+        ("/api/v1/nodes", "nodes_homelab"),
+        ("/apis/storage.k8s.io/v1/storageclasses", "storageclasses"),
+        ("/api/v1/namespaces/homelab/secrets/hf-token", "secret_hf_token"),
+    ]:
+        apiserver.answer("GET", path, 200, apiserver.recorded(name))
+    return str(apiserver.kubeconfig(tmp_path))
+
+
+def doctor(
+    cli: Cli, kubeconfig: str, *overrides: str, workload: str = "indexed-job"
+) -> tuple[int, str, str]:
+    sets = [a for o in (*HOMELAB, *overrides) for a in ("--set", o)]
+    return cli("k8s", "doctor", *sets, "--workload", workload, "--kubeconfig", kubeconfig)
+
+
+def test_a_cluster_that_fits(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    code, out, err = doctor(cli, cluster(tmp_path, apiserver))
+    assert code == 0, out + err
+    lines = out.splitlines()
+    assert lines[0].startswith("ok    cluster: Kubernetes v1.35.0 at http://127.0.0.1:")
+    assert "ok    namespace: homelab" in lines
+    # the control-plane node has a GPU too, but its taint is not tolerated
+    assert "ok    nodes: 1 node(s) fit a pod of 4 cpu, 16Gi memory, 1 nvidia.com/gpu: arcanine" in lines
+    assert (
+        "ok    volume checkpoints: 100Gi ReadWriteOnce from storage class local-path (rancher.io/local-path)"
+        in lines
+    )
+    assert "ok    secret HF_TOKEN: Secret hf-token has key token" in lines
+    assert "hf_Recorded" not in out and "aGZf" not in out  # the Secret's value is never shown
+
+
+def test_each_problem_fails_with_its_reason(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = cluster(tmp_path, apiserver)
+    code, out, _ = doctor(cli, kubeconfig, "k8s.tolerations=[]")
+    assert code == 1
+    assert (
+        "fail  nodes: no node can run a pod of 4 cpu, 16Gi memory, 1 nvidia.com/gpu; too small: pi-01 (memory "
+        "7869180Ki < 16Gi, nvidia.com/gpu 0 < 1); control (memory 7869180Ki < 16Gi); tainted and not tolerated: "
+        "arcanine (dedicated=arcanine:NoSchedule)"
+    ) in out.splitlines()
+
+    code, out, _ = doctor(
+        cli, kubeconfig, "k8s.nnodes=2", "k8s.volumes.checkpoints.access_mode=ReadWriteMany"
+    )
+    assert (
+        code == 1
+        and (
+            "fail  volume checkpoints: storage class local-path (rancher.io/local-path) is block "
+            "storage: it cannot give ReadWriteMany"
+        )
+        in out
+    )
+    assert "warn  nodes: 1 node(s) fit a pod of 4 cpu, 16Gi memory, 1 nvidia.com/gpu: arcanine (the job needs 2)" in out
+
+    code, out, _ = doctor(cli, kubeconfig, 'k8s.secrets.hf_token={"name": "hf-token", "key": "hf_token"}')
+    assert code == 1 and "fail  secret HF_TOKEN: Secret hf-token has no key hf_token" in out
+
+    code, out, _ = doctor(cli, kubeconfig, 'k8s.volumes.data={"claim": "corpus"}')
+    assert code == 1 and "fail  volume data: claim corpus does not exist in namespace homelab" in out
+
+    apiserver.answer("GET", "/apis/kubeflow.org/v1", 404, b"404 page not found\n", "text/plain")
+    code, out, _ = doctor(cli, kubeconfig, workload="pytorchjob")
+    assert (
+        code == 1 and "fail  workload: PyTorchJob is not served: install Kubeflow training-operator" in out
+    )
+
+
+def test_unknown_namespace_and_forbidden_nodes(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = cluster(tmp_path, apiserver)
+    code, out, _ = doctor(cli, kubeconfig, "k8s.namespace=elsewhere")
+    assert code == 1 and out.splitlines()[-1] == "fail  namespace: namespace elsewhere does not exist"
+    forbidden = apiserver.recorded("forbidden_patch_job") | {
+        "message": 'nodes is forbidden: User "alice" cannot list resource "nodes" at the cluster scope'
+    }
+    apiserver.answer("GET", "/api/v1/nodes", 403, forbidden)
+    code, out, _ = doctor(cli, kubeconfig)
+    assert code == 0 and "warn  nodes: cannot check nodes: forbidden" in out
+
+
+def test_a_namespace_editor_gets_every_check_it_can_have(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = cluster(tmp_path, apiserver)
+    for path in ("/api/v1/nodes", "/apis/storage.k8s.io/v1/storageclasses"):
+        del apiserver.answers[("GET", path)]
+    apiserver.editor_of = "homelab"
+    code, out, err = doctor(cli, kubeconfig)
+    assert code == 0, err
+    assert out.splitlines()[1:] == [
+        "ok    namespace: homelab",
+        "warn  nodes: cannot check nodes: forbidden",
+        "warn  volume checkpoints: cannot check storage classes for the 100Gi claim: forbidden",
+        "ok    secret HF_TOKEN: Secret hf-token has key token",
+    ]
+
+
+def test_requests_larger_than_any_node_fail(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    code, out, _ = doctor(cli, cluster(tmp_path, apiserver), "k8s.resources.memory=100Gi")
+    assert code == 1 and "fail  nodes: no node can run a pod of 4 cpu, 100Gi memory, 1 nvidia.com/gpu; too small: " \
+        "arcanine (memory 65736220Ki < 100Gi)" in out
+
+
+def test_no_word_on_a_node_selector_that_is_not_set(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    code, out, _ = doctor(cli, cluster(tmp_path, apiserver), "k8s.resources.gpu=0", "k8s.resources.memory=1Gi")
+    assert code == 0 and "selector" not in out and "labelled" not in out
+    code, out, _ = doctor(cli, cluster(tmp_path, apiserver), 'k8s.node_selector={"gpu": "a100"}')
+    assert code == 1 and "on nodes labelled gpu=a100" in out
+
+
+def test_a_free_static_volume_counts_as_storage(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = cluster(tmp_path, apiserver)
+    apiserver.answer("GET", "/apis/storage.k8s.io/v1/storageclasses", 200, {"kind": "List", "items": []})
+    volume = {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "nas-100"},
+              "spec": {"capacity": {"storage": "200Gi"}, "accessModes": ["ReadWriteOnce"], "storageClassName": "",
+                       "nfs": {"server": "nas", "path": "/export"}}, "status": {"phase": "Available"}}
+    apiserver.put(volume)
+    code, out, _ = doctor(cli, kubeconfig, 'k8s.volumes.checkpoints={"size": "100Gi"}')
+    assert code == 0, out
+    assert ("ok    volume checkpoints: 100Gi ReadWriteOnce: no default storage class, but the free "
+            "PersistentVolume nas-100 matches; the claim binds to it") in out
+    code, out, _ = doctor(cli, kubeconfig, 'k8s.volumes.checkpoints={"size": "300Gi"}')
+    assert code == 1 and "fail  volume checkpoints: a default storage class does not exist" in out

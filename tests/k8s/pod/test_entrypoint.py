@@ -1,0 +1,133 @@
+"""The pod entrypoint: torchrun's command line, waiting for the rendezvous endpoint, bad input."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kubetrain.cli import main
+from kubetrain.config import load_config
+from kubetrain.errors import UserInputError
+from kubetrain.k8s.pod import entrypoint
+from kubetrain.k8s.pod.node import NodeEnv
+from kubetrain.k8s.simulate import Simulation
+
+
+def node(rank: int) -> NodeEnv:
+    return NodeEnv(rank, 4, 8, "job-0.job", 29500, "indexed-job")
+
+
+def test_elastic_agent_command_line() -> None:
+    from kubetrain.launch.elastic import torchrun_args
+
+    opts = entrypoint.launch_options(node(0), rdzv_id="job", max_restarts=5, shutdown_timeout=120,
+                                     local_addr="10.0.0.7")
+    line = " ".join(torchrun_args(opts, ["/etc/kubetrain/config.yaml", "--resume", "auto"]))
+    for part in ("--nproc-per-node=8", "--max-restarts=5", "--shutdown-timeout=120", "--nnodes=4",
+                 "--rdzv-backend=c10d", "--rdzv-endpoint=job-0.job:29500", "--rdzv-id=job",
+                 "--rdzv-conf=is_host=true", "--local-addr=10.0.0.7"):
+        assert part in line
+    assert line.endswith("--module kubetrain train /etc/kubetrain/config.yaml --resume auto")
+    other = " ".join(torchrun_args(entrypoint.launch_options(node(3), rdzv_id="job", max_restarts=0,
+                                                             shutdown_timeout=90), []))
+    assert "is_host=false" in other and "--local-addr" not in other
+
+
+def test_wait_returns_once_the_endpoint_accepts() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        lines: list[str] = []
+        entrypoint.wait_for_endpoint("127.0.0.1", port, timeout=30, log=lines.append)
+    assert lines == [f"rendezvous endpoint 127.0.0.1:{port} is up"]
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_wait_gives_up_naming_the_endpoint() -> None:
+    port = closed_port()
+    with pytest.raises(entrypoint.RendezvousUnreachable, match=f"127.0.0.1:{port} did not accept"):
+        entrypoint.wait_for_endpoint("127.0.0.1", port, timeout=0.2, log=lambda m: None, interval=0.05)
+    with pytest.raises(entrypoint.RendezvousUnreachable, match="gaierror"):
+        entrypoint.wait_for_endpoint("rank0.does-not-exist.invalid", port, timeout=0, log=lambda m: None)
+
+
+def test_unreadable_node_rank_is_bad_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KUBETRAIN_NNODES", "2")
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "five")
+    with pytest.raises(UserInputError, match="JOB_COMPLETION_INDEX"):
+        entrypoint.read_node()
+
+
+def test_cli_bad_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "config.yaml"
+    bad.write_text("train:\n  max_stepz: 3\n")
+    with pytest.raises(SystemExit) as e:
+        main(["k8s", "entrypoint", "--config", str(bad)])
+    assert e.value.code == 2
+    assert "unknown key 'train.max_stepz'" in capsys.readouterr().err
+
+
+def test_cli_non_zero_rank_waits_then_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text("run:\n  name: x\n")
+    port = closed_port()
+    for name, value in {"KUBETRAIN_NNODES": "2", "JOB_COMPLETION_INDEX": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as e:
+        main(["k8s", "entrypoint", "--config", str(config), "--wait-timeout", "0"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "node 1/2 (indexed-job)" in err and f"127.0.0.1:{port} did not accept connections" in err
+
+
+IDLE = (
+    "import sys\n"
+    "from kubetrain.k8s.pod.entrypoint import idle_until_stopped\n"
+    "print('idling', flush=True)\n"
+    "sys.exit(idle_until_stopped())\n"
+)
+
+
+def test_statefulset_pod_idles_until_sigterm() -> None:
+    child = subprocess.Popen([sys.executable, "-c", IDLE], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    assert child.stdout.readline() == "idling\n"
+    assert child.poll() is None  # still up: a StatefulSet would restart a container that exits
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=60) == 0
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_pod_ends_it_with_75_after_a_checkpoint(tmp_path: Path) -> None:
+    """The pod's main process gets SIGTERM (what the kubelet sends); its workers save and the pod exits 75."""
+    tiny = ["run.threads=1", "run.device=cpu", "model.n_layer=1", "model.n_head=2", "model.n_embd=16",
+            "model.block_size=16", "train.micro_batch_size=2", "train.warmup_steps=1", "train.log_every_steps=1",
+            "train.max_steps=100000", "eval.every_steps=100000", "eval.sample_prompt=null"]
+    s = Simulation(load_config(None, "tiny", tiny), tmp_path / "sim", "indexed-job", echo=False)
+    pod = s.start_pod(0)
+    assert pod.process is not None
+    deadline = time.monotonic() + 300  # a safety net against a hang, not a timing assertion
+    while "step 1/" not in (pod.log_path.read_text() if pod.log_path.exists() else ""):
+        assert pod.running() and time.monotonic() < deadline, pod.log_path.read_text()[-3000:]
+        time.sleep(0.1)
+    pod.process.send_signal(signal.SIGTERM)  # to the container's main process only, like the kubelet
+    assert pod.process.wait(timeout=300) == 75, pod.log_path.read_text()[-3000:]
+    checkpoints = s.root / "volumes" / "checkpoints" / "tiny" / "checkpoints"
+    assert (checkpoints / "latest").exists(), pod.log_path.read_text()[-3000:]
+    meta = json.loads((s.root / "volumes" / "checkpoints" / "tiny" / "meta.json").read_text())
+    assert meta["status"] == "stopped"

@@ -1,0 +1,62 @@
+"""The NetworkPolicy: ingress from the job's own pods (+ metrics); with egress on, only the job's pods,
+cluster DNS and the endpoints the config names, validated strictly like every other object."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kubetrain.config import load_config
+from kubetrain.errors import UserInputError
+from kubetrain.k8s.render import validate
+from kubetrain.k8s.render.manifest import render
+
+OWN = {"podSelector": {"matchLabels": {"kubetrain.dev/job": "tiny"}}}
+
+
+def policy(*overrides: str) -> dict[str, Any]:
+    objects = render(load_config(None, "tiny", list(overrides)))
+    obj = next(o for o in objects if o["kind"] == "NetworkPolicy")
+    assert validate.problems([obj]) == []  # strict, like every rendered object
+    return dict(obj["spec"])
+
+
+def test_network_policy_admits_own_pods_and_metrics_namespace() -> None:
+    spec = policy("k8s.metrics.scrape_namespace=prom")
+    assert spec["podSelector"]["matchLabels"] == {"kubetrain.dev/job": "tiny"}
+    assert spec["policyTypes"] == ["Ingress"] and "egress" not in spec  # egress is opt-in
+    own, metrics = spec["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": {"kubetrain.dev/job": "tiny"}}}]}
+    assert metrics["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "prom"}
+    assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert "NetworkPolicy" not in [o["kind"] for o in render(load_config(None, "tiny", ["k8s.network_policy=false"]))]
+
+
+def test_egress_reaches_own_pods_dns_and_the_named_endpoints() -> None:
+    spec = policy("k8s.network_policy.egress=true", "track.mlflow.enabled=true",
+                  "track.mlflow.tracking_uri=http://mlflow.mlops.svc.cluster.local:5000",
+                  'k8s.network_policy.egress_cidrs=["10.20.0.0/16"]')
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    own, dns, mlflow, cidrs = spec["egress"]
+    assert own == {"to": [OWN]}
+    assert dns["to"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                          "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}]
+    assert dns["ports"] == [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]
+    assert mlflow == {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mlops"}}}],
+                      "ports": [{"port": 5000, "protocol": "TCP"}]}
+    assert cidrs == {"to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}]}
+    by_address = policy("k8s.network_policy.egress=true", "track.mlflow.enabled=true",
+                        "track.mlflow.tracking_uri=postgresql://kt@10.0.5.7/runs")
+    assert by_address["egress"][2] == {"to": [{"ipBlock": {"cidr": "10.0.5.7/32"}}],
+                                       "ports": [{"port": 5432, "protocol": "TCP"}]}
+
+
+def test_a_host_outside_the_cluster_needs_its_addresses() -> None:
+    sets = ["k8s.network_policy.egress=true", "track.mlflow.enabled=true",
+            "track.mlflow.tracking_uri=https://mlflow.example.com"]
+    with pytest.raises(UserInputError, match=r"names host 'mlflow\.example\.com'.*egress_cidrs"):
+        render(load_config(None, "tiny", sets))
+    assert len(policy(*sets, 'k8s.network_policy.egress_cidrs=["203.0.113.0/24"]')["egress"]) == 3
+    with pytest.raises(UserInputError, match="not a CIDR"):
+        load_config(None, "tiny", ['k8s.network_policy.egress_cidrs=["mlflow.example.com"]'])
