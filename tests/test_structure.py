@@ -100,3 +100,19 @@ def test_no_function_is_longer_than_a_screen() -> None:
                 if lines > MAX_FUNCTION_LINES and name not in LONG_FUNCTIONS:
                     long.append(f"{name} ({lines} lines)")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {', '.join(long)}"
+
+
+def test_every_import_of_our_own_modules_resolves() -> None:
+    # mypy's ignore_missing_imports (for third-party packages) also hides a lazy import of a module we moved
+    import importlib.util
+
+    missing = set()
+    for module, path in python_files():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                     else [])
+            for name in names:
+                if name.split(".")[0] == "kubetrain" and importlib.util.find_spec(name) is None:
+                    missing.add(f"{name} (in {module})")
+    assert not missing, f"imports of modules that do not exist: {', '.join(sorted(missing))}"

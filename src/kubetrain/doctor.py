@@ -24,7 +24,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def doctor(cfg: Config | None) -> dict[str, Any]:
     """The whole report as plain data (what --json prints)."""
-    from kubetrain.dist.setup import local_device
+    from kubetrain.distributed.setup import local_device
     from kubetrain.train.device import resolve_precision
 
     device = local_device(cfg.run.device if cfg else "auto")

@@ -48,7 +48,7 @@ def check_tracked_run(client: MlflowClient, run_id: str, run_dir: Path, tmp_path
     assert run.info.run_name == "obs"
     params = run.data.params
     assert params["model.n_embd"] == "32" and params["train.max_steps"] == "20"
-    assert params["data.sources.0.kind"] == "builtin" and params["track.mlflow.enabled"] == "True"
+    assert params["data.sources.0.kind"] == "auto" and params["track.mlflow.enabled"] == "True"
     records = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
@@ -235,7 +235,7 @@ def test_artifacts_are_redacted_even_when_the_run_files_are_not(tmp_path: Path, 
                                                          "data": {"tokenizer": {"path": "tok/v2"}}}))
     (run_dir / "meta.json").write_text(json.dumps({"argv": ["train", "--set", f"HF_TOKEN={SECRET}"],
                                                    "hf_token": "plain-but-secret", "status": "finished"}))
-    sink = MlflowSink(sqlite_uri, "old-files", stream=io.StringIO())
+    sink = MlflowSink(sqlite_uri, "old-files", (tmp_path / "artifacts").as_uri(), stream=io.StringIO())
     sink.start({"run_dir": str(run_dir), "run": "old", "config": load_config(None, None, []), "params": 1})
     sink.finish("finished")
     client, run_id = only_run(sqlite_uri, "old-files")
