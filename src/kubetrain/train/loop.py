@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from kubetrain import runs
+from kubetrain.checkpoint import remote
 from kubetrain.config.loading import config_hash
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader
@@ -133,6 +134,9 @@ def train(
     loader = TrainLoader(train_windows, cfg.train.micro_batch_size, cfg.run.seed, penv.rank, penv.world_size)
     state = TrainState()
     shapes = {k: list(v.shape) for k, v in checkpoint.unique_tensors(model_state(base)).items()}
+    if resume == "auto" and penv.local_rank == 0:  # object storage: an empty local folder resumes from there
+        remote.restore_newest(cfg, phase, ckpt_root, say)
+    dist.barrier()
     resumed = _resume(resume, ckpt_root, path, cfg, say) if resume != "never" else None
     if resume == "never" and checkpoint.complete_checkpoints(ckpt_root):
         raise UserInputError(
@@ -176,6 +180,7 @@ def train(
         truncate_after(path / runs.SAMPLES_FILE, state.step)
         tokenizer.save(path / "tokenizer")
     sinks = build_sinks(cfg, path, max_steps, prefix=prefix) if main else None
+    uploader = remote.Uploader.from_config(cfg, phase, ckpt_root, say) if main else None  # object storage
     if sinks:
         sinks.start({"run_dir": str(path), "run": cfg.run.name, "start_step": state.step, "params": n_params,
                      "phase": phase, "config": cfg, "max_steps": max_steps, "restarts": penv.restart_count,
@@ -210,6 +215,8 @@ def train(
             )
             runs.update_meta(path, step=state.step, tokens=state.tokens, last_checkpoint=saved.path.name,
                              best_val_loss=state.best_val_loss)
+            if uploader:  # object storage: upload in the background
+                uploader.submit(saved, is_best)
             if sinks:
                 sinks.log({"kind": "checkpoint", "step": state.step, "path": str(saved.path), "best": is_best,
                            "phase": phase, "time": time.time()})
@@ -311,6 +318,9 @@ def train(
     except BaseException:
         _finish(path, sinks, "failed", state, main)
         raise
+    finally:
+        if uploader:  # object storage: wait for the uploads, within the grace period after a stop
+            uploader.close(stop.time_left())
     _finish(path, sinks, status, state, main)
     elapsed = t_end - t_start - side_seconds
     return TrainResult(

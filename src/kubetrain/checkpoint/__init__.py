@@ -1,0 +1,1 @@
+"""Checkpoints: the on-disk format, verification, and copies in object storage (`remote`)."""
