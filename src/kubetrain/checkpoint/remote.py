@@ -40,6 +40,17 @@ Log = Callable[[str], None]
 FAULT_SLOW_UPLOAD = "KUBETRAIN_FAULT_SLOW_UPLOAD"
 STAGING = ".upload"  # under checkpoints/: hard links of the checkpoints waiting for upload
 _STEP = re.compile(r"^step-(\d{6,})$")
+_warned: set[str] = set()  # stores already warned about in this process: one warning line each
+_warned_lock = threading.Lock()
+
+
+def warn_once(store: Store, log: Log, what: str, e: BaseException) -> None:
+    """One warning line per store and process, however many of its operations fail."""
+    with _warned_lock:
+        if store.uri in _warned:
+            return
+        _warned.add(store.uri)
+    log(f"warning: {what} {store.uri}: {describe(e)}; training goes on with the local checkpoints")
 
 
 def checkpoint_store(cfg: Config, phase: str | None = None) -> Store | None:
@@ -115,7 +126,7 @@ def restore_newest(cfg: Config, phase: str | None, ckpt_root: Path, log: Log) ->
             log(f"restored {name} from {store.uri}")
             return restored
     except Exception as e:  # any failure of the store (network, credentials) is a warning
-        log(f"warning: cannot read checkpoints from {store.uri}: {describe(e)}; starting without them")
+        warn_once(store, log, "cannot read checkpoints from", e)
     return None
 
 
@@ -174,7 +185,6 @@ class Uploader:
         self.failed: list[str] = []
         self.pending: list[str] = []
         self.newest: str | None = None  # the newest checkpoint of this run known to be in the store
-        self._warned = False
         self._count = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -233,13 +243,10 @@ class Uploader:
         return _pointer(self.store, LATEST) == name and self.store.read_text(f"{name}/{META_FILE}") is not None
 
     def _failed(self, name: str | None, e: BaseException) -> None:
-        with self._lock:
-            if name:
+        if name:
+            with self._lock:
                 self.failed.append(name)
-            warn, self._warned = not self._warned, True
-        if warn:
-            self.log(f"warning: cannot upload checkpoints to {self.store.uri}: {describe(e)}; "
-                     "training goes on with the local checkpoints")
+        warn_once(self.store, self.log, "cannot upload checkpoints to", e)
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for the queued uploads (at most `timeout` seconds), then say what is not in the store."""
