@@ -69,7 +69,7 @@ def _in_order(rels: list[str]) -> list[list[str]]:
 
 def _remote_digests(store: Store, listing: dict[str, int]) -> dict[str, str]:
     """Checksums of remote files as the manifest and the checkpoints' meta.json files give them."""
-    known = {rel: info[CHECKSUM] for rel, info in _manifest(store).items() if CHECKSUM in info}
+    known = {rel: str(info[CHECKSUM]) for rel, info in _manifest(store).items() if CHECKSUM in info}
     for rel in listing:
         p = PurePosixPath(rel)
         if p.name == META_FILE and _STEP_DIR.match(p.parent.name):
