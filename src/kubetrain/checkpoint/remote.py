@@ -23,6 +23,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,19 +140,22 @@ def download(store: Store, name: str, listing: dict[str, int], ckpt_root: Path) 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        store.get([(f"{name}/{META_FILE}", tmp / META_FILE)])
+        _fetch(store, f"{name}/{META_FILE}", tmp / META_FILE)
         try:
-            files = list(json.loads((tmp / META_FILE).read_text())["files"])
-        except (ValueError, KeyError, TypeError) as e:
+            files = json.loads((tmp / META_FILE).read_text())["files"]
+            digests = {f: str(info[checkpoint.CHECKSUM]) for f, info in files.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"unreadable meta.json ({e})") from None
-        store.get([(f"{name}/{f}", tmp / f) for f in files])
+        # Each file is hashed and flushed to disk as soon as it is in, while the others still download.
+        with ThreadPoolExecutor(max_workers=max(1, len(files))) as pool:
+            got = dict(zip(files, pool.map(lambda f: _fetch(store, f"{name}/{f}", tmp / f), files), strict=True))
+        for f in sorted(files):
+            if got[f] != digests[f]:
+                raise CheckpointError(f"{f} fails its checksum")
         try:
-            checkpoint.verify(tmp)
+            checkpoint.verify(tmp, deep=False)  # sizes and the layout; the checksums were compared above
         except CheckpointError as e:
             raise CheckpointError(str(e).removeprefix(f"{tmp.name}: ")) from None
-        for f in [*files, META_FILE]:
-            with open(tmp / f, "rb") as fh:
-                os.fsync(fh.fileno())
         with contextlib.suppress(OSError):  # another process put the same checkpoint there first
             os.rename(tmp, ckpt_root / name)
     finally:
@@ -160,6 +164,18 @@ def download(store: Store, name: str, listing: dict[str, int], ckpt_root: Path) 
     if _pointer(store, BEST) == name:
         write_atomic(ckpt_root / BEST, name + "\n")
     return checkpoint.verify(ckpt_root / name, deep=False)
+
+
+def _fetch(store: Store, rel: str, local: Path) -> str:
+    """Download one file, then return its xxh3-128 digest once it is on disk (fsynced)."""
+    try:
+        store.get([(rel, local)])
+    except FileNotFoundError:
+        raise CheckpointError(f"{rel.split('/', 1)[-1]} is missing") from None
+    digest = checkpoint.file_digest(local)
+    with open(local, "rb") as fh:
+        os.fsync(fh.fileno())
+    return digest
 
 
 @dataclass(frozen=True)
