@@ -58,9 +58,11 @@ def test_restore_skips_unfinished_and_corrupt_uploads(bucket: Bucket, tmp_path: 
     store = remote.checkpoint_store(cfg)
     assert store is not None
     source = tmp_path / "source"
-    for step in (3, 6):
+    for step in (3, 12, 6):
         remote.upload(store, _save(source, step).path, checkpoint.step_name(step), is_best=step == 3, keep_last=5)
-    # step 6: same size, other bytes; step 9: its data files arrived, its meta.json never did
+    # step 6: same size, other bytes; step 9: its data files arrived, its meta.json never did; step 12: a file
+    # was lost
+    bucket.fs.rm(bucket.path("r/checkpoints/step-000012/trainer.pt"))
     model6 = bucket.path("r/checkpoints/step-000006/model.safetensors")
     data = bytearray(bucket.fs.cat_file(model6))
     data[-1] ^= 0xFF
@@ -71,9 +73,10 @@ def test_restore_skips_unfinished_and_corrupt_uploads(bucket: Bucket, tmp_path: 
     lines: list[str] = []
     restored = remote.restore_newest(cfg, None, root, lines.append)
     assert restored is not None and restored.step == 3
-    assert lines == [
-        f"warning: skipping {bucket.uri}/r/checkpoints/step-000009: its upload did not finish (no meta.json)",
+    assert lines == [  # `latest` (step 6, uploaded last) first, then the others newest first
         f"warning: skipping {bucket.uri}/r/checkpoints/step-000006: model.safetensors fails its checksum",
+        f"warning: skipping {bucket.uri}/r/checkpoints/step-000012: trainer.pt is missing",
+        f"warning: skipping {bucket.uri}/r/checkpoints/step-000009: its upload did not finish (no meta.json)",
         f"restored step-000003 from {bucket.uri}/r/checkpoints",
     ]
     assert sorted(p.name for p in root.iterdir()) == ["best", "latest", "step-000003"]

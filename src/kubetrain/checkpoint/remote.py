@@ -109,7 +109,9 @@ def restore_newest(cfg: Config, phase: str | None, ckpt_root: Path, log: Log) ->
     """With `checkpoint.uri` and no local checkpoint: download the newest checkpoint in the store that verifies.
 
     It is downloaded into a temporary folder, verified against its checksums and renamed into place, so
-    `--resume auto` then continues from it exactly as from a local checkpoint.
+    `--resume auto` then continues from it exactly as from a local checkpoint. The one the store's `latest`
+    names is tried first: a run restarted from scratch under the same name may have left newer steps of
+    its earlier life there. Then the others, newest first.
     """
     if not cfg.checkpoint.uri or checkpoint.complete_checkpoints(ckpt_root):
         return None
@@ -118,7 +120,8 @@ def restore_newest(cfg: Config, phase: str | None, ckpt_root: Path, log: Log) ->
     try:
         listing = store.sizes()
         names = sorted({rel.split("/")[0] for rel in listing if _STEP.match(rel.split("/")[0])}, key=_step)
-        for name in reversed(names):
+        latest = _pointer(store, LATEST)
+        for name in sorted(names, key=lambda n: (n == latest, _step(n)), reverse=True):
             try:
                 restored = download(store, name, listing, ckpt_root)
             except CheckpointError as e:
