@@ -124,8 +124,7 @@ def test_sigkill_during_an_upload_never_leaves_latest_on_a_partial_checkpoint(
     monkeypatch.delenv(FAULT_SLOW_UPLOAD)
     shutil.rmtree(run)
     resumed = kubetrain(*args, cwd=tmp_path)
-    assert "its upload did not finish (no meta.json)" in resumed.stdout
-    assert f"restored {latest} from" in resumed.stdout
+    assert f"restored {latest} from" in resumed.stdout  # not the newer folder whose upload was cut off
     _assert_same_end(run, ref, int(latest.removeprefix("step-")))
 
 

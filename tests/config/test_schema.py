@@ -35,4 +35,4 @@ def test_credentials_in_the_config_are_one_error_line_and_exit_2(run_main: RunMa
     code, out, err = run_main("train", "--dry-run", "--set", "checkpoint.uri=s3://u:p4ss@bucket/x")
     assert code == 2
     assert err.strip().startswith("error: ") and len(err.strip().splitlines()) == 1
-    assert "p4ss" not in err
+    assert "p4ss" not in out + err
