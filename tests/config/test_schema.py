@@ -1,4 +1,5 @@
-"""The config models: rules that hold between the fields of one section."""
+"""The config models: rules that hold between the fields of one section; object storage settings never hold
+credentials."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 
 from kubetrain.config import SourceConfig, load_config, validate
 from kubetrain.errors import ConfigError
+from tests.conftest import RunMain
 
 
 def test_a_source_with_a_path_and_no_kind_is_told_from_its_files_later() -> None:
@@ -27,3 +29,32 @@ def test_kinds_that_read_files_need_a_path() -> None:
     assert SourceConfig.model_validate({}).kind == "auto"  # no path: the builtin corpus, resolved at prepare
     with pytest.raises(ConfigError, match="kind 'text' needs a path"):
         validate({"data": {"sources": [{"kind": "text"}]}})
+
+
+@pytest.mark.parametrize("key, value", [
+    ("uri", "s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMI@bucket/prefix"),
+    ("uri", "s3://bucket/prefix?secret_access_key=abc"),
+    ("uri", "az://container/prefix?sig=abcdef"),
+    ("endpoint_url", "http://minio:minio123@minio:9000"),
+    ("endpoint_url", "https://AKIAIOSFODNN7EXAMPLE.example.com"),
+])
+def test_checkpoint_store_settings_refuse_credentials(key: str, value: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        validate({"checkpoint": {key: value}})
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"config: checkpoint.{key}: holds credentials; name a Secret in checkpoint.secret_name")
+    assert "wJalrXUtnFEMI" not in message and "minio123" not in message
+
+
+def test_checkpoint_store_settings_without_credentials_are_fine() -> None:
+    cfg = validate({"checkpoint": {"uri": "s3://bucket/prefix", "endpoint_url": "http://minio:9000",
+                                   "secret_name": "s3-credentials"}})
+    assert cfg.checkpoint.uri == "s3://bucket/prefix"
+
+
+def test_credentials_in_the_config_are_one_error_line_and_exit_2(run_main: RunMain) -> None:
+    code, out, err = run_main("train", "--dry-run", "--set", "checkpoint.uri=s3://u:p4ss@bucket/x")
+    assert code == 2
+    assert err.strip().startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert "p4ss" not in out + err

@@ -1,4 +1,5 @@
-"""The checkpoint format: layout, write, verify, read, newest-that-verifies, sharded optimizer state.
+"""The checkpoint format: layout, write, verify, read, newest-that-verifies, sharded optimizer state; copies in
+object storage (`checkpoint.remote`, `checkpoint.sync`).
 
 Callers say `from kubetrain import checkpoint` and `checkpoint.save(...)`, `checkpoint.find_resumable(...)`.
 Nothing here imports from train/, models/, cli/ or k8s/: every one of them imports this.

@@ -28,6 +28,7 @@ OPTIONAL_EXTRAS = {
     "psycopg": "postgres", "psycopg2": "postgres",
     "kubernetes": "k8s", "kubernetes_validate": "k8s", "jsonschema": "k8s",
     "gguf": "export", "tiktoken": "tiktoken",
+    "fsspec": "storage", "s3fs": "storage",
 }
 
 

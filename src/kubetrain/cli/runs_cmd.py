@@ -1,4 +1,4 @@
-"""`kubetrain runs list|show|compare|plot`."""
+"""`kubetrain runs list|show|compare|plot|sync`."""
 
 from __future__ import annotations
 
@@ -112,6 +112,23 @@ def plot(
         raise UserInputError(f"--x must be 'step' or 'tokens', not '{x}'")
     written = plot_losses(run_dirs, output, "tokens" if x == "tokens" else "step")
     typer.echo(f"wrote {written}")
+
+
+@app.command()
+def sync(
+    source: Annotated[str, typer.Argument(help="A run directory to push, or a URI to pull.")],
+    destination: Annotated[str, typer.Argument(help="A URI to push to, or a run directory to pull into.")],
+    endpoint_url: Annotated[
+        str | None, typer.Option("--endpoint-url", help="S3-compatible endpoint (MinIO...) for s3:// URIs.")
+    ] = None,
+) -> None:
+    """Copy a whole run directory to object storage (RUN_DIR URI) or back (URI RUN_DIR); only changed files."""
+    from kubetrain.checkpoint.sync import sync_run
+
+    result = sync_run(source, destination, endpoint_url)
+    verb = "pushed" if result.direction == "push" else "pulled"
+    typer.echo(f"{verb} {len(result.copied)} files ({result.nbytes / 1e6:.1f} MB) from {source} to {destination}; "
+               f"{result.unchanged} unchanged")
 
 
 def _loss(value: float | None) -> str:

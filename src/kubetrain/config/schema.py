@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kubetrain.config.k8s import K8sConfig
 from kubetrain.config.track import TrackConfig
@@ -171,6 +172,32 @@ class CheckpointConfig(Section):
     every_steps: int = Field(100, ge=1, description="Steps between checkpoints (one is also saved at the end).")
     keep_last: int = Field(3, ge=1, description="Periodic checkpoints kept (best is always kept).")
     grace_seconds: float = Field(60.0, gt=0, description="Time allowed to save after SIGTERM.")
+    uri: str | None = Field(
+        None, description="Object storage that keeps a copy of every checkpoint (s3://bucket/prefix, gs://, az://, "
+        "or a path), under <uri>/<run.name>/checkpoints/; uploaded in the background, resumed from when the "
+        "local folder is empty."
+    )
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, Ceph...) for s3:// URIs.")
+    secret_name: str | None = Field(
+        None, description="Kubernetes Secret with the store's credentials, for the pods; locally they come from the "
+        "environment (AWS_ACCESS_KEY_ID...). Never put credentials in the config."
+    )
+
+    @field_validator("uri", "endpoint_url")
+    @classmethod
+    def _no_credentials(cls, value: str | None) -> str | None:
+        if value and _CREDENTIALS.search(value):
+            raise ValueError("holds credentials; name a Secret in checkpoint.secret_name, or set them in the "
+                             "environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
+        return value
+
+
+# user:password@ in a URL, AWS access key ids, and signed or keyed query parameters
+_CREDENTIALS = re.compile(
+    r"://[^/@\s]*:[^/@\s]*@|\b(?:AKIA|ASIA)[0-9A-Z]{16}\b|"
+    r"[?&][\w.-]*(?:key|secret|token|password|signature|credential|sig)[\w.-]*=",
+    re.IGNORECASE,
+)
 
 
 class DistConfig(Section):

@@ -48,6 +48,12 @@ class GracefulStop:
               file=sys.stderr, flush=True)
         os._exit(EXIT_FAILURE)
 
+    def time_left(self) -> float | None:
+        """Seconds left of the grace period since the stop was asked for; None when no stop was asked for."""
+        if self.requested_at is None:
+            return None
+        return max(0.0, self.grace_seconds - (time.monotonic() - self.requested_at))
+
     def done(self) -> None:
         """The stop checkpoint is saved: the watchdog is no longer needed."""
         if self._watchdog is not None:

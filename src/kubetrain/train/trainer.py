@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from kubetrain import checkpoint, runs
+from kubetrain.checkpoint import remote
 from kubetrain.checkpoint.sharded import full_model_state
 from kubetrain.checkpoint.sharded import save_optimizer as save_sharded_optimizer
 from kubetrain.config.loading import config_hash
@@ -100,6 +101,7 @@ class Trainer:
     scaler: torch.amp.GradScaler
     resumed: checkpoint.Checkpoint | None = None
     sinks: Fanout | None = None
+    uploader: remote.Uploader | None = None  # rank 0, with checkpoint.uri: copies checkpoints to object storage
 
     def __init__(self, cfg: Config, opts: RunOptions | None = None, log: Log | None = None) -> None:
         self.cfg, self.opts = cfg, opts or RunOptions()
@@ -122,8 +124,9 @@ class Trainer:
         self.open()
         cfg, state = self.cfg, self.state
         status, sample = "failed", None
+        stop = GracefulStop(cfg.checkpoint.grace_seconds)
         try:
-            with GracefulStop(cfg.checkpoint.grace_seconds) as stop:
+            with stop:
                 while state.step < self.max_steps:
                     self.train_step()
                     final = state.step >= self.max_steps
@@ -150,6 +153,8 @@ class Trainer:
             where = f": {e.filename}" if e.filename else ""
             raise TrainingFailed(f"failed while running at step {state.step}: {e.strerror or e}{where}") from e
         finally:
+            if self.uploader:  # wait for the uploads; after a stop, only within what is left of the grace period
+                self.uploader.close(stop.time_left())
             self.finish(status)
         return self.result(status, sample)
 
@@ -249,6 +254,9 @@ class Trainer:
                 f"{self.path} already has checkpoints; resume it (--resume auto), or choose another run.name"
             )
         if mode == "auto":
+            if self.penv.local_rank == 0:  # a local folder without checkpoints resumes from object storage
+                remote.restore_newest(self.cfg, self.opts.phase, self.ckpt_root, self.say)
+            dist.barrier()
             self.resumed = checkpoint.find_resumable(self.ckpt_root, warn=lambda m: self.say(f"warning: {m}"))
         elif mode != "never":
             if not Path(mode).exists():
@@ -292,6 +300,7 @@ class Trainer:
         truncate_after(path / runs.SAMPLES_FILE, step)
         self.tokenizer.save(path / "tokenizer")
         self.sinks = build_sinks(cfg, path, self.max_steps, prefix=self.prefix)
+        self.uploader = remote.Uploader.from_config(cfg, self.opts.phase, self.ckpt_root, self.say)
         self.sinks.start({"run_dir": str(path), "run": cfg.run.name, "start_step": step, "params": self.n_params,
                           "phase": self.opts.phase, "config": cfg, "max_steps": self.max_steps,
                           "restarts": self.penv.restart_count, "world_size": self.penv.world_size})
@@ -403,6 +412,8 @@ class Trainer:
             )
             runs.update_meta(self.path, step=state.step, tokens=state.tokens, last_checkpoint=saved.path.name,
                              best_val_loss=state.best_val_loss)
+            if self.uploader:  # in the background: training goes on while it uploads
+                self.uploader.submit(saved, is_best)
             if self.sinks:
                 self.sinks.log({"kind": "checkpoint", "step": state.step, "path": str(saved.path), "best": is_best,
                                 "phase": self.opts.phase, "time": time.time()})

@@ -1,0 +1,121 @@
+"""One folder in object storage, or on a filesystem, through fsspec.
+
+s3:// goes through s3fs (any S3-compatible endpoint: AWS, MinIO, Ceph), gs:// through gcsfs, az:// through
+adlfs; file:// and a plain path through fsspec's local filesystem. Credentials come from the environment
+(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_*),
+never from the config.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from pathlib import Path
+from typing import Any
+
+from kubetrain.errors import UserInputError
+
+LOCAL_PROTOCOLS = (None, "file", "local")
+S3_PROTOCOLS = ("s3", "s3a")
+EXTRA = "pip install 'kubetrain[storage]'"
+# Fail over in seconds, not minutes: a store that is down must not hold a run's end for long.
+S3_CLIENT = {"connect_timeout": 10, "read_timeout": 120, "retries": {"max_attempts": 3, "mode": "standard"}}
+
+
+def protocol_of(uri: str) -> str | None:
+    head, sep, _ = uri.partition("://")
+    return head.lower() if sep and head.isidentifier() else None
+
+
+def is_remote(uri: str) -> bool:
+    """True for a URI with a scheme other than file://."""
+    return protocol_of(uri) not in LOCAL_PROTOCOLS
+
+
+def describe(e: BaseException) -> str:
+    """An exception from a store as one short line (botocore messages run over several)."""
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+class Store:
+    """Files under one root of an fsspec filesystem, named by paths relative to that root."""
+
+    def __init__(self, fs: Any, root: str, uri: str) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.uri = uri.rstrip("/")
+
+    def child(self, rel: str) -> Store:
+        return Store(self.fs, self.path(rel), f"{self.uri}/{rel}")
+
+    def path(self, rel: str = "") -> str:
+        return posixpath.join(self.root, rel) if rel else self.root
+
+    def read_text(self, rel: str) -> str | None:
+        """The file's text, or None when there is no such file."""
+        try:
+            data: bytes = self.fs.cat_file(self.path(rel))
+        except FileNotFoundError:
+            return None
+        return data.decode()
+
+    def write_text(self, rel: str, text: str) -> None:
+        self.fs.pipe_file(self.path(rel), text.encode())
+
+    def put(self, pairs: list[tuple[Path, str]]) -> None:
+        """Upload local files to relative paths, concurrently where the filesystem can."""
+        if pairs:
+            self.fs.put([str(local) for local, _ in pairs], [self.path(rel) for _, rel in pairs])
+
+    def get(self, pairs: list[tuple[str, Path]]) -> None:
+        """Download relative paths to local files (their folders are made)."""
+        for _, local in pairs:
+            local.parent.mkdir(parents=True, exist_ok=True)
+        if pairs:
+            self.fs.get([self.path(rel) for rel, _ in pairs], [str(local) for _, local in pairs])
+
+    def sizes(self) -> dict[str, int]:
+        """Every file under the root (recursively), by relative path, with its size in bytes."""
+        try:
+            found = self.fs.find(self.root, detail=True, withdirs=False)
+        except FileNotFoundError:
+            return {}
+        prefix = self.root + "/"
+        return {name[len(prefix):]: int(info["size"]) for name, info in found.items() if name.startswith(prefix)}
+
+    def subdirs(self) -> list[str]:
+        """Names of the folders directly under the root."""
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        return [posixpath.basename(e["name"].rstrip("/")) for e in entries if e["type"] == "directory"]
+
+    def remove(self, rel: str) -> None:
+        self.fs.rm(self.path(rel), recursive=True)
+
+
+def open_store(uri: str, endpoint_url: str | None = None) -> Store:
+    """The store at `uri`; a missing fsspec implementation or an unknown scheme is a user error."""
+    try:
+        import fsspec
+    except ModuleNotFoundError:
+        raise UserInputError(f"{uri}: object storage needs fsspec: {EXTRA}") from None
+    protocol = protocol_of(uri)
+    options: dict[str, Any] = {"skip_instance_cache": True}
+    if protocol in S3_PROTOCOLS:
+        # listings are read to decide what is complete: never from a cache
+        options.update(use_listings_cache=False, config_kwargs=S3_CLIENT)
+        if endpoint_url:
+            options["endpoint_url"] = endpoint_url
+    elif endpoint_url:
+        raise UserInputError(f"checkpoint.endpoint_url is for s3:// stores, not {uri}")
+    elif protocol in LOCAL_PROTOCOLS:
+        options["auto_mkdir"] = True
+    try:
+        fs, root = fsspec.core.url_to_fs(uri, **options)
+    except ImportError as e:
+        raise UserInputError(f"{uri}: {describe(e)} ({EXTRA}, or the fsspec package for {protocol}://)") from None
+    except ValueError as e:
+        raise UserInputError(f"{uri}: {describe(e)}") from None
+    return Store(fs, str(root), uri)

@@ -1,0 +1,154 @@
+"""Checkpoints in object storage, against a real S3-compatible server (moto's, over HTTP through s3fs)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from kubetrain import checkpoint
+from kubetrain.checkpoint import remote
+from kubetrain.config.schema import Config
+from tests.checkpoint.conftest import Bucket, free_port, start_moto, stop
+
+
+def _cfg(uri: str, endpoint: str, **section: object) -> Config:
+    return Config.model_validate({"run": {"name": "r"},
+                                  "checkpoint": {"uri": uri, "endpoint_url": endpoint, **section}})
+
+
+def _save(root: Path, step: int, *, best: bool = False, keep_last: int = 100) -> checkpoint.Checkpoint:
+    gen = torch.Generator().manual_seed(step)
+    return checkpoint.save(root, step, {"w": torch.randn(64, 64, generator=gen)},
+                           {"state": {"step": step}, "exp_avg": torch.randn(256, generator=gen)},
+                           {"tokens": step}, keep_last=keep_last, is_best=best)
+
+
+def _names(bucket: Bucket, rel: str) -> list[str]:
+    return sorted(p.rsplit("/", 1)[1] for p in bucket.fs.ls(bucket.path(rel)))
+
+
+def test_uploads_files_then_pointers_and_keeps_last_in_the_bucket(bucket: Bucket, tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    lines: list[str] = []
+    uploader = remote.Uploader.from_config(_cfg(bucket.uri, bucket.endpoint, keep_last=2), None, root, lines.append)
+    assert uploader is not None
+    local_bytes = {}
+    for step in (1, 2, 3, 4):
+        # keep_last=1 locally: each save prunes the previous checkpoint while its upload may still be queued
+        saved = _save(root, step, best=step == 2, keep_last=1)
+        local_bytes[saved.path.name] = (saved.path / checkpoint.MODEL_FILE).read_bytes()
+        uploader.submit(saved, is_best=step == 2)
+    uploader.close()
+    assert lines == [f"checkpoints uploaded to {bucket.uri}/r/checkpoints (latest: step-000004)"]
+    assert _names(bucket, "r/checkpoints") == ["best", "latest", "step-000002", "step-000003", "step-000004"]
+    assert bucket.fs.cat_file(bucket.path("r/checkpoints/latest")) == b"step-000004\n"
+    assert bucket.fs.cat_file(bucket.path("r/checkpoints/best")) == b"step-000002\n"
+    for name in ("step-000002", "step-000003", "step-000004"):
+        assert bucket.fs.cat_file(bucket.path(f"r/checkpoints/{name}/model.safetensors")) == local_bytes[name]
+        assert _names(bucket, f"r/checkpoints/{name}") == ["meta.json", "model.safetensors", "trainer.pt",
+                                                           "trainer.safetensors"]
+    assert not (root / remote.STAGING).exists()
+
+
+def test_restore_skips_unfinished_and_corrupt_uploads(bucket: Bucket, tmp_path: Path) -> None:
+    cfg = _cfg(bucket.uri, bucket.endpoint)
+    store = remote.checkpoint_store(cfg)
+    assert store is not None
+    source = tmp_path / "source"
+    for step in (3, 12, 6):
+        remote.upload(store, _save(source, step).path, checkpoint.step_name(step), is_best=step == 3, keep_last=5)
+    # step 6: same size, other bytes; step 9: its data files arrived, its meta.json never did; step 12: a file
+    # was lost
+    bucket.fs.rm(bucket.path("r/checkpoints/step-000012/trainer.pt"))
+    model6 = bucket.path("r/checkpoints/step-000006/model.safetensors")
+    data = bytearray(bucket.fs.cat_file(model6))
+    data[-1] ^= 0xFF
+    bucket.fs.pipe_file(model6, bytes(data))
+    bucket.fs.pipe_file(bucket.path("r/checkpoints/step-000009/model.safetensors"), b"partial")
+
+    root = tmp_path / "run" / "checkpoints"
+    lines: list[str] = []
+    restored = remote.restore_newest(cfg, None, root, lines.append)
+    assert restored is not None and restored.step == 3
+    assert lines == [  # `latest` (step 6, uploaded last) first, then the others newest first
+        f"warning: skipping {bucket.uri}/r/checkpoints/step-000006: model.safetensors fails its checksum",
+        f"warning: skipping {bucket.uri}/r/checkpoints/step-000012: trainer.pt is missing",
+        f"warning: skipping {bucket.uri}/r/checkpoints/step-000009: its upload did not finish (no meta.json)",
+        f"restored step-000003 from {bucket.uri}/r/checkpoints",
+    ]
+    assert sorted(p.name for p in root.iterdir()) == ["best", "latest", "step-000003"]
+    assert checkpoint.find_resumable(root) is not None
+    for f in ("model.safetensors", "trainer.pt", "trainer.safetensors", "meta.json"):
+        assert (root / "step-000003" / f).read_bytes() == (source / "step-000003" / f).read_bytes()
+    # a local checkpoint wins: nothing is downloaded
+    assert remote.restore_newest(cfg, None, root, lines.append) is None
+
+
+def test_an_empty_store_restores_nothing(bucket: Bucket, tmp_path: Path) -> None:
+    lines: list[str] = []
+    assert remote.restore_newest(_cfg(bucket.uri, bucket.endpoint), None, tmp_path / "c", lines.append) is None
+    assert lines == []
+
+
+@pytest.fixture(params=["unreachable", "wrong-credentials"])
+def bad_store(request: pytest.FixtureRequest, bucket: Bucket) -> object:
+    """(uri, endpoint) of a store that cannot be used: nothing listens there, or it refuses our keys."""
+    uri = f"s3://kt-{uuid.uuid4().hex[:12]}/store"
+    if request.param == "unreachable":
+        yield uri, f"http://127.0.0.1:{free_port()}"
+        return
+    proc, url = start_moto(INITIAL_NO_AUTH_ACTION_COUNT="0")  # moto then checks credentials: ours are unknown
+    yield uri, url
+    stop(proc)
+
+
+def test_a_store_down_is_one_warning_and_a_list_of_what_is_not_uploaded(bad_store: tuple[str, str],
+                                                                       tmp_path: Path) -> None:
+    uri, endpoint = bad_store
+    root = tmp_path / "checkpoints"
+    lines: list[str] = []
+    cfg = _cfg(uri, endpoint)
+    assert remote.restore_newest(cfg, None, root, lines.append) is None
+    uploader = remote.Uploader.from_config(cfg, None, root, lines.append)
+    assert uploader is not None
+    for step in (1, 2):
+        uploader.submit(_save(root, step))
+    uploader.close()
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert len(warnings) == 1, lines
+    assert f"{uri}/r/checkpoints" in warnings[0]
+    assert lines[-1] == (f"checkpoints not uploaded to {uri}/r/checkpoints: step-000001, step-000002 "
+                         f"(they are in {root})")
+    assert checkpoint.find_resumable(root) is not None  # the local checkpoints are untouched
+
+
+def test_close_after_a_stop_names_the_newest_checkpoint_in_the_store(
+    bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "checkpoints"
+    cfg = _cfg(bucket.uri, bucket.endpoint)
+    first = remote.Uploader.from_config(cfg, None, root, lambda m: None)
+    assert first is not None
+    first.submit(_save(root, 1))
+    first.close()
+    monkeypatch.setenv(remote.FAULT_SLOW_UPLOAD, "600")  # the next upload stalls before its meta.json
+    lines: list[str] = []
+    second = remote.Uploader.from_config(cfg, None, root, lines.append)
+    assert second is not None
+    second.submit(_save(root, 2))
+    second.close(timeout=5)
+    assert lines == [
+        f"the upload of step-000002 did not finish in time; the newest checkpoint in {bucket.uri}/r/checkpoints "
+        "is step-000001",
+        f"checkpoints not uploaded to {bucket.uri}/r/checkpoints: step-000002 (they are in {root})",
+    ]
+    assert bucket.fs.cat_file(bucket.path("r/checkpoints/latest")) == b"step-000001\n"
+
+
+def test_a_phase_has_its_own_folder_in_the_store(bucket: Bucket) -> None:
+    store = remote.checkpoint_store(_cfg(bucket.uri, bucket.endpoint), "code")
+    assert store is not None and store.uri == f"{bucket.uri}/r/phases/code/checkpoints"
+    assert remote.checkpoint_store(Config()) is None

@@ -1,0 +1,153 @@
+"""`kubetrain train` with `checkpoint.uri` on a real S3-compatible server: a run whose local folder is lost
+resumes from the bucket, bitwise equal to a run never interrupted (CPU); a store that is down never stops it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import uuid
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from kubetrain.checkpoint.remote import FAULT_SLOW_UPLOAD
+from kubetrain.errors import EXIT_STOPPED_RESUMABLE
+from tests.checkpoint.conftest import Bucket, free_port, start_moto, stop
+from tests.train.conftest import _no_leftover_processes, kubetrain, lines_in, sets, start, wait_until
+
+pytestmark = pytest.mark.slow
+__all__ = ["_no_leftover_processes"]  # the autouse fixture that kills what a test started
+
+STEPS = 24
+
+
+def _args(name: str, cache: Path, *extra: str) -> list[str]:
+    return ["train", *sets(
+        f"run.name={name}", f"train.max_steps={STEPS}", "checkpoint.every_steps=3", "checkpoint.keep_last=2",
+        "eval.every_steps=6", "train.log_every_steps=1", f"data.cache_dir={cache}", *extra,
+    )]
+
+
+def _on(bucket: Bucket) -> list[str]:
+    return [f"checkpoint.uri={bucket.uri}", f"checkpoint.endpoint_url={bucket.endpoint}"]
+
+
+def _train_losses(run: Path, after: int = 0) -> list[tuple[int, float]]:
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in recs if r["kind"] == "train" and r["step"] > after]
+
+
+def _assert_same_end(run: Path, reference: Path, resumed_at: int) -> None:
+    assert _train_losses(run, resumed_at) == _train_losses(reference, resumed_at)
+    final = f"checkpoints/step-{STEPS:06d}/model.safetensors"
+    mine, ref = load_file(run / final), load_file(reference / final)
+    assert mine.keys() == ref.keys()
+    for k in ref:
+        assert mine[k].equal(ref[k]), f"{k} differs"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    cwd = tmp_path_factory.mktemp("ref")
+    cache = cwd / "cache"
+    kubetrain(*_args("ref", cache), cwd=cwd)
+    return cwd / "runs" / "ref", cache
+
+
+def _pointer(bucket: Bucket, rel: str) -> str | None:
+    try:
+        return bucket.fs.cat_file(bucket.path(rel)).decode().strip()
+    except FileNotFoundError:
+        return None
+
+
+def _complete_in_bucket(bucket: Bucket, folder: str) -> bool:
+    """The checkpoint folder in the bucket holds meta.json and every file it lists, at its size."""
+    try:
+        meta = json.loads(bucket.fs.cat_file(bucket.path(f"{folder}/meta.json")))
+    except FileNotFoundError:
+        return False
+    sizes = {p.rsplit("/", 1)[1]: info["size"] for p, info in bucket.fs.find(bucket.path(folder), detail=True).items()}
+    return all(sizes.get(f) == info["bytes"] for f, info in meta["files"].items())
+
+
+def test_sigterm_uploads_and_an_empty_folder_resumes_from_the_bucket_bitwise(
+    reference: tuple[Path, Path], bucket: Bucket, tmp_path: Path
+) -> None:
+    ref, cache = reference
+    run = tmp_path / "runs" / "s3"
+    args = _args("s3", cache, *_on(bucket))
+    proc = start(*args, cwd=tmp_path)
+    wait_until(lambda: lines_in(run / "metrics.jsonl") >= 8, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED_RESUMABLE, err
+    stopped = int(json.loads((run / "meta.json").read_text())["step"])
+    assert f"checkpoints uploaded to {bucket.uri}/s3/checkpoints (latest: step-{stopped:06d})" in out
+    assert _pointer(bucket, "s3/checkpoints/latest") == f"step-{stopped:06d}"
+
+    shutil.rmtree(run)  # the pod lands on a node without the claim
+    resumed = kubetrain(*args, cwd=tmp_path)
+    assert f"restored step-{stopped:06d} from {bucket.uri}/s3/checkpoints" in resumed.stdout
+    assert f"resuming from runs/s3/checkpoints/step-{stopped:06d}" in resumed.stdout
+    _assert_same_end(run, ref, stopped)
+    assert _pointer(bucket, "s3/checkpoints/latest") == f"step-{STEPS:06d}"
+
+
+def test_sigkill_during_an_upload_never_leaves_latest_on_a_partial_checkpoint(
+    reference: tuple[Path, Path], bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ref, cache = reference
+    run = tmp_path / "runs" / "killed"
+    args = _args("killed", cache, *_on(bucket))
+    prefix = "killed/checkpoints"
+
+    def mid_upload() -> bool:
+        """`latest` is in the bucket, and a newer checkpoint has files there but no meta.json yet."""
+        latest = _pointer(bucket, f"{prefix}/latest")
+        if latest is None:
+            return False
+        folders = [p.rsplit("/", 1)[1] for p in bucket.fs.ls(bucket.path(prefix))]
+        return any(f.startswith("step-") and f > latest and not _complete_in_bucket(bucket, f"{prefix}/{f}")
+                   and bucket.fs.ls(bucket.path(f"{prefix}/{f}")) for f in folders)
+
+    monkeypatch.setenv(FAULT_SLOW_UPLOAD, "2")  # each upload waits 2 s between its files and its meta.json
+    proc = start(*args, cwd=tmp_path)
+    wait_until(mid_upload, proc, poll=0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    latest = _pointer(bucket, f"{prefix}/latest")
+    assert latest is not None and _complete_in_bucket(bucket, f"{prefix}/{latest}")
+
+    monkeypatch.delenv(FAULT_SLOW_UPLOAD)
+    shutil.rmtree(run)
+    resumed = kubetrain(*args, cwd=tmp_path)
+    assert f"restored {latest} from" in resumed.stdout  # not the newer folder whose upload was cut off
+    _assert_same_end(run, ref, int(latest.removeprefix("step-")))
+
+
+@pytest.mark.parametrize("trouble", ["unreachable", "wrong-credentials"])
+def test_a_store_that_is_down_costs_one_warning_and_the_run_finishes(
+    trouble: str, reference: tuple[Path, Path], bucket: Bucket, tmp_path: Path
+) -> None:
+    _, cache = reference
+    uri = f"s3://kt-{uuid.uuid4().hex[:12]}/store"
+    server = None
+    if trouble == "unreachable":
+        endpoint = f"http://127.0.0.1:{free_port()}"
+    else:
+        server, endpoint = start_moto(INITIAL_NO_AUTH_ACTION_COUNT="0")  # checks credentials; ours are unknown
+    try:
+        done = kubetrain(*_args("down", cache, "train.max_steps=6", f"checkpoint.uri={uri}",
+                                f"checkpoint.endpoint_url={endpoint}"), cwd=tmp_path)
+    finally:
+        if server is not None:
+            stop(server)
+    lines = (done.stdout + done.stderr).splitlines()
+    assert len([line for line in lines if "warning" in line.lower()]) == 1, done.stdout + done.stderr
+    assert (f"checkpoints not uploaded to {uri}/down/checkpoints: step-000003, step-000006 "
+            f"(they are in runs/down/checkpoints)") in lines
+    assert "Traceback" not in done.stderr
+    assert (tmp_path / "runs" / "down" / "checkpoints" / "step-000006" / "meta.json").is_file()
