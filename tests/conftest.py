@@ -89,3 +89,13 @@ def run_main(capsys: pytest.CaptureFixture[str]) -> RunMain:
         return (code if isinstance(code, int) else 0 if code is None else 1), out, err
 
     return run
+
+
+def assert_same_weights(mine: Path, theirs: Path) -> None:
+    """Two safetensors files hold the same tensors, bit for bit."""
+    from safetensors.torch import load_file
+
+    a, b = load_file(mine), load_file(theirs)
+    assert a.keys() == b.keys()
+    for name, tensor in b.items():
+        assert a[name].equal(tensor), f"{name} differs"

@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
+from tests.conftest import assert_same_weights
 from tests.train.conftest import kubetrain
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v0-run"
@@ -25,11 +25,8 @@ def old_run(tmp_path: Path) -> Path:
 
 def test_today_trains_the_old_config_to_the_same_bits(tmp_path: Path) -> None:
     kubetrain("train", str(FIXTURE / "config.yaml"), "--set", "run.name=again", cwd=tmp_path)
-    ours = load_file(tmp_path / "runs" / "again" / "checkpoints" / "step-000004" / "model.safetensors")
-    theirs = load_file(FIXTURE / "checkpoints" / "step-000004" / "model.safetensors")
-    assert ours.keys() == theirs.keys()
-    for name, tensor in theirs.items():
-        assert ours[name].equal(tensor), name
+    weights = "checkpoints/step-000004/model.safetensors"
+    assert_same_weights(tmp_path / "runs" / "again" / weights, FIXTURE / weights)
 
 
 @pytest.mark.slow

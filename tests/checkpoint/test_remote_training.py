@@ -10,11 +10,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
 from kubetrain.checkpoint.remote import FAULT_SLOW_UPLOAD
 from kubetrain.errors import EXIT_STOPPED_RESUMABLE
 from tests.checkpoint.conftest import Bucket, free_port, start_moto, stop
+from tests.conftest import assert_same_weights
 from tests.train.conftest import _no_leftover_processes, kubetrain, lines_in, sets, start, wait_until
 
 pytestmark = pytest.mark.slow
@@ -42,10 +42,7 @@ def _train_losses(run: Path, after: int = 0) -> list[tuple[int, float]]:
 def _assert_same_end(run: Path, reference: Path, resumed_at: int) -> None:
     assert _train_losses(run, resumed_at) == _train_losses(reference, resumed_at)
     final = f"checkpoints/step-{STEPS:06d}/model.safetensors"
-    mine, ref = load_file(run / final), load_file(reference / final)
-    assert mine.keys() == ref.keys()
-    for k in ref:
-        assert mine[k].equal(ref[k]), f"{k} differs"
+    assert_same_weights(run / final, reference / final)
 
 
 @pytest.fixture(scope="module")

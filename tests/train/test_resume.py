@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
 from kubetrain.errors import EXIT_STOPPED_RESUMABLE
+from tests.conftest import assert_same_weights
 from tests.train.conftest import kubetrain, lines_in, sets, start, wait_until
 
 pytestmark = pytest.mark.slow
@@ -40,16 +40,13 @@ def _losses(run: Path) -> list[tuple[str, int, float]]:
     return out
 
 
-def _final_weights(run: Path) -> dict:
-    return load_file(run / "checkpoints" / f"step-{STEPS:06d}" / "model.safetensors")
+def _final_weights(run: Path) -> Path:
+    return run / "checkpoints" / f"step-{STEPS:06d}" / "model.safetensors"
 
 
 def _assert_same_run(run: Path, reference: Path) -> None:
     assert _losses(run) == _losses(reference)
-    mine, ref = _final_weights(run), _final_weights(reference)
-    assert mine.keys() == ref.keys()
-    for k in ref:
-        assert mine[k].equal(ref[k]), f"{k} differs"
+    assert_same_weights(_final_weights(run), _final_weights(reference))
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +128,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_resumable(reference: tuple[Path, P
     assert (run / "checkpoints" / f"step-{step:06d}" / "meta.json").is_file()
     kubetrain(*_args("term", cache, "checkpoint.every_steps=1000", "eval.every_steps=1000"), cwd=tmp_path)
     # same weights as the reference (eval/checkpoint cadence does not touch the numerics)
-    mine, theirs = _final_weights(run), _final_weights(ref)
-    assert all(mine[k].equal(theirs[k]) for k in theirs)
+    assert_same_weights(_final_weights(run), _final_weights(ref))
     train_losses = [x for x in _losses(run) if x[0] == "train"]
     assert train_losses == [x for x in _losses(ref) if x[0] == "train"]
 
