@@ -19,6 +19,16 @@ S3_PROTOCOLS = ("s3", "s3a")
 EXTRA = "pip install 'kubetrain[storage]'"
 # Fail over in seconds, not minutes: a store that is down must not hold a run's end for long.
 S3_CLIENT = {"connect_timeout": 10, "read_timeout": 120, "retries": {"max_attempts": 3, "mode": "standard"}}
+# The environment variables each store's library reads its credentials from, and whether a Kubernetes Secret
+# that holds them (checkpoint.secret_name) must have that key. Azure takes one of several combinations.
+# gs:// reads a key *file* (GOOGLE_APPLICATION_CREDENTIALS): on GKE, Workload Identity instead of a Secret.
+CREDENTIAL_KEYS: dict[str, tuple[tuple[str, bool], ...]] = {
+    "s3": (("AWS_ACCESS_KEY_ID", True), ("AWS_SECRET_ACCESS_KEY", True), ("AWS_SESSION_TOKEN", False)),
+    "az": tuple((f"AZURE_STORAGE_{k}", False) for k in (
+        "ACCOUNT_NAME", "ACCOUNT_KEY", "SAS_TOKEN", "CONNECTION_STRING", "CLIENT_ID", "CLIENT_SECRET", "TENANT_ID")),
+}
+CREDENTIAL_KEYS["s3a"] = CREDENTIAL_KEYS["s3"]
+CREDENTIAL_KEYS["abfs"] = CREDENTIAL_KEYS["az"]
 
 
 def protocol_of(uri: str) -> str | None:
@@ -29,6 +39,11 @@ def protocol_of(uri: str) -> str | None:
 def is_remote(uri: str) -> bool:
     """True for a URI with a scheme other than file://."""
     return protocol_of(uri) not in LOCAL_PROTOCOLS
+
+
+def credential_keys(uri: str) -> tuple[tuple[str, bool], ...]:
+    """(environment variable, required) pairs a Secret with this store's credentials gives the pods."""
+    return CREDENTIAL_KEYS.get(protocol_of(uri) or "", ())
 
 
 def describe(e: BaseException) -> str:

@@ -140,3 +140,19 @@ def test_a_free_static_volume_counts_as_storage(tmp_path: Path, apiserver: Any, 
             "PersistentVolume nas-100 matches; the claim binds to it") in out
     code, out, _ = doctor(cli, kubeconfig, 'k8s.volumes.checkpoints={"size": "300Gi"}')
     assert code == 1 and "fail  volume checkpoints: a default storage class does not exist" in out
+
+
+def test_the_store_secret_has_the_keys_the_pods_read(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = cluster(tmp_path, apiserver)
+    store = ["checkpoint.uri=s3://ckpts/team", "checkpoint.secret_name=s3-credentials"]
+    code, out, _ = doctor(cli, kubeconfig, *store)
+    assert code == 1 and "fail  secret AWS_ACCESS_KEY_ID: Secret s3-credentials does not exist in homelab" in out
+    assert "AWS_SECRET_ACCESS_KEY" not in out  # the missing Secret is said once
+    apiserver.answer("GET", "/api/v1/namespaces/homelab/secrets/s3-credentials", 200, {
+        "kind": "Secret", "apiVersion": "v1", "metadata": {"name": "s3-credentials", "namespace": "homelab"},
+        "data": {"AWS_ACCESS_KEY_ID": "a2V5", "AWS_SECRET_ACCESS_KEY": "c2VjcmV0"}, "type": "Opaque"})
+    code, out, _ = doctor(cli, kubeconfig, *store)
+    assert code == 0, out
+    assert "ok    secret AWS_ACCESS_KEY_ID: Secret s3-credentials has key AWS_ACCESS_KEY_ID" in out
+    assert "ok    secret AWS_SECRET_ACCESS_KEY: Secret s3-credentials has key AWS_SECRET_ACCESS_KEY" in out
+    assert "AWS_SESSION_TOKEN" not in out and "c2VjcmV0" not in out  # optional and absent; values never shown

@@ -201,25 +201,39 @@ def _free_volume(cluster: Cluster, size: str, mode: str) -> str | None:
 
 
 def _secrets(cluster: Cluster, ctx: RenderContext) -> list[Check]:
-    refs = dict(ctx.k.secrets.env)
+    """Every Secret key the pods read: a missing required key fails, a missing optional one is not shown.
+
+    A Secret that is missing or may not be read is said once, at the first variable that reads it.
+    """
+    from kubetrain.checkpoint.store import credential_keys
+
+    refs = [(env, ref.name, ref.key, False) for env, ref in ctx.k.secrets.env.items()]
     if ctx.k.secrets.hf_token is not None:
-        refs["HF_TOKEN"] = ctx.k.secrets.hf_token
+        refs.append(("HF_TOKEN", ctx.k.secrets.hf_token.name, ctx.k.secrets.hf_token.key, False))
+    ckpt = ctx.cfg.checkpoint
+    if ckpt.uri and ckpt.secret_name:
+        refs += [(env, ckpt.secret_name, env, not required) for env, required in credential_keys(ckpt.uri)
+                 if env not in ctx.k.secrets.env]
     out = []
-    for env, ref in refs.items():
-        try:
-            secret = cluster.get("Secret", ref.name, ctx.namespace)
-        except NotFound:
-            out.append(
-                Check(f"secret {env}", "fail", f"Secret {ref.name} does not exist in {ctx.namespace}")
-            )
-            continue
-        except Forbidden:
-            out.append(Check(f"secret {env}", "warn", f"cannot read Secret {ref.name} (forbidden)"))
+    found: dict[str, dict[str, Any] | None] = {}
+    for env, name, key, optional in refs:
+        if name not in found:
+            try:
+                found[name] = cluster.get("Secret", name, ctx.namespace)
+            except NotFound:
+                found[name] = None
+                out.append(Check(f"secret {env}", "fail", f"Secret {name} does not exist in {ctx.namespace}"))
+            except Forbidden:
+                found[name] = None
+                out.append(Check(f"secret {env}", "warn", f"cannot read Secret {name} (forbidden)"))
+        secret = found[name]
+        if secret is None:
             continue
         keys = set(secret.get("data") or {}) | set(secret.get("stringData") or {})
-        ok = ref.key in keys
-        detail = f"Secret {ref.name} has key {ref.key}" if ok else f"Secret {ref.name} has no key {ref.key}"
-        out.append(Check(f"secret {env}", "ok" if ok else "fail", detail))
+        if key in keys:
+            out.append(Check(f"secret {env}", "ok", f"Secret {name} has key {key}"))
+        elif not optional:
+            out.append(Check(f"secret {env}", "fail", f"Secret {name} has no key {key}"))
     return out
 
 
