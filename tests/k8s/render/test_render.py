@@ -303,5 +303,5 @@ def test_no_store_credentials_without_a_secret_and_none_where_a_secret_cannot_se
     assert azure["AZURE_STORAGE_ACCOUNT_KEY"]["secretKeyRef"]["optional"] is True
     with pytest.raises(RenderError, match="Workload Identity"):
         render(tiny("checkpoint.uri=gs://ckpts/team", "checkpoint.secret_name=gcs"))
-    with pytest.raises(RenderError, match="checkpoint.uri is not"):
+    with pytest.raises(RenderError, match=r"checkpoint\.uri is not"):
         render(tiny("checkpoint.secret_name=s3-credentials"))
