@@ -8,6 +8,7 @@ never from the config.
 
 from __future__ import annotations
 
+import os
 import posixpath
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,46 @@ def is_remote(uri: str) -> bool:
 def credential_keys(uri: str) -> tuple[tuple[str, bool], ...]:
     """(environment variable, required) pairs a Secret with this store's credentials gives the pods."""
     return CREDENTIAL_KEYS.get(protocol_of(uri) or "", ())
+
+
+# Where each store's library finds credentials on this machine: variables, then files.
+_CREDENTIAL_SOURCES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "s3": (("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+            "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"), ("~/.aws/credentials", "~/.aws/config")),
+    "gs": (("GOOGLE_APPLICATION_CREDENTIALS",), ("~/.config/gcloud/application_default_credentials.json",)),
+    "az": (tuple(k for k, _ in CREDENTIAL_KEYS["az"]), ()),
+}
+_CREDENTIAL_SOURCES.update(s3a=_CREDENTIAL_SOURCES["s3"], gcs=_CREDENTIAL_SOURCES["gs"],
+                           abfs=_CREDENTIAL_SOURCES["az"])
+
+
+def credentials_here(uri: str) -> str | None:
+    """What the store's library would log in with on this machine (a variable or a file), None if nothing.
+
+    Only where it looks: an instance role or a metadata server is not asked, so None can mean "try anyway".
+    """
+    variables, files = _CREDENTIAL_SOURCES.get(protocol_of(uri) or "", ((), ()))
+    for name in variables:
+        if os.environ.get(name):
+            return f"${name}"
+    override = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") if variables and variables[0].startswith("AWS") else None
+    for path in ([override] if override else []) + list(files):
+        if Path(path).expanduser().is_file():
+            return path
+    return None
+
+
+def check_reachable(store: Store) -> str:
+    """List the store's root once; what is there, in words. Raises what the store raises (a missing bucket:
+    FileNotFoundError naming it)."""
+    try:
+        entries = store.fs.ls(store.root, detail=False)
+    except FileNotFoundError:
+        bucket = store.root.split("/", 1)[0]
+        if protocol_of(store.uri) in LOCAL_PROTOCOLS or store.fs.exists(bucket):
+            return "nothing stored under it yet"
+        raise FileNotFoundError(f"bucket {bucket} does not exist") from None
+    return f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'} under it"
 
 
 def describe(e: BaseException) -> str:

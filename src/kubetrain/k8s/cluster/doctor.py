@@ -2,7 +2,8 @@
 
 Checks: the API server answers; the namespace exists; the workload's CRD (and TrainJob runtime) is installed;
 nodes have the GPU resource and their taints are tolerated; storage classes exist and claims fit several
-nodes (ReadWriteMany); the Secrets and keys the pods read exist (their values are never shown).
+nodes (ReadWriteMany); the Secrets and keys the pods read exist (their values are never shown); the bucket of
+checkpoint.uri can be listed from this machine, when it has credentials.
 """
 
 from __future__ import annotations
@@ -237,6 +238,23 @@ def _secrets(cluster: Cluster, ctx: RenderContext) -> list[Check]:
     return out
 
 
+def store_check(cfg: Config) -> Check | None:
+    """The bucket of checkpoint.uri, listed from this machine when credentials are here (the pods use theirs)."""
+    from kubetrain.checkpoint.store import check_reachable, credentials_here, describe, is_remote, open_store
+
+    uri = cfg.checkpoint.uri
+    if not uri or not is_remote(uri):
+        return None  # a path is the pods' path, not this machine's
+    source = credentials_here(uri)
+    if source is None:
+        return Check("store", "warn", f"{uri}: no credentials in this environment; not checked from here")
+    try:
+        found = check_reachable(open_store(uri, cfg.checkpoint.endpoint_url))
+    except Exception as e:  # network, credentials, a missing bucket or library: a verdict, not a crash
+        return Check("store", "fail", f"{uri} cannot be listed from here (credentials from {source}): {describe(e)}")
+    return Check("store", "ok", f"{uri} reachable from here (credentials from {source}): {found}")
+
+
 def _crd(cluster: Cluster, ctx: RenderContext, kind: str) -> list[Check]:
     if kind not in CUSTOM_KINDS:
         return []
@@ -285,3 +303,6 @@ def run_checks(cluster: Cluster, cfg: Config, workload: str | None = None) -> It
     yield from _guarded("nodes", "nodes", lambda: _nodes(cluster, ctx, tolerations(ctx)))
     yield from _guarded("storage", "storage classes and volumes", lambda: _storage(cluster, ctx))
     yield from _secrets(cluster, ctx)
+    store = store_check(cfg)
+    if store is not None:
+        yield store
