@@ -79,6 +79,7 @@ class _Plan:
     pointers: dict[str, str]
     plain: list[str]
     checkpoints: dict[str, list[str]]  # checkpoint folder -> its files, meta.json last
+    unchanged: int  # files asked for that are here as the pod has them
 
     @property
     def files(self) -> list[str]:
@@ -116,15 +117,17 @@ def plan(listing_json: dict[str, Any], local: Path, which: str) -> _Plan:
     def changed(rel: str) -> bool:
         return manifest.get(rel) != list(listing[rel])
 
-    plain = [rel for rel in listing if not _CKPT.match(rel) and not _POINTER.match(rel)
-             and (changed(rel) or not (local / rel).is_file())]
+    candidates = [rel for rel in listing if not _CKPT.match(rel) and not _POINTER.match(rel)]
+    plain = [rel for rel in candidates if changed(rel) or not (local / rel).is_file()]
+    unchanged = len(candidates) - len(plain)
     checkpoints: dict[str, list[str]] = {}
     for folder in sorted(_chosen(listing, pointers, which)):
-        if (local / folder).is_dir() and not changed(f"{folder}/{META_FILE}"):
-            continue  # a checkpoint never changes once complete: the same meta.json is the same checkpoint
         files = sorted(m["file"] for rel in listing if (m := _CKPT.match(rel)) and m["dir"] == folder)
+        if (local / folder).is_dir() and not changed(f"{folder}/{META_FILE}"):
+            unchanged += len(files)  # a checkpoint never changes once complete: same meta.json, same checkpoint
+            continue
         checkpoints[folder] = [f for f in files if f != META_FILE] + [META_FILE]
-    return _Plan(listing, pointers, sorted(plain), checkpoints)
+    return _Plan(listing, pointers, sorted(plain), checkpoints, unchanged)
 
 
 def fetch_run(transport: Transport, remote_root: str, local: Path, which: str = "latest",
@@ -136,9 +139,9 @@ def fetch_run(transport: Transport, remote_root: str, local: Path, which: str = 
     local.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(local)
     with transport.run(list_args(remote_root)) as out:
-        listing = json.load(out)
-    todo = plan(listing, local, which)
-    result = FetchResult(unchanged=len(todo.listing) - len(todo.files))
+        raw = out.read()  # parsed once the program's exit was checked
+    todo = plan(json.loads(raw), local, which)
+    result = FetchResult(unchanged=todo.unchanged)
     if todo.files:
         say(f"copying {len(todo.files)} files ({len(todo.checkpoints)} checkpoints) from {remote_root}")
         try:
