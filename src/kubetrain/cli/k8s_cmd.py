@@ -12,7 +12,8 @@ from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
 from kubetrain.config.k8s import WORKLOADS
 from kubetrain.errors import UserInputError
 
-app = typer.Typer(help="Render, launch and manage training jobs on Kubernetes.", no_args_is_help=True)
+app = typer.Typer(help="Render, launch and manage training jobs on Kubernetes, and fetch their runs back.",
+                  no_args_is_help=True)
 
 WorkloadOpt = Annotated[
     str | None,
@@ -281,10 +282,11 @@ def doctor(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
 ) -> None:
-    """Check that the cluster can run this job: reachable, namespace, CRD, nodes, storage, Secrets.
+    """Check that the cluster can run this job: reachable, namespace, CRD, nodes, storage, Secrets, bucket.
 
     Nodes must match the selector, admit the pod (taints) and allocate its CPU, memory and GPU requests;
-    storage is a storage class or a free static PersistentVolume. Checks this user may not run (a namespace
+    storage is a storage class or a free static PersistentVolume; the bucket of checkpoint.uri is listed from
+    here when this shell has credentials. Checks this user may not run (a namespace
     editor cannot list nodes or storage classes) print "cannot check ...: forbidden"; the others still run.
     """
     from kubetrain.k8s.cluster.doctor import run_checks
