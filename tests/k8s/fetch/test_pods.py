@@ -122,3 +122,16 @@ def test_a_job_that_is_gone_needs_its_config(tmp_path: Path, apiserver: Any, cli
     other.write_text(json.dumps({"run": {"name": "other"}}))
     code, _, err = fetch(cli, kubeconfig, out, str(other))
     assert code == 2 and "the config is for job 'other', not 'tiny'" in err
+
+
+def test_a_claim_without_the_run_says_so(tmp_path: Path, apiserver: Any, cli: Cli,
+                                         launched: tuple[Path, Path]) -> None:
+    kubeconfig, run = launched
+    run.rename(run.with_name("elsewhere"))
+    pod = apiserver.pod("tiny", 0)
+    apiserver.start(pod)
+    code, _, err = fetch(cli, kubeconfig, tmp_path / "local")
+    assert code == 2 and len(err.strip().splitlines()) == 1  # the program's exit 3 and its line, through exec
+    assert err.startswith(f"error: exec in pod {pod} (trainer) on ") and "no run directory at " in err
+    assert err.rstrip().endswith("(run directories there: none)")
+    assert not (tmp_path / "local" / "checkpoints").exists()
