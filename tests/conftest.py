@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.hf_models"]  # the tiny Hugging Face model and chat fixtures
+pytest_plugins = ["tests.hf_models", "tests.object_store"]  # tiny HF models and chat; the S3 server
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

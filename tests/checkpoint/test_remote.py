@@ -11,7 +11,7 @@ import torch
 from kubetrain import checkpoint
 from kubetrain.checkpoint import remote
 from kubetrain.config.schema import Config
-from tests.checkpoint.conftest import Bucket, free_port, start_moto, stop
+from tests.object_store import Bucket, free_port, start_moto, stop
 
 
 def _cfg(uri: str, endpoint: str, **section: object) -> Config:

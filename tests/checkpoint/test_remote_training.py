@@ -13,8 +13,8 @@ import pytest
 
 from kubetrain.checkpoint.remote import FAULT_SLOW_UPLOAD
 from kubetrain.errors import EXIT_STOPPED_RESUMABLE
-from tests.checkpoint.conftest import Bucket, free_port, start_moto, stop
 from tests.conftest import assert_same_weights
+from tests.object_store import Bucket, free_port, start_moto, stop
 from tests.train.conftest import _no_leftover_processes, kubetrain, lines_in, sets, start, wait_until
 
 pytestmark = pytest.mark.slow

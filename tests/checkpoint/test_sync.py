@@ -12,8 +12,8 @@ from kubetrain import checkpoint
 from kubetrain.checkpoint.store import open_store
 from kubetrain.checkpoint.sync import MANIFEST, _in_order, pull, push, sync_run
 from kubetrain.errors import CheckpointError, UserInputError
-from tests.checkpoint.conftest import Bucket
 from tests.conftest import Cli, RunMain
+from tests.object_store import Bucket
 
 
 def _files(root: Path) -> dict[str, bytes]:

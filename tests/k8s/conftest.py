@@ -6,10 +6,15 @@ one does the same (kubernetes/kubernetes paths), so that a test passing here mea
 
 from __future__ import annotations
 
+import base64
 import copy
+import hashlib
 import json
 import os
 import re
+import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -69,6 +74,8 @@ class ApiServer:
         self.crds: dict[str, dict[str, Any]] = {}
         self.editor_of: str | None = None  # act as a user with the `edit` role in this namespace only
         self.forbidden: set[str] = set()  # plurals that user may not touch even there (e.g. jobsets)
+        self.claims: dict[str, Path] = {}  # claim name -> the folder that stands for its volume (exec sees it)
+        self.start_bare_pods = False  # a Pod applied on its own is scheduled and started at once
         self.changed = threading.Condition()
         self.serial = 0
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -213,6 +220,15 @@ class ApiServer:
             "conditions": [{"type": c, "status": "True"} for c in conditions],
         }
 
+    def _bare_pod(self, pod: dict[str, Any]) -> None:
+        """A Pod created on its own starts Pending with no node; with `start_bare_pods`, the scheduler binds it
+        and the kubelet starts its container at once (an image already on the node)."""
+        pod["status"] = {"phase": "Pending"}
+        if self.start_bare_pods:
+            pod["spec"]["nodeName"] = "node-a"
+            pod["status"] = {"phase": "Running", "containerStatuses": [
+                _container(pod, {"running": {"startedAt": self._now()}}, ready=True)]}
+
     def _reconcile_statefulset(self, sts: dict[str, Any]) -> None:
         """pkg/controller/statefulset: pod i is `<name>-i`, labelled apps.kubernetes.io/pod-index; the
         kubelet restarts a container that exits (restartPolicy Always), so a pod never finishes."""
@@ -266,6 +282,13 @@ class ApiServer:
 
             def _serve(self) -> None:
                 url = urlsplit(self.path)
+                if url.path.endswith("/exec") and self.headers.get("Upgrade", "").lower() == "websocket":
+                    server.requests.append({"method": self.command, "path": url.path, "query": parse_qs(url.query),
+                                            "content_type": None, "authorization": self.headers.get("Authorization"),
+                                            "body": None})
+                    server._exec(self, url.path.rsplit("/", 2)[-2], parse_qs(url.query))
+                    self.close_connection = True
+                    return
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 query = parse_qs(url.query)
@@ -388,6 +411,8 @@ class ApiServer:
             self.objects[path] = new
             if old is None and kind in ("Job", "StatefulSet"):
                 self._reconcile(new)
+            if old is None and kind == "Pod":
+                self._bare_pod(new)
             self.changed.notify_all()
         return _json(201 if old is None else 200, new)
 
@@ -405,6 +430,73 @@ class ApiServer:
         for other in list(self.objects.values()):
             if any(r["uid"] == uid for r in other["metadata"].get("ownerReferences") or []):
                 self._delete(other)
+
+    def _exec(self, handler: BaseHTTPRequestHandler, name: str, query: dict[str, list[str]]) -> None:
+        """`pods/NAME/exec` over WebSocket, as kube-apiserver passes it to the kubelet (pkg/kubelet/cri/streaming/
+        remotecommand/websocket.go, exec.go; apimachinery's util/httpstream/wsstream/conn.go):
+
+        - the subprotocol is the first one the client offers that the server speaks (v5 since Kubernetes 1.30,
+          then v4.channel.k8s.io); each binary message starts with its channel byte: 1 stdout, 2 stderr, 3 status;
+        - an empty message on stdout first says the stream is open; at the end a metav1.Status on channel 3:
+          Success, or Failure/NonZeroExitCode with the exit code as an ExitCode cause; then the socket closes;
+        - a pod with no node is refused before the upgrade (ExecLocation: "does not have a host assigned").
+
+        The container runtime's part is played by a local process: `python` is this interpreter, and a path under
+        one of the container's volume mounts is the folder of that claim in `claims`.
+        """
+        pod = next((p for p in self.pods() if p["metadata"]["name"] == name), None)
+        if pod is None or not pod["spec"].get("nodeName"):
+            reason = f'pods "{name}" not found' if pod is None else f"pod {name} does not have a host assigned"
+            code, raw, ctype = _json(404 if pod is None else 400, status(404 if pod is None else 400,
+                                                                           "NotFound" if pod is None else "BadRequest",
+                                                                           reason))
+            handler.send_response(code)
+            handler.send_header("Content-Type", ctype)
+            handler.send_header("Content-Length", str(len(raw)))
+            handler.end_headers()
+            handler.wfile.write(raw)
+            return
+        offered = [p.strip() for p in handler.headers.get("Sec-WebSocket-Protocol", "").split(",")]
+        protocol = next(p for p in offered if p in ("v5.channel.k8s.io", "v4.channel.k8s.io"))
+        accept = base64.b64encode(hashlib.sha1(handler.headers["Sec-WebSocket-Key"].encode()
+                                               + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest()).decode()
+        handler.send_response(101)
+        for key, value in (("Upgrade", "websocket"), ("Connection", "Upgrade"), ("Sec-WebSocket-Accept", accept),
+                           ("Sec-WebSocket-Protocol", protocol)):
+            handler.send_header(key, value)
+        handler.end_headers()
+        container = next(c for c in pod["spec"]["containers"] if c["name"] == query["container"][0])
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        mounts = {m["mountPath"]: self.claims[volumes[m["name"]]["persistentVolumeClaim"]["claimName"]]
+                  for m in container["volumeMounts"] if "persistentVolumeClaim" in volumes[m["name"]]}
+        argv = [_in_container(a, mounts) for a in query["command"]]
+        argv[0] = sys.executable if argv[0] == "python" else argv[0]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        err: list[bytes] = []
+        reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        send = handler.wfile.write
+        send(_frame(b"\x01"))
+        while chunk := proc.stdout.read1(1 << 16):  # type: ignore[union-attr]
+            send(_frame(b"\x01" + chunk))
+        reader.join()
+        code = proc.wait()
+        if err[0]:
+            send(_frame(b"\x02" + err[0]))
+        result: dict[str, Any] = {"metadata": {}, "status": "Success"}
+        if code:
+            result = {"metadata": {}, "status": "Failure", "reason": "NonZeroExitCode",
+                      "message": f"command terminated with non-zero exit code: exit status {code}",
+                      "details": {"causes": [{"reason": "ExitCode", "message": str(code)}]}}
+        send(_frame(b"\x03" + json.dumps(result).encode()))
+        send(_frame(struct.pack("!H", 1000), opcode=8))
+        handler.wfile.flush()
+        handler.connection.settimeout(10)
+        try:  # the client answers the close; then its end of the socket closes
+            while handler.connection.recv(4096):
+                pass
+        except OSError:
+            pass
 
     def _log(self, name: str, query: dict[str, list[str]]) -> Answer | Iterator[bytes]:
         pod = next((p for p in self.pods() if p["metadata"]["name"] == name), None)
@@ -446,6 +538,25 @@ class ApiServer:
 
 
 _PLURALS = {r.plural for r in RESOURCES.values()}
+
+
+def _frame(payload: bytes, opcode: int = 2) -> bytes:
+    """One unmasked WebSocket frame from the server (RFC 6455 5.2): FIN, the opcode, the length, the payload."""
+    n = len(payload)
+    if n < 126:
+        length = bytes([n])
+    elif n < 1 << 16:
+        length = bytes([126]) + struct.pack("!H", n)
+    else:
+        length = bytes([127]) + struct.pack("!Q", n)
+    return bytes([0x80 | opcode]) + length + payload
+
+
+def _in_container(arg: str, mounts: dict[str, Path]) -> str:
+    for mount, folder in mounts.items():
+        if arg == mount or arg.startswith(mount + "/"):
+            return str(folder) + arg[len(mount):]
+    return arg
 
 
 def _json(code: int, body: Any) -> Answer:

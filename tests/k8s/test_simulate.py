@@ -109,3 +109,41 @@ def test_a_lost_pod_is_replaced_and_the_run_resumes_from_the_shared_checkpoint(t
     meta = finished_meta(s)
     assert meta["status"] == "finished" and meta["step"] == steps
     assert meta["starts"] >= 2
+
+
+@pytest.mark.slow
+def test_a_simulated_job_is_fetched_and_works_here(tmp_path: Path) -> None:
+    """`k8s fetch`'s copy of a whole 2-pod job, then runs/generate/export on it and a local resume from it.
+
+    No real pod can exist here: the pod program runs as a local process on the simulated claim (LocalTransport),
+    the same program and the same local code path that exec in a pod feeds (tests/k8s/fetch/test_pods.py).
+    """
+    from kubetrain.k8s.fetch.transfer import LocalTransport, fetch_run
+    from tests.conftest import cli_env
+
+    s = sim(tmp_path, "indexed-job", "train.max_steps=8", "checkpoint.every_steps=4", "eval.every_steps=4")
+    result = s.run(timeout=300)
+    assert result.succeeded, result.message + s.pods[0].log_path.read_text()[-3000:]
+    local = tmp_path / "laptop" / "runs" / "tiny"
+    fetched = fetch_run(LocalTransport(), str(s.root / "volumes" / "checkpoints" / "tiny"), local, "all")
+    assert fetched.failed == [] and [Path(c).name for c in fetched.checkpoints] == ["step-000004", "step-000008"]
+
+    def kubetrain(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kubetrain", *args], cwd=tmp_path / "laptop", env=cli_env(),
+                              capture_output=True, text=True, check=False, timeout=300)
+
+    listed = kubetrain("runs", "list", "runs")
+    assert listed.returncode == 0 and "tiny" in listed.stdout, listed.stderr
+    assert kubetrain("runs", "show", "runs/tiny").returncode == 0
+    generated = kubetrain("generate", "runs/tiny", "--prompt", "And", "--max-new-tokens", "4", "--seed", "1")
+    assert generated.returncode == 0 and generated.stdout.startswith("And"), generated.stderr
+    exported = kubetrain("export", "runs/tiny", "--format", "hf", "-o", "hf")
+    assert exported.returncode == 0 and (tmp_path / "laptop" / "hf" / "config.json").is_file(), exported.stderr
+    sets = [a for item in [*TINY, "train.max_steps=12", "checkpoint.every_steps=4", "eval.every_steps=4",
+                           "run.output_dir=runs", "run.name=tiny"] for a in ("--set", item)]
+    resumed = kubetrain("train", *sets, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"resuming from {Path('runs') / 'tiny' / 'checkpoints' / 'step-000008'} (step 8" \
+        in resumed.stdout + resumed.stderr
+    meta = json.loads((local / "meta.json").read_text())
+    assert meta["status"] == "finished" and meta["step"] == 12

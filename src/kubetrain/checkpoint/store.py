@@ -8,6 +8,7 @@ never from the config.
 
 from __future__ import annotations
 
+import os
 import posixpath
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,16 @@ S3_PROTOCOLS = ("s3", "s3a")
 EXTRA = "pip install 'kubetrain[storage]'"
 # Fail over in seconds, not minutes: a store that is down must not hold a run's end for long.
 S3_CLIENT = {"connect_timeout": 10, "read_timeout": 120, "retries": {"max_attempts": 3, "mode": "standard"}}
+# The environment variables each store's library reads its credentials from, and whether a Kubernetes Secret
+# that holds them (checkpoint.secret_name) must have that key. Azure takes one of several combinations.
+# gs:// reads a key *file* (GOOGLE_APPLICATION_CREDENTIALS): on GKE, Workload Identity instead of a Secret.
+CREDENTIAL_KEYS: dict[str, tuple[tuple[str, bool], ...]] = {
+    "s3": (("AWS_ACCESS_KEY_ID", True), ("AWS_SECRET_ACCESS_KEY", True), ("AWS_SESSION_TOKEN", False)),
+    "az": tuple((f"AZURE_STORAGE_{k}", False) for k in (
+        "ACCOUNT_NAME", "ACCOUNT_KEY", "SAS_TOKEN", "CONNECTION_STRING", "CLIENT_ID", "CLIENT_SECRET", "TENANT_ID")),
+}
+CREDENTIAL_KEYS["s3a"] = CREDENTIAL_KEYS["s3"]
+CREDENTIAL_KEYS["abfs"] = CREDENTIAL_KEYS["az"]
 
 
 def protocol_of(uri: str) -> str | None:
@@ -29,6 +40,51 @@ def protocol_of(uri: str) -> str | None:
 def is_remote(uri: str) -> bool:
     """True for a URI with a scheme other than file://."""
     return protocol_of(uri) not in LOCAL_PROTOCOLS
+
+
+def credential_keys(uri: str) -> tuple[tuple[str, bool], ...]:
+    """(environment variable, required) pairs a Secret with this store's credentials gives the pods."""
+    return CREDENTIAL_KEYS.get(protocol_of(uri) or "", ())
+
+
+# Where each store's library finds credentials on this machine: variables, then files.
+_CREDENTIAL_SOURCES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "s3": (("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+            "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"), ("~/.aws/credentials", "~/.aws/config")),
+    "gs": (("GOOGLE_APPLICATION_CREDENTIALS",), ("~/.config/gcloud/application_default_credentials.json",)),
+    "az": (tuple(k for k, _ in CREDENTIAL_KEYS["az"]), ()),
+}
+_CREDENTIAL_SOURCES.update(s3a=_CREDENTIAL_SOURCES["s3"], gcs=_CREDENTIAL_SOURCES["gs"],
+                           abfs=_CREDENTIAL_SOURCES["az"])
+
+
+def credentials_here(uri: str) -> str | None:
+    """What the store's library would log in with on this machine (a variable or a file), None if nothing.
+
+    Only where it looks: an instance role or a metadata server is not asked, so None can mean "try anyway".
+    """
+    variables, files = _CREDENTIAL_SOURCES.get(protocol_of(uri) or "", ((), ()))
+    for name in variables:
+        if os.environ.get(name):
+            return f"${name}"
+    override = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") if variables and variables[0].startswith("AWS") else None
+    for path in ([override] if override else []) + list(files):
+        if Path(path).expanduser().is_file():
+            return path
+    return None
+
+
+def check_reachable(store: Store) -> str:
+    """List the store's root once; what is there, in words. Raises what the store raises (a missing bucket:
+    FileNotFoundError naming it)."""
+    try:
+        entries = store.fs.ls(store.root, detail=False)
+    except FileNotFoundError:
+        bucket = store.root.split("/", 1)[0]
+        if protocol_of(store.uri) in LOCAL_PROTOCOLS or store.fs.exists(bucket):
+            return "nothing stored under it yet"
+        raise FileNotFoundError(f"bucket {bucket} does not exist") from None
+    return f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'} under it"
 
 
 def describe(e: BaseException) -> str:

@@ -1,4 +1,4 @@
-"""`kubetrain k8s render|launch|status|logs|stop|list|shell|doctor|simulate|entrypoint`."""
+"""`kubetrain k8s render|launch|status|logs|stop|list|shell|fetch|doctor|simulate|entrypoint`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
 from kubetrain.config.k8s import WORKLOADS
 from kubetrain.errors import UserInputError
 
-app = typer.Typer(help="Render, launch and manage training jobs on Kubernetes.", no_args_is_help=True)
+app = typer.Typer(help="Render, launch and manage training jobs on Kubernetes, and fetch their runs back.",
+                  no_args_is_help=True)
 
 WorkloadOpt = Annotated[
     str | None,
@@ -236,6 +237,42 @@ def shell(
 
 
 @app.command()
+def fetch(
+    name: Annotated[str, typer.Argument(help="Job name.")],
+    config: Annotated[Path | None, typer.Argument(help="The config the job was launched with; needed only "
+                                                  "once the job is gone (its ConfigMap goes with it).")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Local folder (default: "
+                                                "runs/<run.name>, where `kubetrain runs list` looks).")] = None,
+    checkpoints: Annotated[str, typer.Option("--checkpoints", help="Which checkpoints: latest, best, all, "
+                                             "none.")] = "latest",
+    set_: SetOpt = None,
+    namespace: NamespaceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+) -> None:
+    """Copy a launched job's run directory from its claim to a local folder, running or finished.
+
+    Through a running pod of the job (exec), or a short-lived pod that mounts the claim read-only (deleted
+    afterwards). Only what changed since the last fetch is copied; checkpoints are verified against their
+    checksums and appear whole or not at all. The folder works with `runs`, `generate` and `export`.
+    """
+    from kubetrain.k8s.fetch.pods import fetch_job
+
+    cluster = _cluster(kubeconfig, context)
+    ns = namespace or cluster.default_namespace
+    given = load(config, None, set_) if config else None
+    local, result = fetch_job(cluster, name, ns, output, checkpoints, given, log=typer.echo)
+    copied = f"{len(result.copied)} files ({result.nbytes / 2**20:.1f} MiB)"
+    verified = f", checkpoints verified: {', '.join(Path(c).name for c in result.checkpoints)}" \
+        if result.checkpoints else ""
+    typer.echo(f"{local}: {copied} copied, {result.unchanged} unchanged{verified}")
+    if result.failed:
+        typer.echo("checkpoints that failed their checksums after the copy (not kept): " + "; ".join(result.failed),
+                   err=True)
+        raise typer.Exit(1)
+
+
+@app.command()
 def doctor(
     config: ConfigArg = None,
     preset: PresetOpt = None,
@@ -245,10 +282,11 @@ def doctor(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
 ) -> None:
-    """Check that the cluster can run this job: reachable, namespace, CRD, nodes, storage, Secrets.
+    """Check that the cluster can run this job: reachable, namespace, CRD, nodes, storage, Secrets, bucket.
 
     Nodes must match the selector, admit the pod (taints) and allocate its CPU, memory and GPU requests;
-    storage is a storage class or a free static PersistentVolume. Checks this user may not run (a namespace
+    storage is a storage class or a free static PersistentVolume; the bucket of checkpoint.uri is listed from
+    here when this shell has credentials. Checks this user may not run (a namespace
     editor cannot list nodes or storage classes) print "cannot check ...: forbidden"; the others still run.
     """
     from kubetrain.k8s.cluster.doctor import run_checks

@@ -6,6 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.object_store import free_port
+
 Cli = Callable[..., tuple[int, str, str]]
 HOMELAB = [
     "k8s.namespace=homelab",
@@ -140,3 +142,48 @@ def test_a_free_static_volume_counts_as_storage(tmp_path: Path, apiserver: Any, 
             "PersistentVolume nas-100 matches; the claim binds to it") in out
     code, out, _ = doctor(cli, kubeconfig, 'k8s.volumes.checkpoints={"size": "300Gi"}')
     assert code == 1 and "fail  volume checkpoints: a default storage class does not exist" in out
+
+
+def test_the_store_secret_has_the_keys_the_pods_read(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = cluster(tmp_path, apiserver)
+    store = ["checkpoint.uri=s3://ckpts/team", "checkpoint.secret_name=s3-credentials"]
+    code, out, _ = doctor(cli, kubeconfig, *store)
+    assert code == 1 and "fail  secret AWS_ACCESS_KEY_ID: Secret s3-credentials does not exist in homelab" in out
+    assert "AWS_SECRET_ACCESS_KEY" not in out  # the missing Secret is said once
+    apiserver.answer("GET", "/api/v1/namespaces/homelab/secrets/s3-credentials", 200, {
+        "kind": "Secret", "apiVersion": "v1", "metadata": {"name": "s3-credentials", "namespace": "homelab"},
+        "data": {"AWS_ACCESS_KEY_ID": "a2V5", "AWS_SECRET_ACCESS_KEY": "c2VjcmV0"}, "type": "Opaque"})
+    code, out, _ = doctor(cli, kubeconfig, *store)
+    assert code == 0, out
+    assert "ok    secret AWS_ACCESS_KEY_ID: Secret s3-credentials has key AWS_ACCESS_KEY_ID" in out
+    assert "ok    secret AWS_SECRET_ACCESS_KEY: Secret s3-credentials has key AWS_SECRET_ACCESS_KEY" in out
+    assert "AWS_SESSION_TOKEN" not in out and "c2VjcmV0" not in out  # optional and absent; values never shown
+
+
+def test_the_bucket_is_listed_from_here_when_credentials_are(
+    tmp_path: Path, apiserver: Any, cli: Cli, bucket: Any, monkeypatch: Any
+) -> None:
+    kubeconfig = cluster(tmp_path, apiserver)
+    at = [f"checkpoint.uri={bucket.uri}", f"checkpoint.endpoint_url={bucket.endpoint}"]
+    code, out, _ = doctor(cli, kubeconfig, *at)
+    assert code == 0, out
+    assert (f"ok    store: {bucket.uri} reachable from here (credentials from $AWS_ACCESS_KEY_ID): nothing stored "
+            "under it yet") in out.splitlines()
+    bucket.fs.pipe_file(bucket.path("run1/checkpoints/latest"), b"step-000003\n")
+    assert "credentials from $AWS_ACCESS_KEY_ID): 1 entry under it" in doctor(cli, kubeconfig, *at)[1]
+
+    code, out, _ = doctor(cli, kubeconfig, "checkpoint.uri=s3://kt-no-such-bucket/p",
+                          f"checkpoint.endpoint_url={bucket.endpoint}")
+    assert code == 1 and out.splitlines()[-1] == ("fail  store: s3://kt-no-such-bucket/p cannot be listed from here "
+                                                  "(credentials from $AWS_ACCESS_KEY_ID): bucket kt-no-such-bucket "
+                                                  "does not exist")
+    code, out, _ = doctor(cli, kubeconfig, at[0], f"checkpoint.endpoint_url=http://127.0.0.1:{free_port()}")
+    assert code == 1 and out.splitlines()[-1].startswith(f"fail  store: {bucket.uri} cannot be listed from here")
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws either
+    code, out, _ = doctor(cli, kubeconfig, *at)
+    assert code == 0 and out.splitlines()[-1] == (f"warn  store: {bucket.uri}: no credentials in this environment; "
+                                                  "not checked from here")
+    assert "store" not in doctor(cli, kubeconfig, "checkpoint.uri=/mnt/nas/ckpts")[1]  # the pods' path

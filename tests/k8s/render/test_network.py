@@ -60,3 +60,29 @@ def test_a_host_outside_the_cluster_needs_its_addresses() -> None:
     assert len(policy(*sets, 'k8s.network_policy.egress_cidrs=["203.0.113.0/24"]')["egress"]) == 3
     with pytest.raises(UserInputError, match="not a CIDR"):
         load_config(None, "tiny", ['k8s.network_policy.egress_cidrs=["mlflow.example.com"]'])
+
+
+STORE = ["k8s.network_policy.egress=true", "checkpoint.uri=s3://ckpts/team"]
+
+
+def test_egress_reaches_the_object_store() -> None:
+    by_address = policy(*STORE, "checkpoint.endpoint_url=http://10.0.9.4:9000")
+    assert by_address["egress"][2] == {"to": [{"ipBlock": {"cidr": "10.0.9.4/32"}}],
+                                       "ports": [{"port": 9000, "protocol": "TCP"}]}
+    in_cluster = policy(*STORE, "checkpoint.endpoint_url=http://minio.storage.svc.cluster.local:9000")
+    assert in_cluster["egress"][2]["to"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "storage"}}}]
+    assert len(policy("k8s.network_policy.egress=true", "checkpoint.uri=/mnt/nas/ckpts")["egress"]) == 2  # a path
+
+
+def test_an_object_store_outside_the_cluster_needs_its_addresses() -> None:
+    with pytest.raises(UserInputError, match=r"^k8s\.network_policy\.egress: checkpoint\.endpoint_url names host "
+                       r"'minio\.example\.com'.*egress_cidrs$"):
+        render(load_config(None, "tiny", [*STORE, "checkpoint.endpoint_url=https://minio.example.com"]))
+    with pytest.raises(UserInputError, match=r"checkpoint\.uri s3://ckpts/team goes to AWS S3.*egress_cidrs"):
+        render(load_config(None, "tiny", STORE))
+    with pytest.raises(UserInputError, match="a cloud object store"):
+        render(load_config(None, "tiny", ["k8s.network_policy.egress=true", "checkpoint.uri=gs://ckpts/team"]))
+    listed = policy(*STORE, 'k8s.network_policy.egress_cidrs=["52.216.0.0/15"]')
+    assert listed["egress"][-1] == {"to": [{"ipBlock": {"cidr": "52.216.0.0/15"}}]}
+    assert len(policy("checkpoint.uri=s3://ckpts/team")) == 3 and "egress" not in policy("checkpoint.uri=s3://a/b")

@@ -264,3 +264,44 @@ def test_render_command(tmp_path: Path, cli: Any) -> None:
     assert code == 2 and err.startswith("error: k8s.volumes.checkpoints: 2 nodes share this claim")
     code, _, err = cli("k8s", "render", "--set", 'k8s.tolerations=[{"key": "a", "effect": "Sometimes"}]')
     assert code == 2 and "k8s.tolerations.0.effect" in err
+
+
+STORE = ["checkpoint.uri=s3://ckpts/team", "checkpoint.endpoint_url=http://10.0.9.4:9000",
+         "checkpoint.secret_name=s3-credentials"]
+
+
+def test_store_credentials_come_from_their_secret(crd_schemas: Any) -> None:
+    cfg = tiny(*STORE, 'k8s.secrets.env={"AWS_SESSION_TOKEN": {"name": "sts", "key": "session"}}')
+    for workload in WORKLOADS:
+        objects = render(cfg, workload)
+        assert validate.problems(objects, crd_schemas) == [], workload
+        workload_obj = objects[-1]
+        containers = [main_container(t) for _, t in pod_templates(workload_obj)]
+        if workload_obj["kind"] == "TrainJob":
+            containers = [workload_obj["spec"]["trainer"]]
+        for container in containers:
+            env = env_of(container)
+            assert env["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "s3-credentials", "key": "AWS_ACCESS_KEY_ID"}}
+            assert env["AWS_SECRET_ACCESS_KEY"] == {
+                "secretKeyRef": {"name": "s3-credentials", "key": "AWS_SECRET_ACCESS_KEY"}}
+            # k8s.secrets.env names it too: that one wins, and the name appears once
+            assert env["AWS_SESSION_TOKEN"] == {"secretKeyRef": {"name": "sts", "key": "session"}}
+            assert [e["name"] for e in container["env"]].count("AWS_SESSION_TOKEN") == 1
+    # the endpoint reaches the pods through their config, and no value of a credential is anywhere
+    pod_cfg = yaml.safe_load(by_kind(objects, "ConfigMap")["data"]["config.yaml"])
+    assert pod_cfg["checkpoint"] == {**pod_cfg["checkpoint"], "uri": "s3://ckpts/team",
+                                     "endpoint_url": "http://10.0.9.4:9000", "secret_name": "s3-credentials"}
+    session = env_of(main_container(pod_templates(render(tiny(*STORE))[-1])[0][1]))["AWS_SESSION_TOKEN"]
+    assert session == {"secretKeyRef": {"name": "s3-credentials", "key": "AWS_SESSION_TOKEN", "optional": True}}
+
+
+def test_no_store_credentials_without_a_secret_and_none_where_a_secret_cannot_serve() -> None:
+    env = env_of(main_container(pod_templates(render(tiny("checkpoint.uri=s3://ckpts/team"))[-1])[0][1]))
+    assert not any(name.startswith("AWS_") for name in env)  # IRSA, a node role: the pod's own identity
+    azure = env_of(main_container(pod_templates(render(tiny("checkpoint.uri=az://ckpts/team",
+                                                             "checkpoint.secret_name=azure"))[-1])[0][1]))
+    assert azure["AZURE_STORAGE_ACCOUNT_KEY"]["secretKeyRef"]["optional"] is True
+    with pytest.raises(RenderError, match="Workload Identity"):
+        render(tiny("checkpoint.uri=gs://ckpts/team", "checkpoint.secret_name=gcs"))
+    with pytest.raises(RenderError, match=r"checkpoint\.uri is not"):
+        render(tiny("checkpoint.secret_name=s3-credentials"))

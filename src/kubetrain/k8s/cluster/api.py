@@ -164,10 +164,11 @@ class Cluster:
             return response.status, response.response
         data = response.read()
         if not 200 <= response.status < 300:
-            raise self._error(response.status, data, what)
+            raise self.error(response.status, data, what)
         return response.status, json.loads(data) if data else {}
 
-    def _error(self, status: int, data: bytes, what: str) -> ClusterError:
+    def error(self, status: int, data: bytes, what: str) -> ClusterError:
+        """The one-line error of an HTTP status and the Status body the API server sent with it."""
         message, body = "", {}
         try:
             body = json.loads(data)

@@ -2,7 +2,8 @@
 
 Checks: the API server answers; the namespace exists; the workload's CRD (and TrainJob runtime) is installed;
 nodes have the GPU resource and their taints are tolerated; storage classes exist and claims fit several
-nodes (ReadWriteMany); the Secrets and keys the pods read exist (their values are never shown).
+nodes (ReadWriteMany); the Secrets and keys the pods read exist (their values are never shown); the bucket of
+checkpoint.uri can be listed from this machine, when it has credentials.
 """
 
 from __future__ import annotations
@@ -201,26 +202,57 @@ def _free_volume(cluster: Cluster, size: str, mode: str) -> str | None:
 
 
 def _secrets(cluster: Cluster, ctx: RenderContext) -> list[Check]:
-    refs = dict(ctx.k.secrets.env)
+    """Every Secret key the pods read: a missing required key fails, a missing optional one is not shown.
+
+    A Secret that is missing or may not be read is said once, at the first variable that reads it.
+    """
+    from kubetrain.checkpoint.store import credential_keys
+
+    refs = [(env, ref.name, ref.key, False) for env, ref in ctx.k.secrets.env.items()]
     if ctx.k.secrets.hf_token is not None:
-        refs["HF_TOKEN"] = ctx.k.secrets.hf_token
+        refs.append(("HF_TOKEN", ctx.k.secrets.hf_token.name, ctx.k.secrets.hf_token.key, False))
+    ckpt = ctx.cfg.checkpoint
+    if ckpt.uri and ckpt.secret_name:
+        refs += [(env, ckpt.secret_name, env, not required) for env, required in credential_keys(ckpt.uri)
+                 if env not in ctx.k.secrets.env]
     out = []
-    for env, ref in refs.items():
-        try:
-            secret = cluster.get("Secret", ref.name, ctx.namespace)
-        except NotFound:
-            out.append(
-                Check(f"secret {env}", "fail", f"Secret {ref.name} does not exist in {ctx.namespace}")
-            )
-            continue
-        except Forbidden:
-            out.append(Check(f"secret {env}", "warn", f"cannot read Secret {ref.name} (forbidden)"))
+    found: dict[str, dict[str, Any] | None] = {}
+    for env, name, key, optional in refs:
+        if name not in found:
+            try:
+                found[name] = cluster.get("Secret", name, ctx.namespace)
+            except NotFound:
+                found[name] = None
+                out.append(Check(f"secret {env}", "fail", f"Secret {name} does not exist in {ctx.namespace}"))
+            except Forbidden:
+                found[name] = None
+                out.append(Check(f"secret {env}", "warn", f"cannot read Secret {name} (forbidden)"))
+        secret = found[name]
+        if secret is None:
             continue
         keys = set(secret.get("data") or {}) | set(secret.get("stringData") or {})
-        ok = ref.key in keys
-        detail = f"Secret {ref.name} has key {ref.key}" if ok else f"Secret {ref.name} has no key {ref.key}"
-        out.append(Check(f"secret {env}", "ok" if ok else "fail", detail))
+        if key in keys:
+            out.append(Check(f"secret {env}", "ok", f"Secret {name} has key {key}"))
+        elif not optional:
+            out.append(Check(f"secret {env}", "fail", f"Secret {name} has no key {key}"))
     return out
+
+
+def store_check(cfg: Config) -> Check | None:
+    """The bucket of checkpoint.uri, listed from this machine when credentials are here (the pods use theirs)."""
+    from kubetrain.checkpoint.store import check_reachable, credentials_here, describe, is_remote, open_store
+
+    uri = cfg.checkpoint.uri
+    if not uri or not is_remote(uri):
+        return None  # a path is the pods' path, not this machine's
+    source = credentials_here(uri)
+    if source is None:
+        return Check("store", "warn", f"{uri}: no credentials in this environment; not checked from here")
+    try:
+        found = check_reachable(open_store(uri, cfg.checkpoint.endpoint_url))
+    except Exception as e:  # network, credentials, a missing bucket or library: a verdict, not a crash
+        return Check("store", "fail", f"{uri} cannot be listed from here (credentials from {source}): {describe(e)}")
+    return Check("store", "ok", f"{uri} reachable from here (credentials from {source}): {found}")
 
 
 def _crd(cluster: Cluster, ctx: RenderContext, kind: str) -> list[Check]:
@@ -271,3 +303,6 @@ def run_checks(cluster: Cluster, cfg: Config, workload: str | None = None) -> It
     yield from _guarded("nodes", "nodes", lambda: _nodes(cluster, ctx, tolerations(ctx)))
     yield from _guarded("storage", "storage classes and volumes", lambda: _storage(cluster, ctx))
     yield from _secrets(cluster, ctx)
+    store = store_check(cfg)
+    if store is not None:
+        yield store

@@ -124,6 +124,22 @@ def job_name(cfg: Config) -> str:
     return name
 
 
+def _check_store_secret(cfg: Config) -> None:
+    """checkpoint.secret_name only where the store's library reads its credentials from variables."""
+    from kubetrain.checkpoint.store import credential_keys, protocol_of
+
+    ckpt = cfg.checkpoint
+    if not ckpt.secret_name:
+        return
+    if not ckpt.uri:
+        raise RenderError("checkpoint.secret_name is set but checkpoint.uri is not: there is no store to log into")
+    if not credential_keys(ckpt.uri):
+        protocol = protocol_of(ckpt.uri)
+        hint = ("gs:// reads a key file: give the pods a Google service account through Workload Identity "
+                "(k8s.service_account) instead" if protocol in ("gs", "gcs") else "a path needs no credentials")
+        raise RenderError(f"checkpoint.secret_name: {ckpt.uri} takes no credentials from a Secret; {hint}")
+
+
 def context(cfg: Config, workload: str | None = None) -> RenderContext:
     """Check the parts of the config that span sections, and resolve names, volumes and modes."""
     k = cfg.k8s
@@ -160,6 +176,7 @@ def context(cfg: Config, workload: str | None = None) -> RenderContext:
     mounts = [v.mount_path for v in volumes]
     if len(set(mounts)) != len(mounts):
         raise RenderError(f"k8s.volumes: two volumes share a mount path ({', '.join(mounts)})")
+    _check_store_secret(cfg)
     if wl == "trainjob" and k.priority_class_name:
         raise RenderError(
             "k8s.priority_class_name cannot be set on a TrainJob: the training runtime's pod template owns it"

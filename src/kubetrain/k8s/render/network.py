@@ -13,6 +13,7 @@ import ipaddress
 from typing import Any
 from urllib.parse import urlsplit
 
+from kubetrain.checkpoint.store import S3_PROTOCOLS, is_remote, protocol_of
 from kubetrain.k8s.render.context import RenderContext, RenderError
 from kubetrain.k8s.render.podspec import METRICS_PORT_NAME
 
@@ -25,6 +26,16 @@ def _endpoints(ctx: RenderContext) -> list[tuple[str, str]]:
     tracking = ctx.cfg.track.mlflow.tracking_uri
     if ctx.cfg.track.mlflow.enabled and tracking and "://" in tracking and not tracking.startswith(("sqlite", "file")):
         out.append(("track.mlflow.tracking_uri", tracking))
+    ckpt = ctx.cfg.checkpoint
+    if ckpt.uri and ckpt.endpoint_url:
+        out.append(("checkpoint.endpoint_url", ckpt.endpoint_url))
+    elif ckpt.uri and is_remote(ckpt.uri) and not ctx.k.network_policy.egress_cidrs:
+        service = "AWS S3" if protocol_of(ckpt.uri) in S3_PROTOCOLS else "a cloud object store"
+        raise RenderError(
+            f"k8s.network_policy.egress: checkpoint.uri {ckpt.uri} goes to {service}, whose addresses a "
+            "NetworkPolicy cannot select by name; give them in k8s.network_policy.egress_cidrs (or set "
+            "checkpoint.endpoint_url to a store inside the cluster)"
+        )
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kubetrain.checkpoint.store import credential_keys
 from kubetrain.k8s.render.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT, RenderContext
 
 METRICS_PORT_NAME = "metrics"
@@ -60,6 +61,22 @@ def env(ctx: RenderContext, extra: dict[str, str] | None = None) -> list[dict[st
         secrets["HF_TOKEN"] = k.secrets.hf_token
     for name, ref in secrets.items():
         out.append({"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    return out + store_credentials(ctx, skip=set(secrets))
+
+
+def store_credentials(ctx: RenderContext, skip: frozenset[str] | set[str] = frozenset()) -> list[dict[str, Any]]:
+    """The object store's credentials from checkpoint.secret_name, one secretKeyRef per variable its library
+    reads (a key the library can do without is optional: the pod starts without it)."""
+    ckpt = ctx.cfg.checkpoint
+    if not (ckpt.uri and ckpt.secret_name):
+        return []
+    out = []
+    for name, required in credential_keys(ckpt.uri):
+        ref: dict[str, Any] = {"name": ckpt.secret_name, "key": name}
+        if not required:
+            ref["optional"] = True
+        if name not in skip:  # k8s.secrets.env names it already: that one wins
+            out.append({"name": name, "valueFrom": {"secretKeyRef": ref}})
     return out
 
 

@@ -1,0 +1,252 @@
+"""Copy a run directory from a pod's claim to a local folder, only what changed, checkpoints whole and verified.
+
+The pod runs fetch/program.py (through a `Transport`: exec in a pod, or a local process on a simulated claim).
+What changed: another size or modification time than the copy recorded in `.kubetrain-fetch.json` (reading
+every file in the pod to checksum it would cost as much as copying it). Checkpoints are copied whole into
+`checkpoints/step-N.fetch.tmp/`, verified against the xxh3-128 checksums of their own meta.json, and only then
+renamed into place; the `latest`/`best` pointers are written last and only name checkpoints that are here.
+An interrupted fetch leaves `*.fetch.tmp` names only, which every reader skips and the next fetch removes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import IO, Any, Protocol
+
+from kubetrain import checkpoint
+from kubetrain.checkpoint import BEST, LATEST, META_FILE
+from kubetrain.errors import CheckpointError, KubetrainError, UserInputError
+from kubetrain.files import write_atomic
+from kubetrain.k8s.fetch.program import NOTES, command, list_args, tar_args
+
+MANIFEST = ".kubetrain-fetch.json"
+TMP = ".fetch.tmp"
+CHOICES = ("latest", "best", "all", "none")
+_CKPT = re.compile(r"^(?P<dir>(?:.*/)?checkpoints/step-\d{6,})/(?P<file>.+)$")
+_POINTER = re.compile(r"^(?:.*/)?checkpoints/(?:latest|best)$")
+Log = Callable[[str], None]
+
+
+class FetchError(KubetrainError):
+    """The pod could not read the run directory, or a copied checkpoint failed its checksums. Exit code 1."""
+
+
+class Transport(Protocol):
+    def run(self, args: list[str]) -> AbstractContextManager[IO[bytes]]:
+        """Run the pod program with these arguments; its stdout while open, its exit checked on close."""
+
+
+class LocalTransport:
+    """Runs the fetch program as a local process, on a folder of this machine (a simulated claim)."""
+
+    @contextmanager
+    def run(self, args: list[str]) -> Iterator[IO[bytes]]:
+        proc = subprocess.Popen(command(sys.executable, args), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            yield proc.stdout
+            proc.stdout.read()  # what the reader left (a tar's end padding)
+        finally:
+            proc.stdout.close()
+            err = proc.stderr.read().decode(errors="replace").strip()
+            code = proc.wait()
+        if code != 0:
+            raise FetchError(err.splitlines()[-1] if err else f"the fetch program exited with {code}")
+
+
+@dataclass
+class FetchResult:
+    copied: list[str] = field(default_factory=list)  # files, relative to the run directory
+    checkpoints: list[str] = field(default_factory=list)  # checkpoint folders copied and verified
+    unchanged: int = 0
+    nbytes: int = 0
+    failed: list[str] = field(default_factory=list)  # "step-N: why"
+
+
+@dataclass
+class _Plan:
+    listing: dict[str, tuple[int, int]]
+    pointers: dict[str, str]
+    plain: list[str]
+    checkpoints: dict[str, list[str]]  # checkpoint folder -> its files, meta.json last
+    unchanged: int  # files asked for that are here as the pod has them
+
+    @property
+    def files(self) -> list[str]:
+        return self.plain + [f"{d}/{f}" for d, files in self.checkpoints.items() for f in files]
+
+
+def _load_manifest(local: Path) -> dict[str, list[int]]:
+    try:
+        found = json.loads((local / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _chosen(listing: dict[str, tuple[int, int]], pointers: dict[str, str], which: str) -> set[str]:
+    """The checkpoint folders `--checkpoints` asks for: in each checkpoints/ folder, complete ones only."""
+    complete = {m["dir"] for rel in listing if (m := _CKPT.match(rel)) and m["file"] == META_FILE}
+    if which == "all":
+        return complete
+    if which == "none":
+        return set()
+    out = set()
+    for folder in {str(PurePosixPath(d).parent) for d in complete}:
+        name = pointers.get(f"{folder}/{which}") or (pointers.get(f"{folder}/{LATEST}") if which == BEST else None)
+        if name and f"{folder}/{name}" in complete:
+            out.add(f"{folder}/{name}")
+    return out
+
+
+def plan(listing_json: dict[str, Any], local: Path, which: str) -> _Plan:
+    listing = {str(rel): (int(size), int(mtime)) for rel, size, mtime in listing_json["files"]}
+    pointers = {str(k): str(v) for k, v in listing_json["pointers"].items()}
+    manifest = _load_manifest(local)
+
+    def changed(rel: str) -> bool:
+        return manifest.get(rel) != list(listing[rel])
+
+    candidates = [rel for rel in listing if not _CKPT.match(rel) and not _POINTER.match(rel)]
+    plain = [rel for rel in candidates if changed(rel) or not (local / rel).is_file()]
+    unchanged = len(candidates) - len(plain)
+    checkpoints: dict[str, list[str]] = {}
+    for folder in sorted(_chosen(listing, pointers, which)):
+        files = sorted(m["file"] for rel in listing if (m := _CKPT.match(rel)) and m["dir"] == folder)
+        if (local / folder).is_dir() and not changed(f"{folder}/{META_FILE}"):
+            unchanged += len(files)  # a checkpoint never changes once complete: same meta.json, same checkpoint
+            continue
+        checkpoints[folder] = [f for f in files if f != META_FILE] + [META_FILE]
+    return _Plan(listing, pointers, sorted(plain), checkpoints, unchanged)
+
+
+def fetch_run(transport: Transport, remote_root: str, local: Path, which: str = "latest",
+              log: Log | None = None) -> FetchResult:
+    """Copy the run directory at `remote_root` (a path in the pod) into `local`."""
+    if which not in CHOICES:
+        raise UserInputError(f"--checkpoints must be one of {', '.join(CHOICES)}, not '{which}'")
+    say = log or (lambda _line: None)
+    local.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(local)
+    with transport.run(list_args(remote_root)) as out:
+        raw = out.read()  # parsed once the program's exit was checked
+    todo = plan(json.loads(raw), local, which)
+    result = FetchResult(unchanged=todo.unchanged)
+    if todo.files:
+        say(f"copying {len(todo.files)} files ({len(todo.checkpoints)} checkpoints) from {remote_root}")
+        try:
+            with transport.run(tar_args(remote_root, todo.files)) as out:
+                notes = _Unpacker(local, result).unpack(out)
+        finally:
+            _remove_leftovers(local)
+        _record(local, todo, result, notes)
+    _point(local, todo)
+    return result
+
+
+class _Unpacker:
+    """Writes the members of the tar stream: plain files under temporary names then renamed, checkpoints into
+    a temporary folder that is verified and renamed when its last file (meta.json) is in."""
+
+    def __init__(self, local: Path, result: FetchResult) -> None:
+        self.local, self.result = local, result
+
+    def unpack(self, stream: IO[bytes]) -> dict[str, list[str]]:
+        notes: dict[str, list[str]] = {"gone": [], "changed": []}
+        with tarfile.open(fileobj=stream, mode="r|") as tar:
+            for member in tar:
+                source = tar.extractfile(member)
+                if source is None:
+                    continue
+                if member.name == NOTES:
+                    notes = json.loads(source.read())
+                    continue
+                rel = _safe(member.name)
+                m = _CKPT.match(rel)
+                target = (self.local / f"{m['dir']}{TMP}" / m["file"]) if m else self._tmp_name(rel)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(target, "wb") as f:
+                    shutil.copyfileobj(source, f, 1 << 20)
+                    os.fsync(f.fileno())
+                self.result.nbytes += member.size
+                if m is None:
+                    os.replace(target, self.local / rel)
+                    self.result.copied.append(rel)
+                elif m["file"] == META_FILE:
+                    self._finish_checkpoint(m["dir"])
+        return notes
+
+    def _tmp_name(self, rel: str) -> Path:
+        path = self.local / rel
+        return path.with_name(f".{path.name}{TMP}")
+
+    def _finish_checkpoint(self, folder: str) -> None:
+        tmp, final = self.local / f"{folder}{TMP}", self.local / folder
+        try:
+            checkpoint.verify(tmp, deep=True)
+        except CheckpointError as e:
+            self.result.failed.append(f"{folder}: {str(e).removeprefix(f'{tmp.name}: ')}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        shutil.rmtree(final, ignore_errors=True)  # an older copy that the job has since rewritten
+        os.rename(tmp, final)
+        self.result.checkpoints.append(folder)
+        self.result.copied += [str(p.relative_to(self.local).as_posix()) for p in final.rglob("*") if p.is_file()]
+
+
+def _safe(name: str) -> str:
+    """A member name as a relative path that stays inside the folder (the pod is not trusted with ../)."""
+    p = PurePosixPath(name)
+    if p.is_absolute() or ".." in p.parts or not p.parts:
+        raise FetchError(f"the pod sent a file outside the run directory: {name}")
+    return str(p)
+
+
+def _remove_leftovers(local: Path) -> None:
+    """What an interrupted fetch left: temporary files and checkpoint folders."""
+    for path in list(local.rglob(f"*{TMP}")):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _record(local: Path, todo: _Plan, result: FetchResult, notes: dict[str, list[str]]) -> None:
+    """Remember the size and time of each file copied whole, so the next fetch skips it while it is unchanged."""
+    manifest = _load_manifest(local)
+    skipped = set(notes.get("gone", [])) | set(notes.get("changed", []))
+    for rel in result.copied:
+        if rel in todo.listing and rel not in skipped:
+            manifest[rel] = list(todo.listing[rel])
+    write_atomic(local / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+def _point(local: Path, todo: _Plan) -> None:
+    """latest/best in each checkpoints/ folder, naming only checkpoints that are here.
+
+    `latest` follows the job where that checkpoint was copied, else names the newest one here (so `generate` and
+    `--resume auto` find one after `--checkpoints best`); `best` follows the job where it can.
+    """
+    folders = {str(PurePosixPath(rel).parent) for rel in todo.pointers}
+    folders |= {str(PurePosixPath(d).parent) for d in todo.checkpoints}
+    for folder in folders:
+        root = local / folder
+        here = checkpoint.complete_checkpoints(root)
+        if not here:
+            continue
+        for which in (LATEST, BEST):
+            name = todo.pointers.get(f"{folder}/{which}")
+            if name and (root / name).is_dir():
+                write_atomic(root / which, name + "\n")
+            elif which == LATEST and checkpoint.pointer(root, LATEST) not in {p.name for p in here}:
+                write_atomic(root / LATEST, here[-1].name + "\n")
