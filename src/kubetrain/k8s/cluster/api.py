@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import yaml
 
@@ -137,35 +137,53 @@ class Cluster:
         from kubernetes.client.exceptions import ApiException
 
         headers = {"Accept": "application/json", "Content-Type": content_type}
-        method, url, headers, body, post = self.client.param_serialize(
-            method=method,
-            resource_path=path,
-            query_params=query or [],
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
-        )
         what = what or f"{method} {path}"
         try:
-            response = self.client.call_api(
-                method,
-                url,
-                header_params=headers,
-                body=body,
-                post_params=post,
-                _request_timeout=None if stream else timeout,
-            )
+            response = self._send(method, path, query or [], headers, body, None if stream else timeout)
         except (urllib3.exceptions.HTTPError, OSError) as e:
             reason = getattr(e, "reason", None) or e
             raise ClusterError(f"cannot reach the API server at {self.where}: {_short(reason)}") from None
         except ApiException as e:  # the client's wrapping of TLS failures (status 0)
             raise ClusterError(f"cannot reach the API server at {self.where}: {_short(e.reason)}") from None
         if stream and 200 <= response.status < 300:
-            return response.status, response.response
+            return response.status, response
         data = response.read()
         if not 200 <= response.status < 300:
             raise self.error(response.status, data, what)
         return response.status, json.loads(data) if data else {}
+
+    def prepare(
+        self, method: str, path: str, query: list[tuple[str, str]], headers: dict[str, str], body: Any = None
+    ) -> tuple[str, dict[str, str], Any]:
+        """(URL with the query, headers with the client's credentials, body) of a request to the API server."""
+        if hasattr(self.client, "param_serialize"):  # kubernetes >= 37 (the generator's v7 ApiClient)
+            _, url, headers, body, _ = self.client.param_serialize(
+                method=method, resource_path=path, query_params=query, header_params=headers, body=body,
+                auth_settings=["BearerToken"],
+            )
+            return url, headers, body
+        # kubernetes <= 36: pip installs it beside s3fs (botocore needs python-dateutil < 3, kubernetes 37 >= 3)
+        headers = {**self.client.default_headers, **headers}
+        self.client.update_params_for_auth(headers, [], ["BearerToken"])
+        url = self.client.configuration.host + path + (f"?{urlencode(query)}" if query else "")
+        if body is not None and not isinstance(body, str | bytes):
+            body = json.dumps(self.client.sanitize_for_serialization(body))
+        return url, headers, body
+
+    def _send(
+        self, method: str, path: str, query: list[tuple[str, str]], headers: dict[str, str], body: Any,
+        timeout: float | None,
+    ) -> Any:
+        """The urllib3 response of one request (its body unread), whatever its status."""
+        url, headers, body = self.prepare(method, path, query, headers, body)
+        if hasattr(self.client, "param_serialize"):
+            return self.client.call_api(method, url, header_params=headers, body=body,
+                                        _request_timeout=timeout).response
+        # The older REST layer raises on any status outside 2xx and reads the whole body: use its connection
+        # pool (TLS and proxy as the kubeconfig says) directly, as the newer one does.
+        return self.client.rest_client.pool_manager.request(
+            method, url, body=body, headers=headers, preload_content=False, timeout=timeout,
+        )
 
     def error(self, status: int, data: bytes, what: str) -> ClusterError:
         """The one-line error of an HTTP status and the Status body the API server sent with it."""

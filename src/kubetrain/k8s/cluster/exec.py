@@ -101,10 +101,7 @@ def exec_stream(cluster: Cluster, pod: str, namespace: str, container: str, comm
 
     query = [("container", container), ("stdout", "true"), ("stderr", "true"), ("stdin", "false"),
              ("tty", "false"), *(("command", c) for c in command)]
-    _, url, headers, _, _ = cluster.client.param_serialize(
-        method="GET", resource_path=RESOURCES["Pod"].path(namespace, pod, "exec"), query_params=query,
-        header_params={}, auth_settings=["BearerToken"],
-    )
+    url, headers, _ = cluster.prepare("GET", RESOURCES["Pod"].path(namespace, pod, "exec"), query, {})
     what = f"exec in pod {pod} ({container}) on {cluster.where}"
     try:
         socket = create_websocket(cluster.client.configuration, get_websocket_url(url), headers)
