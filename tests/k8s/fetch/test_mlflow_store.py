@@ -117,6 +117,22 @@ def test_a_store_being_written_is_copied_as_committed(claim: Path, tmp_path: Pat
         assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
 
 
+def test_a_run_with_phases_brings_each_phases_artifacts(tmp_path: Path, data_cache: Path) -> None:
+    from kubetrain.train.phases import train_all
+
+    claim = tmp_path / "claim"
+    phases = '[{"name": "a", "train": {"max_steps": 2}}, {"name": "b", "train": {"max_steps": 2}}]'
+    sets = [*TINY, "run.name=obs", f"run.output_dir={claim}", f"data.cache_dir={data_cache}",
+            "track.mlflow.enabled=true", "checkpoint.every_steps=2", "eval.every_steps=2", f"phases={phases}"]
+    train_all(load_config(None, None, sets), argv=[], log=lambda _: None)
+    train_into(claim, data_cache, "other", steps=2)
+    result = fetch(claim, tmp_path / "local")
+    with sqlite3.connect(claim / "mlflow.db") as con:
+        ids = [r for (r,) in con.execute("SELECT run_uuid FROM runs WHERE name LIKE 'obs/%' ORDER BY start_time")]
+    assert len(ids) == 2 and result.mlflow_runs == ids and result.warnings == []
+    assert sorted(p.name for p in (tmp_path / "local" / "mlflow" / "mlartifacts").iterdir()) == sorted(ids)
+
+
 def test_a_store_that_is_not_there_yet(tmp_path: Path) -> None:
     run = tmp_path / "claim" / "obs"
     run.mkdir(parents=True)
