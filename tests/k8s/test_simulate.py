@@ -113,20 +113,28 @@ def test_a_lost_pod_is_replaced_and_the_run_resumes_from_the_shared_checkpoint(t
 
 @pytest.mark.slow
 def test_a_simulated_job_is_fetched_and_works_here(tmp_path: Path) -> None:
-    """`k8s fetch`'s copy of a whole 2-pod job, then runs/generate/export on it and a local resume from it.
+    """`k8s fetch`'s copy of a whole 2-pod job, then runs/generate/export and MLflow on it and a local resume from it.
 
     No real pod can exist here: the pod program runs as a local process on the simulated claim (LocalTransport),
     the same program and the same local code path that exec in a pod feeds (tests/k8s/fetch/test_pods.py).
     """
+    from mlflow.tracking import MlflowClient
+
     from kubetrain.k8s.fetch.transfer import LocalTransport, fetch_run
     from tests.conftest import cli_env
 
-    s = sim(tmp_path, "indexed-job", "train.max_steps=8", "checkpoint.every_steps=4", "eval.every_steps=4")
+    s = sim(tmp_path, "indexed-job", "train.max_steps=8", "checkpoint.every_steps=4", "eval.every_steps=4",
+            "track.mlflow.enabled=true")
     result = s.run(timeout=300)
     assert result.succeeded, result.message + s.pods[0].log_path.read_text()[-3000:]
     local = tmp_path / "laptop" / "runs" / "tiny"
-    fetched = fetch_run(LocalTransport(), str(s.root / "volumes" / "checkpoints" / "tiny"), local, "all")
+    claim = s.root / "volumes" / "checkpoints"
+    fetched = fetch_run(LocalTransport(), str(claim / "tiny"), local, "all", mlflow_db=str(claim / "mlflow.db"))
     assert fetched.failed == [] and [Path(c).name for c in fetched.checkpoints] == ["step-000004", "step-000008"]
+    assert fetched.mlflow_store is not None and len(fetched.mlflow_runs) == 1, fetched.warnings
+    client = MlflowClient(f"sqlite:///{fetched.mlflow_store}")
+    assert max(m.step for m in client.get_metric_history(fetched.mlflow_runs[0], "loss")) == 8
+    assert {a.path for a in client.list_artifacts(fetched.mlflow_runs[0])} == {"config.yaml", "meta.json"}
 
     def kubetrain(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "kubetrain", *args], cwd=tmp_path / "laptop", env=cli_env(),

@@ -254,7 +254,9 @@ def fetch(
 
     Through a running pod of the job (exec), or a short-lived pod that mounts the claim read-only (deleted
     afterwards). Only what changed since the last fetch is copied; checkpoints are verified against their
-    checksums and appear whole or not at all. The folder works with `runs`, `generate` and `export`.
+    checksums and appear whole or not at all. With MLflow on its default SQLite store, the store and this run's
+    artifacts land in DIR/mlflow/ (`mlflow ui --backend-store-uri sqlite:///DIR/mlflow/mlflow.db`). The folder
+    works with `runs`, `generate`, `export` and `mlflow ui`.
     """
     from kubetrain.k8s.fetch.pods import fetch_job
 
@@ -265,6 +267,11 @@ def fetch(
     copied = f"{len(result.copied)} files ({result.nbytes / 2**20:.1f} MiB)"
     verified = f", checkpoints verified: {', '.join(Path(c).name for c in result.checkpoints)}" \
         if result.checkpoints else ""
+    for line in result.warnings:
+        typer.echo(line, err=True)
+    if result.mlflow_store is not None:
+        runs = ", ".join(result.mlflow_runs) or "none of this run"
+        typer.echo(f"MLflow runs {runs}: mlflow ui --backend-store-uri sqlite:///{result.mlflow_store.resolve()}")
     typer.echo(f"{local}: {copied} copied, {result.unchanged} unchanged{verified}")
     if result.failed:
         typer.echo("checkpoints that failed their checksums after the copy (not kept): " + "; ".join(result.failed),

@@ -135,3 +135,51 @@ def test_a_claim_without_the_run_says_so(tmp_path: Path, apiserver: Any, cli: Cl
     assert err.startswith(f"error: exec in pod {pod} (trainer) on ") and "no run directory at " in err
     assert err.rstrip().endswith("(run directories there: none)")
     assert not (tmp_path / "local" / "checkpoints").exists()
+
+
+def test_the_mlflow_store_comes_through_the_running_pod(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    """Job `tiny` with MLflow on its default store: its claim holds what real training wrote there."""
+    from mlflow.tracking import MlflowClient
+
+    from kubetrain.train.trainer import train
+    from tests.track.conftest import TINY
+
+    claim = tmp_path / "claim"
+    sets = [*TINY, "run.name=tiny", f"run.output_dir={claim}", f"data.cache_dir={tmp_path / 'cache'}",
+            "train.max_steps=5", "track.mlflow.enabled=true"]
+    train(load_config(None, None, sets), argv=[], log=lambda _: None)
+    apiserver.claims["tiny-checkpoints"] = claim
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    code, _, err = cli("k8s", "launch", *NS, "--set", "track.mlflow.enabled=true", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    pod = apiserver.pod("tiny", 0)
+    apiserver.start(pod)
+    out = tmp_path / "local"
+    code, stdout, err = fetch(cli, kubeconfig, out)
+    assert code == 0, stdout + err
+    assert execs(apiserver) == [pod] * 4  # list, tar; the store's list, its tar
+    store = out / "mlflow" / "mlflow.db"
+    client = MlflowClient(f"sqlite:///{store}")
+    [run] = client.search_runs([client.get_experiment_by_name("kubetrain").experiment_id])
+    assert f"MLflow runs {run.info.run_id}: mlflow ui --backend-store-uri sqlite:///{store.resolve()}" in stdout
+    assert run.info.artifact_uri.startswith((out / "mlflow" / "mlartifacts").resolve().as_uri())
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"config.yaml", "meta.json"}
+
+    code, stdout, _ = fetch(cli, kubeconfig, out)
+    assert code == 0 and " 0 files (0.0 MiB) copied" in stdout.splitlines()[-1]
+
+
+def test_a_store_on_a_tracking_server_stays_there(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    (tmp_path / "claim" / "tiny").mkdir(parents=True)
+    (tmp_path / "claim" / "tiny" / "meta.json").write_text("{}")
+    apiserver.claims["tiny-checkpoints"] = tmp_path / "claim"
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    code, _, err = cli("k8s", "launch", *NS, "--set", "track.mlflow.enabled=true", "--set",
+                       "track.mlflow.tracking_uri=http://mlflow.ml:5000", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    pod = apiserver.pod("tiny", 0)
+    apiserver.start(pod)
+    code, stdout, err = fetch(cli, kubeconfig, tmp_path / "local")
+    assert code == 0, stdout + err
+    assert "MLflow: the job tracks to http://mlflow.ml:5000: its data stays on that server" in stdout.splitlines()
+    assert execs(apiserver) == [pod, pod] and not (tmp_path / "local" / "mlflow").exists()

@@ -24,6 +24,7 @@ from kubetrain.errors import UserInputError
 from kubetrain.k8s.cluster.api import Cluster
 from kubetrain.k8s.cluster.exec import exec_stream
 from kubetrain.k8s.cluster.status import job_ranks, main_container, waiting_reason
+from kubetrain.k8s.fetch.mlflow_store import pod_store
 from kubetrain.k8s.fetch.program import command
 from kubetrain.k8s.fetch.transfer import FetchError, FetchResult, fetch_run
 from kubetrain.k8s.render.context import CONFIG_FILE, RenderContext, context, job_name
@@ -148,16 +149,20 @@ def fetch_job(cluster: Cluster, name: str, namespace: str, output: Path | None, 
     ctx = context(cfg)
     remote_root = f"{ctx.checkpoint_mount}/{cfg.run.name}"
     local = output or Path("runs") / cfg.run.name
+    store, elsewhere = pod_store(cfg, ctx.checkpoint_mount)
+    if elsewhere:
+        say(elsewhere)
     pod = _running_pod(cluster, name, namespace)
     if pod is not None:
         say(f"reading {remote_root} through the running pod {pod['metadata']['name']}")
         transport = ExecTransport(cluster, pod["metadata"]["name"], namespace, main_container(pod))
-        return local, fetch_run(transport, remote_root, local, which, say)
+        return local, fetch_run(transport, remote_root, local, which, say, store)
     helper = f"{name}-fetch-{secrets.token_hex(3)}"
     say(f"no pod of {name} runs: reading its claim through the pod {helper} (deleted afterwards)")
     cluster.apply(helper_pod(ctx, helper))
     try:
         _wait_running(cluster, helper, namespace, start_timeout)
-        return local, fetch_run(ExecTransport(cluster, helper, namespace, "fetch"), remote_root, local, which, say)
+        transport = ExecTransport(cluster, helper, namespace, "fetch")
+        return local, fetch_run(transport, remote_root, local, which, say, store)
     finally:
         cluster.delete("Pod", helper, namespace)

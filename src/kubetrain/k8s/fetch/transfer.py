@@ -27,7 +27,24 @@ from kubetrain import checkpoint
 from kubetrain.checkpoint import BEST, LATEST, META_FILE
 from kubetrain.errors import CheckpointError, KubetrainError, UserInputError
 from kubetrain.files import write_atomic
-from kubetrain.k8s.fetch.program import NOTES, command, list_args, tar_args
+from kubetrain.k8s.fetch.mlflow_store import (
+    LOCAL_DIR,
+    STORE_FILE,
+    STORE_KEY,
+    StorePlan,
+    integrity_problem,
+    plan_store,
+    rewrite_locations,
+)
+from kubetrain.k8s.fetch.program import (
+    NOTES,
+    STORE_MEMBER,
+    command,
+    list_args,
+    store_list_args,
+    store_tar_args,
+    tar_args,
+)
 
 MANIFEST = ".kubetrain-fetch.json"
 TMP = ".fetch.tmp"
@@ -71,6 +88,9 @@ class FetchResult:
     unchanged: int = 0
     nbytes: int = 0
     failed: list[str] = field(default_factory=list)  # "step-N: why"
+    mlflow_runs: list[str] = field(default_factory=list)  # MLflow run ids of this run whose store came along
+    mlflow_store: Path | None = None  # the fetched copy of the job's MLflow store
+    warnings: list[str] = field(default_factory=list)  # what was not fetched, and why
 
 
 @dataclass
@@ -131,8 +151,9 @@ def plan(listing_json: dict[str, Any], local: Path, which: str) -> _Plan:
 
 
 def fetch_run(transport: Transport, remote_root: str, local: Path, which: str = "latest",
-              log: Log | None = None) -> FetchResult:
-    """Copy the run directory at `remote_root` (a path in the pod) into `local`."""
+              log: Log | None = None, mlflow_db: str | None = None) -> FetchResult:
+    """Copy the run directory at `remote_root` (a path in the pod) into `local`; with `mlflow_db` (the path in the
+    pod of the job's MLflow SQLite store), also that store and this run's artifacts into `local`/mlflow/."""
     if which not in CHOICES:
         raise UserInputError(f"--checkpoints must be one of {', '.join(CHOICES)}, not '{which}'")
     say = log or (lambda _line: None)
@@ -151,7 +172,85 @@ def fetch_run(transport: Transport, remote_root: str, local: Path, which: str = 
             _remove_leftovers(local)
         _record(local, todo, result, notes)
     _point(local, todo)
+    if mlflow_db is not None:
+        _fetch_store(transport, remote_root, mlflow_db, local, result, say)
     return result
+
+
+def _fetch_store(transport: Transport, remote_root: str, db: str, local: Path, result: FetchResult,
+                 say: Log) -> None:
+    """The MLflow store (copied whole when it changed, read through SQLite's backup API in the pod) and the
+    artifacts of this run that changed, into local/mlflow/ laid out as the pod's output dir is."""
+    base = str(PurePosixPath(remote_root).parent)
+    with transport.run(store_list_args(remote_root, base, db)) as out:
+        raw = out.read()
+    listing = json.loads(raw)
+    if listing["db"] is None:
+        result.warnings.append(f"MLflow: no store at {db} (the job has not logged to it yet)")
+        return
+    manifest = _load_manifest(local)
+    todo = plan_store(listing, local, manifest)
+    result.warnings += todo.warnings
+    result.unchanged += todo.unchanged
+    result.mlflow_runs = todo.runs
+    if todo.db or todo.files:
+        say(f"copying the MLflow store{'' if todo.db else ' artifacts'} ({len(todo.files)} artifact files)")
+        try:
+            with transport.run(store_tar_args(remote_root, base, db, todo.db, todo.files)) as out:
+                notes = _unpack_store(out, local, [listing["base"], base], result)
+        finally:
+            _remove_leftovers(local)
+        skipped = set(notes.get("gone", [])) | set(notes.get("changed", []))
+        if notes.get("error"):
+            result.warnings.append(f"MLflow store not copied: {notes['error']}")
+        _record_store(local, listing, todo, result, skipped)
+    store = local / LOCAL_DIR / STORE_FILE
+    result.mlflow_store = store if store.is_file() else None
+
+
+def _unpack_store(stream: IO[bytes], local: Path, pod_bases: list[str], result: FetchResult) -> dict[str, Any]:
+    """Each member under a temporary name, then renamed; the store is checked and its artifact locations
+    pointed at local/mlflow/ before it replaces the previous copy."""
+    here = local / LOCAL_DIR
+    notes: dict[str, Any] = {}
+    with tarfile.open(fileobj=stream, mode="r|") as tar:
+        for member in tar:
+            source = tar.extractfile(member)
+            if source is None:
+                continue
+            if member.name == NOTES:
+                notes = json.loads(source.read())
+                continue
+            rel = _safe(member.name)
+            final = here / rel
+            tmp = final.with_name(f".{final.name}{TMP}")
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                shutil.copyfileobj(source, f, 1 << 20)
+                os.fsync(f.fileno())
+            result.nbytes += member.size
+            if member.name == STORE_MEMBER:
+                problem = integrity_problem(tmp)
+                if problem is not None:
+                    result.warnings.append(f"MLflow store not kept: the copy fails its integrity check: {problem}")
+                    tmp.unlink()
+                    continue
+                rewrite_locations(tmp, pod_bases, here)
+            os.replace(tmp, final)
+            result.copied.append(f"{LOCAL_DIR}/{rel}")
+    return notes
+
+
+def _record_store(local: Path, listing: dict[str, Any], todo: StorePlan, result: FetchResult,
+                  skipped: set[str]) -> None:
+    manifest = _load_manifest(local)
+    stamps = {f"{LOCAL_DIR}/{rel}": [size, mtime] for rel, size, mtime in listing["files"]}
+    for rel in result.copied:
+        if rel == STORE_KEY and todo.db:
+            manifest[rel] = listing["db"]
+        elif rel in stamps and rel.removeprefix(f"{LOCAL_DIR}/") not in skipped:
+            manifest[rel] = stamps[rel]
+    write_atomic(local / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
 class _Unpacker:
