@@ -98,8 +98,7 @@ def test_cli_non_zero_rank_waits_then_fails(tmp_path: Path, monkeypatch: pytest.
 IDLE = (
     "import sys\n"
     "from kubetrain.k8s.pod.entrypoint import idle_until_stopped\n"
-    "print('idling', flush=True)\n"
-    "sys.exit(idle_until_stopped())\n"
+    "sys.exit(idle_until_stopped(lambda: print('idling', flush=True)))\n"
 )
 
 

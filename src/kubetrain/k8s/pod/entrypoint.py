@@ -106,11 +106,16 @@ def run(config: Path, *, rdzv_id: str, max_restarts: int, wait_timeout: float, s
     return idle_until_stopped()
 
 
-def idle_until_stopped() -> int:
-    """Sleep until SIGTERM/SIGINT, then exit 0: a StatefulSet's pod restarts whatever exits."""
+def idle_until_stopped(ready: Callable[[], None] | None = None) -> int:
+    """Sleep until SIGTERM/SIGINT, then exit 0: a StatefulSet's pod restarts whatever exits.
+
+    `ready` runs once the signal handlers are in place (a stop asked for before then would kill the process).
+    """
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
+    if ready is not None:
+        ready()
     while not stop.wait(1.0):  # a short wait: the handler runs only between waits on some platforms
         pass
     return 0
