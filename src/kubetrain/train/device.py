@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import platform
+import re
 import resource
 import sys
 from collections.abc import Callable
@@ -10,12 +12,15 @@ from collections.abc import Callable
 import torch
 
 # Dense bf16/fp16 tensor-core peak per GPU (FLOP/s), from the vendors' data sheets; MFU is shown only when known.
+# Keys are whole model names: "L4" must not match an L40, nor "A10" an A10G (a substring match did; an A10G
+# has no published dense peak, so its MFU is not shown).
 PEAK_FLOPS: dict[str, float] = {
     "H200": 989e12,
     "H100": 989e12,
     "A100": 312e12,
     "A10": 125e12,
     "L40S": 362e12,
+    "L40": 181e12,
     "L4": 121e12,
     "RTX 4090": 165e12,
     "RTX 3090": 71e12,
@@ -26,14 +31,25 @@ PEAK_FLOPS: dict[str, float] = {
 }
 
 
+def peak_flops_of(name: str) -> float | None:
+    """The dense bf16 peak of a device by its name ("NVIDIA H100 80GB HBM3"), matching whole model names only."""
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name):
+            return PEAK_FLOPS[key]
+    return None
+
+
+def device_name(device: torch.device) -> str:
+    """What the run trains on, for meta.json: the GPU's model name, or the CPU's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type}: {platform.processor() or platform.machine()}"
+
+
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_FLOPS.items():
-        if key in name:
-            return flops
-    return None
+    return peak_flops_of(torch.cuda.get_device_name(device))
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

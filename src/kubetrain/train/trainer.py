@@ -34,7 +34,7 @@ from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
 from kubetrain.track.console import Throughput, console_log
 from kubetrain.track.jsonl import truncate_after
-from kubetrain.train.device import autocast, memory_gib, peak_flops, resolve_precision
+from kubetrain.train.device import autocast, device_name, memory_gib, peak_flops, resolve_precision
 from kubetrain.train.evaluate import evaluate, lm_loss, perplexity
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
 from kubetrain.train.state import (
@@ -294,6 +294,7 @@ class Trainer:
         cfg, path, step = self.cfg, self.path, self.state.step
         argv = self.opts.argv if self.opts.argv is not None else sys.argv[1:]
         meta = runs.start(path, cfg, argv, self.penv.world_size, phase=self.opts.phase)
+        runs.update_meta(path, device=device_name(self.device), peak_flops=self.peak)  # what MFU is measured against
         for change in meta["config_changes"]:
             self.say(f"config changed since the last start: {change}")
         truncate_after(path / runs.METRICS_FILE, step)
