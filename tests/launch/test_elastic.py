@@ -6,13 +6,14 @@ import json
 import os
 import signal
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
 from kubetrain.errors import EXIT_STOPPED_RESUMABLE, UserInputError
-from kubetrain.launch.elastic import LaunchOptions, torchrun_args
+from kubetrain.launch.elastic import LaunchOptions, root_failure, torchrun_args
 from tests.train.conftest import kubetrain, lines_in, sets, start, wait_until
 
 
@@ -121,7 +122,7 @@ def test_failed_worker_without_restarts_fails_the_job_fast_with_its_error(tmp_pa
     os.kill(max(_workers(proc.pid)), signal.SIGKILL)
     _, err = proc.communicate(timeout=120)  # no hang: the agent tears the job down
     assert proc.returncode == 1
-    assert "error: rank" in err and "Signal 9" in err
+    assert "error: rank" in err and "Signal 9" in err, err[-3000:]
 
 
 @pytest.mark.slow
@@ -156,3 +157,21 @@ def test_resume_with_another_world_size_continues_the_data_without_replay(tmp_pa
     ref, mixed = _train_losses(tmp_path / "runs" / "ref"), _train_losses(tmp_path / "runs" / "mixed")
     assert len(mixed) == 12
     assert mixed == pytest.approx(ref, rel=1e-4, abs=1e-5)
+
+
+@dataclass
+class Failure:  # the fields of torch's ProcessFailure that the choice reads
+    message: str
+    timestamp: int
+
+
+def test_the_root_failure_is_the_killed_worker_not_the_peer_that_lost_it() -> None:
+    gloo = ("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:3477. This is typically "
+            "caused by a remote worker crashing.")
+    killed = "Signal 9 (SIGKILL) received by PID 27355"
+    # whole-second timestamps: torch's get_first_failure gives a tie to rank 0, the peer that lost its partner
+    assert root_failure({0: Failure(gloo, 100), 1: Failure(killed, 100)}) == (1, Failure(killed, 100))
+    assert root_failure({0: Failure(gloo, 99), 1: Failure(killed, 100)})[0] == 1
+    # among causes, the earliest; with no cause at all, the earliest effect
+    assert root_failure({0: Failure("ValueError: bad", 101), 1: Failure(killed, 100)})[0] == 1
+    assert root_failure({0: Failure(gloo, 101), 1: Failure(gloo, 100)})[0] == 1

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kubetrain.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_STOPPED_RESUMABLE, UserInputError
 
@@ -87,7 +90,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         print(f"launcher: {e.sigval.name}: workers stopped (run status: {status})", file=sys.stderr, flush=True)
         return EXIT_STOPPED_RESUMABLE if status == "stopped" else EXIT_FAILURE
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = root_failure(e.failures)
         if failure.exitcode == EXIT_STOPPED_RESUMABLE:
             return EXIT_STOPPED_RESUMABLE
         message = failure.message
@@ -96,6 +99,21 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         print(f"error: rank {rank} failed with exit code {failure.exitcode}: {message}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT if failure.exitcode == EXIT_BAD_INPUT else EXIT_FAILURE
     return 0
+
+
+# What a worker says when a peer went away: an effect of another worker's failure, not a cause.
+_PEER_LOST = re.compile(r"(closed|reset) by peer|remote worker|peer (process )?(died|exited)", re.IGNORECASE)
+
+
+def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
+    """The failure that caused the others: torch's `get_first_failure` orders by timestamps of whole seconds
+    (a tie goes to rank 0), so a worker whose collective failed because its peer was killed in the same second
+    was reported instead of the killed peer. A failure that says a peer went away comes after every other."""
+    def order(item: tuple[int, Any]) -> tuple[bool, int, int]:
+        rank, failure = item
+        return bool(_PEER_LOST.search(str(failure.message))), failure.timestamp, rank
+
+    return min(failures.items(), key=order)
 
 
 def _run_status(run_dir: Path) -> str:
