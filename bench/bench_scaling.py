@@ -29,7 +29,12 @@ def run(cwd: Path, name: str, steps: int, nproc: int, threads: int, global_batch
         cmd += ["--nproc", str(nproc)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     subprocess.run(cmd, cwd=cwd, env=env, check=True, capture_output=True, text=True)
-    records = [json.loads(x) for x in (cwd / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    return median_rate(cwd / "runs" / name)
+
+
+def median_rate(run_dir: Path) -> float:
+    """The median of a run's logged tokens/s windows after the first (warm-up) one."""
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rates = [r["tokens_per_second"] for r in records if r["kind"] == "train"][1:]
     return statistics.median(rates)
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from bench_scaling import median_rate  # bench/ is the script's folder, first on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = ["model.n_layer=6", "model.n_head=6", "model.n_embd=384", "model.block_size=256", "train.log_every_steps=5",
@@ -29,9 +30,7 @@ def run(src: Path, cwd: Path, name: str, steps: int) -> float:
     cmd = [sys.executable, "-m", "kubetrain", "train", *[x for s in sets for x in ("--set", s)]]
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "2"}
     subprocess.run(cmd, cwd=cwd, env=env, check=True, capture_output=True, text=True)
-    records = [json.loads(x) for x in (cwd / "runs" / name / "metrics.jsonl").read_text().splitlines()]
-    rates = [r["tokens_per_second"] for r in records if r["kind"] == "train"][1:]
-    return statistics.median(rates)
+    return median_rate(cwd / "runs" / name)
 
 
 def main() -> None:

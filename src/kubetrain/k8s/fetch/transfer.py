@@ -213,31 +213,24 @@ def _unpack_store(stream: IO[bytes], local: Path, pod_bases: list[str], result: 
     pointed at local/mlflow/ before it replaces the previous copy."""
     here = local / LOCAL_DIR
     notes: dict[str, Any] = {}
-    with tarfile.open(fileobj=stream, mode="r|") as tar:
-        for member in tar:
-            source = tar.extractfile(member)
-            if source is None:
+    for name, source, size in _members(stream):
+        if name == NOTES:
+            notes = json.loads(source.read())
+            continue
+        rel = _safe(name)
+        final = here / rel
+        tmp = final.with_name(f".{final.name}{TMP}")
+        _write_synced(source, tmp)
+        result.nbytes += size
+        if name == STORE_MEMBER:
+            problem = integrity_problem(tmp)
+            if problem is not None:
+                result.warnings.append(f"MLflow store not kept: the copy fails its integrity check: {problem}")
+                tmp.unlink()
                 continue
-            if member.name == NOTES:
-                notes = json.loads(source.read())
-                continue
-            rel = _safe(member.name)
-            final = here / rel
-            tmp = final.with_name(f".{final.name}{TMP}")
-            tmp.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                shutil.copyfileobj(source, f, 1 << 20)
-                os.fsync(f.fileno())
-            result.nbytes += member.size
-            if member.name == STORE_MEMBER:
-                problem = integrity_problem(tmp)
-                if problem is not None:
-                    result.warnings.append(f"MLflow store not kept: the copy fails its integrity check: {problem}")
-                    tmp.unlink()
-                    continue
-                rewrite_locations(tmp, pod_bases, here)
-            os.replace(tmp, final)
-            result.copied.append(f"{LOCAL_DIR}/{rel}")
+            rewrite_locations(tmp, pod_bases, here)
+        os.replace(tmp, final)
+        result.copied.append(f"{LOCAL_DIR}/{rel}")
     return notes
 
 
@@ -262,27 +255,20 @@ class _Unpacker:
 
     def unpack(self, stream: IO[bytes]) -> dict[str, list[str]]:
         notes: dict[str, list[str]] = {"gone": [], "changed": []}
-        with tarfile.open(fileobj=stream, mode="r|") as tar:
-            for member in tar:
-                source = tar.extractfile(member)
-                if source is None:
-                    continue
-                if member.name == NOTES:
-                    notes = json.loads(source.read())
-                    continue
-                rel = _safe(member.name)
-                m = _CKPT.match(rel)
-                target = (self.local / f"{m['dir']}{TMP}" / m["file"]) if m else self._tmp_name(rel)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with open(target, "wb") as f:
-                    shutil.copyfileobj(source, f, 1 << 20)
-                    os.fsync(f.fileno())
-                self.result.nbytes += member.size
-                if m is None:
-                    os.replace(target, self.local / rel)
-                    self.result.copied.append(rel)
-                elif m["file"] == META_FILE:
-                    self._finish_checkpoint(m["dir"])
+        for name, source, size in _members(stream):
+            if name == NOTES:
+                notes = json.loads(source.read())
+                continue
+            rel = _safe(name)
+            m = _CKPT.match(rel)
+            target = (self.local / f"{m['dir']}{TMP}" / m["file"]) if m else self._tmp_name(rel)
+            _write_synced(source, target)
+            self.result.nbytes += size
+            if m is None:
+                os.replace(target, self.local / rel)
+                self.result.copied.append(rel)
+            elif m["file"] == META_FILE:
+                self._finish_checkpoint(m["dir"])
         return notes
 
     def _tmp_name(self, rel: str) -> Path:
@@ -349,3 +335,20 @@ def _point(local: Path, todo: _Plan) -> None:
                 write_atomic(root / which, name + "\n")
             elif which == LATEST and checkpoint.pointer(root, LATEST) not in {p.name for p in here}:
                 write_atomic(root / LATEST, here[-1].name + "\n")
+
+
+def _members(stream: IO[bytes]) -> Iterator[tuple[str, IO[bytes], int]]:
+    """(name, contents, size) of each file of a tar stream, read in order (the stream cannot seek)."""
+    with tarfile.open(fileobj=stream, mode="r|") as tar:
+        for member in tar:
+            source = tar.extractfile(member)
+            if source is not None:
+                yield member.name, source, member.size
+
+
+def _write_synced(source: IO[bytes], target: Path) -> None:
+    """Copy `source` into `target` (its folder made) and fsync it, so a rename after it publishes whole bytes."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target, "wb") as f:
+        shutil.copyfileobj(source, f, 1 << 20)
+        os.fsync(f.fileno())
