@@ -77,13 +77,14 @@ def render(
     set_: SetOpt = None,
     workload: WorkloadOpt = None,
     namespace: NamespaceOpt = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write one file per object into "
-                                                "this folder instead of printing.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write one file per object and a "
+                                                "kustomization.yaml into this folder instead of printing.")] = None,
     no_validate: NoValidateOpt = False,
     crds: CrdsOpt = None,
 ) -> None:
     """Print the job's Kubernetes objects as YAML, validated strictly against their schemas."""
-    from kubetrain.k8s.render.manifest import to_yaml, write_files
+    from kubetrain.k8s.platform.gitops import write_tree
+    from kubetrain.k8s.render.manifest import to_yaml
     from kubetrain.k8s.render.validate import offline_schemas
 
     objects = _rendered(config, preset, set_, workload, namespace)
@@ -92,7 +93,7 @@ def render(
     if output is None:
         typer.echo(to_yaml(objects), nl=False)
         return
-    for path in write_files(objects, output):
+    for path in write_tree(objects, output):
         typer.echo(str(path))
 
 

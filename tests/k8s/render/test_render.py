@@ -256,7 +256,8 @@ def test_render_command(tmp_path: Path, cli: Any) -> None:
     docs = list(yaml.safe_load_all(out))
     assert docs[-1]["kind"] == "JobSet" and {d["metadata"]["namespace"] for d in docs} == {"team-b"}
     code, out, _ = cli("k8s", "render", "-o", str(tmp_path / "out"))
-    assert code == 0 and len(out.splitlines()) == 5 and (tmp_path / "out" / "04-job-tiny.yaml").is_file()
+    assert code == 0 and len(out.splitlines()) == 6 and (tmp_path / "out" / "04-job-tiny.yaml").is_file()
+    assert out.splitlines()[-1].endswith("kustomization.yaml")
     code, _, err = cli("k8s", "render", "--workload", "deployment")
     assert code == 2 and "unknown workload 'deployment'" in err
     code, _, err = cli("k8s", "render", "--set", "k8s.nnodes=2",
