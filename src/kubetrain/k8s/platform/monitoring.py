@@ -1,0 +1,141 @@
+"""Prometheus Operator and Grafana objects for the jobs of a namespace: PodMonitor, alert rules, dashboard.
+
+The PodMonitor scrapes only node rank 0 (the only pod whose exporter listens): every workload marks it with
+a label of its controller, kept by one relabeling (RANK0_LABELS, RANK0_REGEX). The alerts are written against
+what rank 0's exporter serves (track/prometheus.py), and two gauges named in ASSUMED_METRICS that their
+issues add to it; `promtool test rules` fires each alert on a synthetic series (tests/k8s/platform).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any
+
+from kubetrain.k8s.platform.config import AlertsConfig, PlatformConfig
+from kubetrain.k8s.render.podspec import METRICS_PORT_NAME
+from kubetrain.k8s.workloads import JOB_LABEL, MANAGED_BY
+
+MONITORING_API = "monitoring.coreos.com/v1"
+DASHBOARD_LABEL = "grafana_dashboard"  # what the Grafana chart's dashboard sidecar watches for (value "1")
+DASHBOARD_FILE = "kubetrain.json"
+# Pod labels that say node rank 0: Indexed Job, JobSet and TrainJob pods carry the completion index, a
+# StatefulSet's the pod index, a PyTorchJob's master its replica type (workloads.node_rank reads the same).
+RANK0_LABELS = [
+    "__meta_kubernetes_pod_label_batch_kubernetes_io_job_completion_index",
+    "__meta_kubernetes_pod_label_apps_kubernetes_io_pod_index",
+    "__meta_kubernetes_pod_label_training_kubeflow_org_replica_type",
+]
+RANK0_REGEX = "0;;|;0;|;;(?i:master)"  # Prometheus anchors it; joined with the default separator ';'
+# Gauges the rules use that rank 0's exporter does not serve yet: name -> what it must hold.
+ASSUMED_METRICS = {
+    "kubetrain_rank_step_seconds": "seconds per step of each rank over the last logging window, label `rank` "
+    "(the per-rank straggler gauge of issue 17)",
+    "kubetrain_checkpoint_upload_failures": "checkpoints of this process whose upload to checkpoint.uri failed",
+}
+
+
+def _meta(cfg: PlatformConfig, name: str, labels: dict[str, str] | None = None,
+          namespace: str | None = None) -> dict[str, Any]:
+    base = {**cfg.labels, "app.kubernetes.io/name": "kubetrain", "app.kubernetes.io/part-of": "kubetrain-platform",
+            "app.kubernetes.io/managed-by": MANAGED_BY}
+    return {"name": name, "namespace": namespace or cfg.namespace, "labels": {**base, **(labels or {})}}
+
+
+def pod_monitor(cfg: PlatformConfig) -> dict[str, Any]:
+    """Scrape rank 0's /metrics of every kubetrain job in the namespace, labelled with the job's name."""
+    endpoint = {
+        "port": METRICS_PORT_NAME,
+        "path": "/metrics",
+        "interval": cfg.monitoring.interval,
+        "relabelings": [{"action": "keep", "sourceLabels": RANK0_LABELS, "regex": RANK0_REGEX}],
+    }
+    return {
+        "apiVersion": MONITORING_API,
+        "kind": "PodMonitor",
+        "metadata": _meta(cfg, f"{cfg.name}-trainers", cfg.monitoring.labels),
+        "spec": {
+            "selector": {"matchLabels": {"app.kubernetes.io/managed-by": MANAGED_BY,
+                                         "app.kubernetes.io/component": "trainer"}},
+            "podTargetLabels": [JOB_LABEL],
+            "podMetricsEndpoints": [endpoint],
+        },
+    }
+
+
+def _alert(name: str, expr: str, for_: str, summary: str, description: str, severity: str) -> dict[str, Any]:
+    return {"alert": name, "expr": expr, "for": for_, "labels": {"severity": severity},
+            "annotations": {"summary": summary, "description": description}}
+
+
+def rule_groups(alerts: AlertsConfig) -> list[dict[str, Any]]:
+    """The alert rules, as Prometheus rule groups (the PrometheusRule's spec and a plain rules file alike)."""
+    a, sev = alerts, alerts.severity
+    run = "{{ $labels.namespace }}/{{ $labels.run }} (phase {{ $labels.phase }})"
+    restart_window = f"{a.restart_window_minutes}m"
+    rules = [
+        _alert("KubetrainTrainingHung",
+               f"time() - kubetrain_heartbeat_timestamp_seconds > {a.hang_minutes * 60}", "1m",
+               f"No training step for {a.hang_minutes} minutes",
+               f"Rank 0 of {run} finished no step for {{{{ $value | humanizeDuration }}}}: a hung collective or "
+               "data loader. The liveness probe restarts the pod once /healthz goes stale; `kubetrain k8s logs` "
+               "and <run>/incidents/ have the stacks.", sev),
+        _alert("KubetrainStraggler",
+               f"kubetrain_rank_step_seconds > ignoring (rank) group_left () "
+               f"({a.straggler_ratio:g} * quantile without (rank) (0.5, kubetrain_rank_step_seconds))",
+               f"{a.straggler_minutes}m",
+               f"A rank is more than {a.straggler_ratio:g}x slower than the median",
+               f"Rank {{{{ $labels.rank }}}} of {run} takes {{{{ $value | humanize }}}}s per step, more than "
+               f"{a.straggler_ratio:g}x the median rank: a slow node, a throttled GPU or a noisy neighbour holds "
+               "every rank back.", sev),
+        _alert("KubetrainRestarted",
+               f"changes((max by (namespace, run, phase) (kubetrain_restarts))[{restart_window}:1m]) > 0 or "
+               f"changes((max by (namespace, run, phase) (kubetrain_starts))[{restart_window}:1m]) > 0",
+               "0m",
+               f"Training restarted within {a.restart_window_minutes} minutes",
+               f"{run} restarted its workers or was resumed by a new pod (a failure, preemption or relaunch); it "
+               "continued from its newest checkpoint.", sev),
+        _alert("KubetrainCheckpointStale",
+               f"kubetrain_step - kubetrain_last_checkpoint_step > {a.checkpoint_lag_steps}", "5m",
+               f"Newest checkpoint is more than {a.checkpoint_lag_steps} steps old",
+               f"{run} is {{{{ $value }}}} steps past its newest checkpoint: a failure now loses that much work "
+               "(check checkpoint.every and the checkpoint volume).", sev),
+        _alert("KubetrainCheckpointUploadFailed",
+               f"kubetrain_checkpoint_upload_failures > (kubetrain_checkpoint_upload_failures offset "
+               f"{a.upload_window_minutes}m or kubetrain_checkpoint_upload_failures * 0)", "0m",
+               "A checkpoint upload to object storage failed",
+               f"{run} could not upload a checkpoint to checkpoint.uri within the last {a.upload_window_minutes} "
+               "minutes (credentials, endpoint, a full bucket); training goes on with the local checkpoints, "
+               "which a lost claim would take along.", sev),
+    ]
+    return [{"name": "kubetrain", "rules": rules}]
+
+
+def prometheus_rule(cfg: PlatformConfig) -> dict[str, Any]:
+    return {
+        "apiVersion": MONITORING_API,
+        "kind": "PrometheusRule",
+        "metadata": _meta(cfg, f"{cfg.name}-alerts", cfg.monitoring.labels),
+        "spec": {"groups": rule_groups(cfg.monitoring.alerts)},
+    }
+
+
+def dashboard_json() -> str:
+    """The Grafana dashboard shipped in the package (deploy/grafana/kubetrain.json links to it)."""
+    return (resources.files("kubetrain.k8s.platform") / "grafana" / DASHBOARD_FILE).read_text(encoding="utf-8")
+
+
+def dashboard_config_map(cfg: PlatformConfig) -> dict[str, Any]:
+    """The dashboard where the Grafana chart's sidecar picks it up (label grafana_dashboard: "1")."""
+    text = json.dumps(json.loads(dashboard_json()), indent=1) + "\n"
+    namespace = cfg.monitoring.dashboard_namespace or cfg.namespace
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(cfg, f"{cfg.name}-dashboard", {DASHBOARD_LABEL: "1"}, namespace),
+        "data": {DASHBOARD_FILE: text},
+    }
+
+
+def monitoring_objects(cfg: PlatformConfig) -> list[dict[str, Any]]:
+    return [dashboard_config_map(cfg), pod_monitor(cfg), prometheus_rule(cfg)]

@@ -1,0 +1,211 @@
+"""Alerts, PodMonitor and dashboard: the rules pass the real promtool, and each alert fires on a synthetic series."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kubetrain.k8s.platform.config import AlertsConfig, PlatformConfig
+from kubetrain.k8s.platform.monitoring import (
+    ASSUMED_METRICS,
+    DASHBOARD_FILE,
+    RANK0_LABELS,
+    RANK0_REGEX,
+    monitoring_objects,
+    rule_groups,
+)
+from kubetrain.k8s.render import validate
+from kubetrain.k8s.workloads import node_rank
+from tests.track.test_grafana_dashboard import exported, metric_names  # noqa: F401  (a fixture, and its reader)
+
+RUN = {"namespace": "ml", "pod": "gpt-0-abcde", "run": "gpt", "phase": "none"}
+
+
+def series(name: str, values: str, **labels: str) -> dict[str, str]:
+    selector = ",".join(f'{k}="{v}"' for k, v in {**RUN, **labels}.items())
+    return {"series": f"{name}{{{selector}}}", "values": values}
+
+
+def alert(summary: str, description: str, **labels: str) -> dict[str, Any]:
+    """An expected alert; promtool compares its annotations too, so the texts are checked as rendered."""
+    return {"exp_labels": {"severity": "warning", **labels},
+            "exp_annotations": {"summary": summary, "description": description}}
+
+
+HUNG = ("No training step for 15 minutes",
+        "Rank 0 of ml/gpt (phase none) finished no step for 18m 0s: a hung collective or data loader. The liveness "
+        "probe restarts the pod once /healthz goes stale; `kubetrain k8s logs` and <run>/incidents/ have the stacks.")
+STRAGGLER = ("A rank is more than 1.5x slower than the median",
+             "Rank 3 of ml/gpt (phase none) takes 2s per step, more than 1.5x the median rank: a slow node, a "
+             "throttled GPU or a noisy neighbour holds every rank back.")
+
+
+def restarted(run: str) -> tuple[str, str]:
+    return ("Training restarted within 60 minutes",
+            f"ml/{run} (phase none) restarted its workers or was resumed by a new pod (a failure, preemption or "
+            "relaunch); it continued from its newest checkpoint.")
+
+
+STALE = ("Newest checkpoint is more than 2000 steps old",
+         "ml/gpt (phase none) is 3000 steps past its newest checkpoint: a failure now loses that much work (check "
+         "checkpoint.every and the checkpoint volume).")
+UPLOAD = ("A checkpoint upload to object storage failed",
+          "ml/gpt (phase none) could not upload a checkpoint to checkpoint.uri within the last 60 minutes "
+          "(credentials, endpoint, a full bucket); training goes on with the local checkpoints, which a lost claim "
+          "would take along.")
+
+
+def promtool_test(promtool: str, tmp_path: Path, tests: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
+    rules = tmp_path / "rules.yml"
+    rules.write_text(yaml.safe_dump({"groups": rule_groups(AlertsConfig())}, sort_keys=False))
+    unit = tmp_path / "tests.yml"
+    unit.write_text(yaml.safe_dump({"rule_files": [rules.name], "evaluation_interval": "1m", "tests": tests}))
+    return subprocess.run([promtool, "test", "rules", str(unit)], capture_output=True, text=True, timeout=120)
+
+
+
+
+def test_rules_pass_promtool_check(promtool: str, tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yml"
+    rules.write_text(yaml.safe_dump({"groups": rule_groups(AlertsConfig())}, sort_keys=False))
+    out = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS: 5 rules found" in out.stdout
+
+
+def test_a_broken_rule_fails_promtool(promtool: str, tmp_path: Path) -> None:
+    """The check can fail: an expression with a typo is refused."""
+    groups = rule_groups(AlertsConfig())
+    groups[0]["rules"][0]["expr"] = "time() - kubetrain_heartbeat_timestamp_seconds >"
+    rules = tmp_path / "rules.yml"
+    rules.write_text(yaml.safe_dump({"groups": groups}))
+    out = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+
+
+# One promtool unit test per alert: a series that must fire it (with the labels it must carry), a healthy one
+# beside it that must not, and times before it fires and after it resolves.
+ALERT_TESTS: dict[str, dict[str, Any]] = {
+    # rank 0's heartbeat advances a minute a minute, then stops at 10m: stale beyond 15m at 25m, + for: 1m
+    "KubetrainTrainingHung": {
+        "input_series": [series("kubetrain_heartbeat_timestamp_seconds", "0+60x10 600x30"),
+                         series("kubetrain_heartbeat_timestamp_seconds", "0+60x40", run="ok")],
+        "alert_rule_test": [{"eval_time": "25m", "alertname": "KubetrainTrainingHung", "exp_alerts": []},
+                            {"eval_time": "28m", "alertname": "KubetrainTrainingHung",
+                             "exp_alerts": [alert(*HUNG, **RUN)]}],
+    },
+    # four ranks: 1.0, 1.0, 1.4 and 2.0 s/step; the median is 1.2, so 2.0 straggles (> 1.8) and 1.4 does not
+    "KubetrainStraggler": {
+        "input_series": [series("kubetrain_rank_step_seconds", f"{v}x30", rank=str(r))
+                         for r, v in enumerate([1.0, 1.0, 1.4, 2.0])],
+        "alert_rule_test": [{"eval_time": "5m", "alertname": "KubetrainStraggler", "exp_alerts": []},
+                            {"eval_time": "15m", "alertname": "KubetrainStraggler",
+                             "exp_alerts": [alert(*STRAGGLER, **RUN, rank="3")]}],
+    },
+    # run gpt: its pod is replaced at 21m, the new one resumes (starts 1 -> 2); run el: an elastic restart of
+    # the workers in the same pod (restarts 0 -> 1 at 31m). Both resolve once the window has passed.
+    "KubetrainRestarted": {
+        "input_series": [series("kubetrain_starts", "1x20"), series("kubetrain_restarts", "0x20"),
+                         series("kubetrain_starts", "_x21 2x80", pod="gpt-0-fghij"),
+                         series("kubetrain_restarts", "_x21 0x80", pod="gpt-0-fghij"),
+                         series("kubetrain_starts", "1x100", run="el", pod="el-0-abcde"),
+                         series("kubetrain_restarts", "0x30 1x70", run="el", pod="el-0-abcde")],
+        "alert_rule_test": [
+            {"eval_time": "15m", "alertname": "KubetrainRestarted", "exp_alerts": []},
+            {"eval_time": "25m", "alertname": "KubetrainRestarted",
+             "exp_alerts": [alert(*restarted("gpt"), namespace="ml", run="gpt", phase="none")]},
+            {"eval_time": "40m", "alertname": "KubetrainRestarted",
+             "exp_alerts": [alert(*restarted("gpt"), namespace="ml", run="gpt", phase="none"),
+                            alert(*restarted("el"), namespace="ml", run="el", phase="none")]},
+            {"eval_time": "100m", "alertname": "KubetrainRestarted", "exp_alerts": []},
+        ],
+    },
+    # 100 steps a minute, no checkpoint since step 0: past 2000 steps at 21m, + for: 5m; run ok saves each 1000
+    "KubetrainCheckpointStale": {
+        "input_series": [series("kubetrain_step", "0+100x40"), series("kubetrain_last_checkpoint_step", "0x40"),
+                         series("kubetrain_step", "0+100x40", run="ok"),
+                         series("kubetrain_last_checkpoint_step", "0x9 1000x9 2000x9 3000x10", run="ok")],
+        "alert_rule_test": [{"eval_time": "24m", "alertname": "KubetrainCheckpointStale", "exp_alerts": []},
+                            {"eval_time": "30m", "alertname": "KubetrainCheckpointStale",
+                             "exp_alerts": [alert(*STALE, **RUN)]}],
+    },
+    # an upload fails at 11m: firing until an hour has passed without another failure; run ok never fails
+    "KubetrainCheckpointUploadFailed": {
+        "input_series": [series("kubetrain_checkpoint_upload_failures", "0x10 1x100"),
+                         series("kubetrain_checkpoint_upload_failures", "0x110", run="ok")],
+        "alert_rule_test": [{"eval_time": "5m", "alertname": "KubetrainCheckpointUploadFailed", "exp_alerts": []},
+                            {"eval_time": "30m", "alertname": "KubetrainCheckpointUploadFailed",
+                             "exp_alerts": [alert(*UPLOAD, **RUN)]},
+                            {"eval_time": "75m", "alertname": "KubetrainCheckpointUploadFailed", "exp_alerts": []}],
+    },
+}
+
+
+
+
+@pytest.mark.parametrize("name", list(ALERT_TESTS))
+def test_each_alert_fires_on_its_series(name: str, promtool: str, tmp_path: Path) -> None:
+    result = promtool_test(promtool, tmp_path, [{"interval": "1m", **ALERT_TESTS[name]}])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_alert_has_a_unit_test() -> None:
+    names = [r["alert"] for g in rule_groups(AlertsConfig()) for r in g["rules"]]
+    assert sorted(names) == sorted(ALERT_TESTS)
+
+
+def test_a_wrong_expectation_fails(promtool: str, tmp_path: Path) -> None:
+    """promtool really evaluates: the hung alert expected where the heartbeat is fresh fails the test."""
+    test = {"interval": "1m", "input_series": [series("kubetrain_heartbeat_timestamp_seconds", "0+60x40")],
+            "alert_rule_test": [{"eval_time": "30m", "alertname": "KubetrainTrainingHung",
+                                 "exp_alerts": [alert(*HUNG, **RUN)]}]}
+    assert promtool_test(promtool, tmp_path, [test]).returncode != 0
+
+
+def test_rules_use_what_the_exporter_serves(exported: set[str]) -> None:  # noqa: F811
+    used = {m for g in rule_groups(AlertsConfig()) for r in g["rules"] for m in metric_names(r["expr"])}
+    assert used - exported == set(ASSUMED_METRICS), "a rule names a metric nobody serves"
+
+
+def test_objects_validate_strictly(monitoring_schemas: dict[tuple[str, str], dict[str, Any]]) -> None:
+    objects = monitoring_objects(PlatformConfig(namespace="ml"))
+    assert [o["kind"] for o in objects] == ["ConfigMap", "PodMonitor", "PrometheusRule"]
+    assert validate.problems(objects, monitoring_schemas) == []
+    broken = json.loads(json.dumps(objects[1]))
+    broken["spec"]["podMetricsEndpoints"][0]["scrapeInterval"] = "30s"  # not a field: the server would prune it
+    assert validate.problems([broken], monitoring_schemas)
+
+
+def test_dashboard_config_map_is_picked_up_by_grafanas_sidecar() -> None:
+    cfg = PlatformConfig(namespace="ml", monitoring={"dashboard_namespace": "monitoring"})
+    cm = monitoring_objects(cfg)[0]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1" and cm["metadata"]["namespace"] == "monitoring"
+    shipped = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "kubetrain.json"
+    assert json.loads(cm["data"][DASHBOARD_FILE]) == json.loads(shipped.read_text())
+
+
+def _pod_labels(labels: dict[str, str]) -> str:
+    """The relabeling's input for a pod: its RANK0_LABELS values joined by ';' (absent labels are empty)."""
+    names = ["batch.kubernetes.io/job-completion-index", "apps.kubernetes.io/pod-index",
+             "training.kubeflow.org/replica-type"]
+    assert [re.sub(r"[^a-zA-Z0-9_]", "_", n) for n in names] == [s.split("label_", 1)[1] for s in RANK0_LABELS]
+    return ";".join(labels.get(n, "") for n in names)
+
+
+@pytest.mark.parametrize("labels", [
+    {"batch.kubernetes.io/job-completion-index": "0"}, {"batch.kubernetes.io/job-completion-index": "1"},
+    {"batch.kubernetes.io/job-completion-index": "10"}, {"apps.kubernetes.io/pod-index": "0"},
+    {"apps.kubernetes.io/pod-index": "3"}, {"training.kubeflow.org/replica-type": "master"},
+    {"training.kubeflow.org/replica-type": "Master"}, {"training.kubeflow.org/replica-type": "worker",
+                                                       "training.kubeflow.org/replica-index": "0"},
+])
+def test_pod_monitor_keeps_rank_zero_only(labels: dict[str, str]) -> None:
+    """The relabeling keeps exactly the pods workloads.node_rank calls rank 0 (Prometheus anchors the regex)."""
+    pod = {"metadata": {"name": "job-x", "labels": labels}}
+    assert bool(re.fullmatch(RANK0_REGEX, _pod_labels(labels))) == (node_rank(pod) == 0)
