@@ -360,3 +360,74 @@ def entrypoint(
     code = run(config, rdzv_id=rdzv_id, max_restarts=max_restarts, wait_timeout=wait_timeout,
                shutdown_timeout=shutdown_timeout, output_dir=output_dir, idle_after_finish=idle_after_finish)
     raise typer.Exit(code)
+
+
+# --- the platform around the jobs (k8s/platform): one per namespace --------------------------------------------
+
+platform_app = typer.Typer(help="The platform around the jobs: MLflow on PostgreSQL, PodMonitor, alert rules and "
+                           "the Grafana dashboard, once per namespace.", no_args_is_help=True)
+app.add_typer(platform_app, name="platform")
+PlatformArg = Annotated[
+    Path | None,
+    typer.Argument(help="Platform config YAML (see deploy/platform/platform.yaml; default: every default).",
+                   show_default=False),
+]
+
+
+@platform_app.command("render")
+def platform_render(
+    config: PlatformArg = None,
+    namespace: NamespaceOpt = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write one file per object and a "
+                                                "kustomization.yaml into this folder instead of printing.")] = None,
+    no_validate: NoValidateOpt = False,
+    crds: CrdsOpt = None,
+) -> None:
+    """Print the platform's objects as YAML, validated strictly (PodMonitor and PrometheusRule with --crds)."""
+    from kubetrain.k8s.platform.config import load_platform
+    from kubetrain.k8s.platform.gitops import write_tree
+    from kubetrain.k8s.platform.render import render_platform
+    from kubetrain.k8s.platform.tracking import tracking_uri
+    from kubetrain.k8s.render.manifest import to_yaml
+    from kubetrain.k8s.render.validate import offline_schemas
+
+    cfg = load_platform(config, namespace)
+    objects = render_platform(cfg)
+    if not no_validate:
+        _validate(objects, offline_schemas(crds))
+    if output is None:
+        typer.echo(to_yaml(objects), nl=False)
+    else:
+        for path in write_tree(objects, output):
+            typer.echo(str(path))
+    if cfg.mlflow.enabled:
+        typer.echo(f"jobs log to it with track.mlflow.tracking_uri: {tracking_uri(cfg)}", err=True)
+
+
+@platform_app.command("apply")
+def platform_apply(
+    config: PlatformArg = None,
+    namespace: NamespaceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    crds: CrdsOpt = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Have the API server validate everything; "
+                                          "store nothing.")] = False,
+) -> None:
+    """Apply the platform's objects, after the API server accepted all of them in a dry run.
+
+    The database password is never rendered: create the Secret (postgres.secret_name) first.
+    """
+    from kubetrain.k8s.cluster.launch import cr_schemas
+    from kubetrain.k8s.platform.config import load_platform
+    from kubetrain.k8s.platform.render import apply_platform, render_platform, require_operator
+    from kubetrain.k8s.platform.tracking import tracking_uri
+
+    cfg = load_platform(config, namespace)
+    objects = render_platform(cfg)
+    cluster = _cluster(kubeconfig, context)
+    require_operator(cluster, objects)
+    _validate(objects, cr_schemas(cluster, objects, crds))
+    apply_platform(cluster, objects, dry_run=dry_run, log=typer.echo)
+    if cfg.mlflow.enabled and not dry_run:
+        typer.echo(f"jobs log to it with track.mlflow.tracking_uri: {tracking_uri(cfg)}")

@@ -85,6 +85,10 @@ _KINDS = [
     Resource(
         "ClusterTrainingRuntime", "trainer.kubeflow.org/v1alpha1", "clustertrainingruntimes", namespaced=False
     ),
+    # the platform around the jobs (k8s/platform): the tracking server and the Prometheus Operator's kinds
+    Resource("Deployment", "apps/v1", "deployments"),
+    Resource("PodMonitor", "monitoring.coreos.com/v1", "podmonitors"),
+    Resource("PrometheusRule", "monitoring.coreos.com/v1", "prometheusrules"),
 ]
 RESOURCES = {r.kind: r for r in _KINDS} | {
     w.kind: Resource(w.kind, w.api_version, w.plural) for w in WORKLOADS.values()
@@ -92,7 +96,7 @@ RESOURCES = {r.kind: r for r in _KINDS} | {
 # Custom kinds, and what to install when the cluster does not serve them.
 CUSTOM_KINDS = {w.kind: w.operator for w in WORKLOADS.values() if w.operator} | {
     "ClusterTrainingRuntime": WORKLOADS["trainjob"].operator
-}
+} | {kind: "the Prometheus Operator (monitoring.coreos.com)" for kind in ("PodMonitor", "PrometheusRule")}
 
 
 def resource_of(obj: dict[str, Any]) -> Resource:

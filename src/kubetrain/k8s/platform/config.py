@@ -71,6 +71,7 @@ class MlflowServerConfig(_Section):
         default=KUBETRAIN_IMAGE, min_length=1,
         description="Image with `mlflow` and a PostgreSQL driver (kubetrain's image has both).",
     )
+    run_as_user: int = Field(default=1000, ge=1, description="The image's non-root user id (1000 in kubetrain's).")
     port: int = Field(default=5000, ge=1024, le=65535, description="Port of the server and its Service.")
     workers: int = Field(default=2, ge=1, description="Server worker processes.")
     cpu: str = Field(default="500m", description="CPU request of the server.")
