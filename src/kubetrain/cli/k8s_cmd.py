@@ -431,3 +431,45 @@ def platform_apply(
     apply_platform(cluster, objects, dry_run=dry_run, log=typer.echo)
     if cfg.mlflow.enabled and not dry_run:
         typer.echo(f"jobs log to it with track.mlflow.tracking_uri: {tracking_uri(cfg)}")
+
+
+@app.command()
+def backup(
+    name: Annotated[str, typer.Argument(help="Job name.")],
+    uri: Annotated[str, typer.Argument(help="Object store root (s3://bucket/prefix, gs://..., az://...); the run "
+                                      "goes to URI/<run.name>.")],
+    config: Annotated[Path | None, typer.Argument(help="The config the job was launched with; needed only "
+                                                  "once the job is gone (its ConfigMap goes with it).")] = None,
+    via: Annotated[Path | None, typer.Option("--via", help="Local folder the run passes through, kept for the "
+                                             "next backup (default: runs/<run.name>, as fetch).")] = None,
+    checkpoints: Annotated[str, typer.Option("--checkpoints", help="Which checkpoints: all, latest, best, "
+                                             "none.")] = "all",
+    endpoint_url: Annotated[str | None, typer.Option("--endpoint-url", help="S3-compatible endpoint (default: "
+                                                     "the job's checkpoint.endpoint_url).")] = None,
+    set_: SetOpt = None,
+    namespace: NamespaceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+) -> None:
+    """Copy a job's run directory from its claim to object storage: `k8s fetch` (verified), then `runs sync`.
+
+    Running or finished, only what changed on each leg; nothing in the store is deleted. Restore anywhere with
+    `kubetrain runs sync URI/<run.name> DIR`. Store credentials come from this shell's environment.
+    """
+    from kubetrain.k8s.platform.backup import backup_job
+
+    cluster = _cluster(kubeconfig, context)
+    ns = namespace or cluster.default_namespace
+    given = load(config, None, set_) if config else None
+    result = backup_job(cluster, name, ns, uri, via=via, checkpoints=checkpoints, endpoint_url=endpoint_url,
+                        given=given, log=typer.echo)
+    for line in result.fetched.warnings:
+        typer.echo(line, err=True)
+    pushed = result.pushed
+    verified = ", ".join(Path(c).name for c in result.fetched.checkpoints) or "none new"
+    typer.echo(f"{result.destination}: {len(pushed.copied)} files ({pushed.nbytes / 2**20:.1f} MiB) pushed, "
+               f"{pushed.unchanged} unchanged; checkpoints verified on the way: {verified}")
+    if result.fetched.failed:
+        typer.echo("checkpoints that failed their checksums (not backed up): " + "; ".join(result.fetched.failed),
+                   err=True)
+        raise typer.Exit(1)
