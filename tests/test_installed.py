@@ -53,3 +53,8 @@ def test_the_installed_package_trains_and_renders_without_the_repository(install
         assert rendered.returncode == 0, rendered.stderr
         assert "kind: " in rendered.stdout and "schema" in rendered.stderr  # one line: CRs were not checked
         assert len(rendered.stderr.strip().splitlines()) == 1, rendered.stderr
+
+    # the platform: its Grafana dashboard ships inside the package (no deploy/ around an installed kubetrain)
+    platform = run_installed(installed, tmp_path, "-m", "kubetrain", "k8s", "platform", "render", "--no-validate")
+    assert platform.returncode == 0, platform.stderr
+    assert "grafana_dashboard" in platform.stdout and '"uid": "kubetrain"' in platform.stdout
