@@ -81,3 +81,12 @@ def test_cli_writes_the_tree_and_an_overlay_patches_it(tmp_path: Path, cli: Cli)
     patched = kustomize(overlay)
     job = next(o for o in patched if o["kind"] == "Job")
     assert job["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/kubetrain/kubetrain:0.2.0"
+
+
+def test_the_platform_round_trips_too(tmp_path: Path) -> None:
+    from kubetrain.k8s.platform.config import PlatformConfig
+    from kubetrain.k8s.platform.render import render_platform
+
+    objects = render_platform(PlatformConfig(namespace="ml", monitoring={"dashboard_namespace": "monitoring"}))
+    write_tree(objects, tmp_path)
+    assert kustomize(tmp_path) == objects
