@@ -473,3 +473,18 @@ def backup(
         typer.echo("checkpoints that failed their checksums (not backed up): " + "; ".join(result.fetched.failed),
                    err=True)
         raise typer.Exit(1)
+
+
+@platform_app.command("explain")
+def platform_explain(
+    key: Annotated[str | None, typer.Argument(help="A key (mlflow.postgres) or nothing for all.")] = None,
+) -> None:
+    """Every key of the platform config with its type, default and meaning (as `config explain` does)."""
+    from kubetrain.config.explain import field_docs
+    from kubetrain.config.explain import render as render_docs
+    from kubetrain.k8s.platform.config import PlatformConfig
+
+    docs = [d for d in field_docs(PlatformConfig) if not key or d.key == key or d.key.startswith(key + ".")]
+    if not docs:
+        raise UserInputError(f"unknown platform config key '{key}'; `kubetrain k8s platform explain` lists them")
+    typer.echo(render_docs(docs))

@@ -166,3 +166,14 @@ def test_the_shipped_platform_config_renders(cli: Cli) -> None:
     assert code == 0, err
     docs = list(yaml.safe_load_all(out))
     assert {d["metadata"]["namespace"] for d in docs} == {"ml", "monitoring"}
+
+
+def test_every_platform_key_is_explained(cli: Cli) -> None:
+    code, out, err = cli("k8s", "platform", "explain")
+    assert code == 0, err
+    keys = [line.split()[0] for line in out.splitlines() if not line.startswith(" ")]
+    assert "mlflow.postgres.secret_name" in keys and "monitoring.alerts.hang_minutes" in keys
+    described = [line for line in out.splitlines() if line.startswith("    ")]
+    assert len(described) == len(keys)  # every key has a description
+    code, _, err = cli("k8s", "platform", "explain", "mlflow.nope")
+    assert code == 2 and "unknown platform config key" in err
