@@ -2,8 +2,8 @@
 
 The PodMonitor scrapes only node rank 0 (the only pod whose exporter listens): every workload marks it with
 a label of its controller, kept by one relabeling (RANK0_LABELS, RANK0_REGEX). The alerts are written against
-what rank 0's exporter serves (track/prometheus.py), and two gauges named in ASSUMED_METRICS that their
-issues add to it; `promtool test rules` fires each alert on a synthetic series (tests/k8s/platform).
+what rank 0's exporter serves (track/prometheus.py), and two gauges it does not serve yet (ASSUMED_METRICS:
+until it does, those two alerts stay silent); `promtool test rules` fires each alert on a synthetic series.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ RANK0_REGEX = "0;;|;0;|;;(?i:master)"  # Prometheus anchors it; joined with the 
 ASSUMED_METRICS = {
     "kubetrain_rank_step_seconds": "seconds per step of each rank over the last logging window, label `rank` "
     "(the per-rank straggler gauge of issue 17)",
-    "kubetrain_checkpoint_upload_failures": "checkpoints of this process whose upload to checkpoint.uri failed",
+    "kubetrain_checkpoint_upload_failures": "checkpoints of this process whose upload to checkpoint.uri failed "
+    "(the uploader counts them in checkpoint/remote.py's Uploader.failed; no gauge carries it yet)",
 }
 
 
