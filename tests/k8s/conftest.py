@@ -25,12 +25,18 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import yaml
 
-from kubetrain.k8s.cluster.api import CUSTOM_KINDS, RESOURCES, Resource
+from kubetrain.k8s.cluster.api import RESOURCES, Resource
+from tests.k8s import waiting_fakes
 
 RESPONSES = Path(__file__).parent / "responses"
 SHARED_CRDS = Path(__file__).resolve().parents[3] / "shared" / "k8s" / "crds"  # beside the checkout
 INDEX = "batch.kubernetes.io/job-completion-index"
 JSON = "application/json"
+# Served by kube-apiserver itself; any other group only once its CRD is installed.
+BUILT_IN = {"v1", "batch/v1", "apps/v1", "networking.k8s.io/v1", "storage.k8s.io/v1", "apiextensions.k8s.io/v1",
+            "authorization.k8s.io/v1"}
+# Kinds only the tests create (another client's objects): how they are stored and served.
+KINDS = {**RESOURCES, "ResourceQuota": Resource("ResourceQuota", "v1", "resourcequotas")}
 Answer = tuple[int, bytes, str]
 
 
@@ -76,6 +82,8 @@ class ApiServer:
         self.forbidden: set[str] = set()  # plurals that user may not touch even there (e.g. jobsets)
         self.claims: dict[str, Path] = {}  # claim name -> the folder that stands for its volume (exec sees it)
         self.start_bare_pods = False  # a Pod applied on its own is scheduled and started at once
+        self.job_controller = True  # False: a slow Job controller that has not synced the Jobs yet (see `sync`)
+        self.kueue = False  # Kueue installed: its CRDs served, its webhook suspends a Job with a queue label
         self.changed = threading.Condition()
         self.serial = 0
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -192,10 +200,23 @@ class ApiServer:
           and the same `batch.kubernetes.io/job-completion-index` label; `failed` counts the failed pods
           except those a podFailurePolicy `Ignore` rule matched (and those are replaced too);
         - finishing adds `SuccessCriteriaMet` then `Complete`, or `FailureTarget` then `Failed` (a FailJob rule,
-          or more failures than backoffLimit).
+          or more failures than backoffLimit);
+        - `spec.suspend`: no pod is created and active ones are deleted; condition `Suspended` True, reason
+          JobSuspended; once resumed, `Suspended` False, reason JobResumed, and the pods are created;
+        - a pod the API server refuses (an exceeded ResourceQuota) is not there: the controller records a
+          `FailedCreate` event on the Job, "Error creating: " and the error (pkg/controller/controller_utils.go,
+          createPods), and tries again at a later sync;
+        - with `job_controller` off (a slow controller), nothing happens until `sync`.
         """
+        if not self.job_controller:
+            return
         spec, uid = job["spec"], job["metadata"]["uid"]
         pods = [p for p in self.pods() if any(r["uid"] == uid for r in p["metadata"].get("ownerReferences") or [])]
+        suspended = bool(spec.get("suspend"))
+        if suspended:
+            for pod in [p for p in pods if p["status"].get("phase") in ("Pending", "Running")]:
+                del self.objects[_path_of(pod)]
+                pods.remove(pod)
         ignored, fail_job = 0, False
         for pod in pods:
             if pod["status"].get("phase") == "Failed":
@@ -204,7 +225,8 @@ class ApiServer:
                 fail_job |= action == "FailJob"
         failed = sum(p["status"].get("phase") == "Failed" for p in pods) - ignored
         done = {_rank(p) for p in pods if p["status"].get("phase") == "Succeeded"}
-        conditions = [c["type"] for c in job.get("status", {}).get("conditions", [])]
+        before = {c["type"]: c for c in job.get("status", {}).get("conditions", [])}
+        conditions = [c for c in before if c != "Suspended"]
         finished = "Complete" in conditions or "Failed" in conditions
         if not finished and (fail_job or failed > spec.get("backoffLimit", 6)):
             conditions, finished = ["FailureTarget", "Failed"], True
@@ -212,13 +234,50 @@ class ApiServer:
             conditions, finished = ["SuccessCriteriaMet", "Complete"], True
         for index in range(spec["completions"]):
             mine = [p for p in pods if _rank(p) == index]
-            if not finished and not any(p["status"].get("phase") in ("Pending", "Running", "Succeeded") for p in mine):
-                pods.append(self._create_pod(job, index, f"{job['metadata']['name']}-{index}-{self._next('')}"))
+            if finished or suspended or any(p["status"].get("phase") in ("Pending", "Running", "Succeeded")
+                                            for p in mine):
+                continue
+            prefix = f"{job['metadata']['name']}-{index}-"  # the pod's generateName
+            refused = waiting_fakes.quota_refusal(list(self.objects.values()), job["metadata"]["namespace"], prefix)
+            if refused:
+                self._event(job, "FailedCreate", f"Error creating: {refused}", "job-controller")
+            else:
+                pods.append(self._create_pod(job, index, f"{prefix}{self._next('')}"))
+        status = [{"type": c, "status": "True"} for c in conditions]
+        if suspended:
+            status.append({"type": "Suspended", "status": "True", "reason": "JobSuspended", "message": "Job suspended"})
+        elif "Suspended" in before:
+            status.append({"type": "Suspended", "status": "False", "reason": "JobResumed", "message": "Job resumed"})
         job["status"] = {
             "active": sum(p["status"].get("phase") in ("Pending", "Running") for p in pods),
-            "succeeded": len(done), "failed": failed,
-            "conditions": [{"type": c, "status": "True"} for c in conditions],
+            "succeeded": len(done), "failed": failed, "conditions": status,
         }
+
+    def sync(self, job: str | None = None) -> None:
+        """The Job controller's next sync of a Job (or of all): after a slow start, after the backoff that
+        follows a refused pod, or after a deleted pod is gone (it is replaced only then)."""
+        with self.changed:
+            for obj in list(self.objects.values()):
+                if obj["kind"] == "Job" and job in (None, obj["metadata"]["name"]):
+                    self._reconcile_job(obj)
+            self.changed.notify_all()
+
+    def delete_pod(self, name: str, code: int = 75, log: str = "") -> None:
+        """`kubectl delete pod`: the kubelet sends SIGTERM (the pod exits `code`, 75 after its checkpoint) and
+        the pod is removed. With a podFailurePolicy the Job controller replaces a pod only once it is terminal
+        and gone (podReplacementPolicy Failed), at its next `sync`: until then neither pod exists."""
+        self.write_log(name, log)
+        with self.changed:
+            pod = next(p for p in self.pods() if p["metadata"]["name"] == name)
+            del self.objects[_path_of(pod)]
+            self.changed.notify_all()
+
+    def _event(self, involved: dict[str, Any], reason: str, message: str, component: str) -> None:
+        events = [o for o in self.objects.values() if o["kind"] == "Event"]
+        event = waiting_fakes.record_event(events, involved, reason, message, component, self._now(),
+                                           self.serial)
+        if event is not None:
+            self.objects[_path_of(event)] = event
 
     def _bare_pod(self, pod: dict[str, Any]) -> None:
         """A Pod created on its own starts Pending with no node; with `start_bare_pods`, the scheduler binds it
@@ -370,8 +429,8 @@ class ApiServer:
         custom = {f"/apis/{c['spec']['group']}/{v['name']}" for c in self.crds.values() for v in c["spec"]["versions"]}
         if method != "GET":
             return None
-        if path in custom or any(r.base == path and r.kind not in CUSTOM_KINDS for r in RESOURCES.values()):
-            served = [r for r in RESOURCES.values() if r.base == path]
+        if path in custom or any(r.base == path and r.group_version in BUILT_IN for r in KINDS.values()):
+            served = [r for r in KINDS.values() if r.base == path]
             return _json(200, {"kind": "APIResourceList", "groupVersion": path.split("/", 2)[-1],
                                "resources": [{"name": r.plural, "kind": r.kind, "namespaced": r.namespaced}
                                              for r in served]})
@@ -418,10 +477,10 @@ class ApiServer:
 
     def _list(self, path: str, query: dict[str, list[str]]) -> list[dict[str, Any]]:
         every_namespace = "/namespaces/" not in path
-        selector = query.get("labelSelector", [""])[0]
+        selector, fields = query.get("labelSelector", [""])[0], query.get("fieldSelector", [""])[0]
         return [o for p, o in sorted(self.objects.items())
                 if (re.sub(r"/namespaces/[^/]+", "", p) if every_namespace else p).rsplit("/", 1)[0] == path
-                and _selects(selector, o["metadata"].get("labels") or {})]
+                and _selects(selector, o["metadata"].get("labels") or {}) and waiting_fakes.fields_match(fields, o)]
 
     def _delete(self, obj: dict[str, Any]) -> None:
         """Background propagation: the garbage collector deletes what the object owns (here at once)."""
@@ -537,7 +596,7 @@ class ApiServer:
         self.httpd.server_close()
 
 
-_PLURALS = {r.plural for r in RESOURCES.values()}
+_PLURALS = {r.plural for r in KINDS.values()}
 
 
 def _frame(payload: bytes, opcode: int = 2) -> bytes:
@@ -564,7 +623,7 @@ def _json(code: int, body: Any) -> Answer:
 
 
 def _path_of(obj: dict[str, Any]) -> str:
-    res: Resource = RESOURCES[obj["kind"]]
+    res: Resource = KINDS[obj["kind"]]
     return res.path(obj["metadata"].get("namespace"), obj["metadata"]["name"])
 
 

@@ -1,0 +1,89 @@
+"""Why a job, or one of its ranks, has no pod: what the cluster itself says, never a guess.
+
+In order: the workload is gone; Kueue keeps it queued (its Workload's conditions); it is suspended
+(`spec.suspend`); its controller could not create the pod (a `FailedCreate` event on the workload, e.g. an
+exceeded ResourceQuota); or its controller has not created it yet (a slow controller, or a pod being replaced).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import yaml
+
+from kubetrain.k8s.cluster.api import Cluster, ClusterError, Forbidden
+from kubetrain.k8s.render.context import CONFIG_FILE
+from kubetrain.k8s.workloads import WORKLOAD_LABEL, WORKLOADS, conditions, finished
+
+# pkg/controller/controller_utils.go: what a controller records on its object when creating a pod fails
+FAILED_CREATE = "FailedCreate"
+
+
+def expected_ranks(config_map: dict[str, Any] | None) -> int | None:
+    """k8s.nnodes of the config the job was launched with (its ConfigMap), or None without one."""
+    if config_map is None:
+        return None
+    try:
+        raw = yaml.safe_load((config_map.get("data") or {}).get(CONFIG_FILE, "")) or {}
+        return int((raw.get("k8s") or {}).get("nnodes", 1))
+    except (yaml.YAMLError, AttributeError, TypeError, ValueError):
+        return None
+
+
+def workload_object(cluster: Cluster, name: str, namespace: str,
+                    config_map: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The launched workload object (Job, JobSet, ...), or None when it is gone or its kind is not served."""
+    labels = ((config_map or {}).get("metadata") or {}).get("labels") or {}
+    workload = WORKLOADS.get(labels.get(WORKLOAD_LABEL, "indexed-job"), WORKLOADS["indexed-job"])
+    if workload.custom and not cluster.served(workload.kind):
+        return None
+    return cluster.find(workload.kind, name, namespace)
+
+
+def failed_creates(cluster: Cluster, obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """The FailedCreate events recorded on this object, newest first ([] when events may not be read)."""
+    meta = obj["metadata"]
+    fields = f"involvedObject.kind={obj['kind']},involvedObject.name={meta['name']},reason={FAILED_CREATE}"
+    try:
+        events = cluster.list("Event", meta.get("namespace"), fields=fields)
+    except (Forbidden, ClusterError):
+        return []
+    uid = meta.get("uid")
+    mine = [e for e in events if not uid or (e.get("involvedObject") or {}).get("uid") in (None, "", uid)]
+    return sorted(mine, key=_event_time, reverse=True)
+
+
+def _event_time(event: dict[str, Any]) -> str:
+    return str(event.get("lastTimestamp") or event.get("eventTime")
+               or (event.get("metadata") or {}).get("creationTimestamp") or "")
+
+
+def _event_text(event: dict[str, Any]) -> str:
+    count = int(event.get("count") or 1)
+    return f"{FAILED_CREATE}: {event.get('message', '')}" + (f" ({count} times)" if count > 1 else "")
+
+
+def rank_event(events: list[dict[str, Any]], job: str, rank: int | None) -> dict[str, Any] | None:
+    """The newest event about this rank's pod (an Indexed Job names it `<job>-<index>-<suffix>`), else the newest."""
+    if rank is not None:
+        pattern = re.compile(rf'\b{re.escape(job)}-{rank}-')
+        for event in events:
+            if pattern.search(str(event.get("message", ""))):
+                return event
+    return events[0] if events else None
+
+
+def why_waiting(cluster: Cluster, obj: dict[str, Any] | None, rank: int | None = None) -> str:
+    """One line: why the job (or this rank) has no pod right now."""
+    if obj is None:
+        return "the job is gone (deleted, or removed after ttlSecondsAfterFinished)"
+    done = finished(obj)
+    if done is not None:
+        return f"the job has {done}"
+    if (obj.get("spec") or {}).get("suspend") or "Suspended" in conditions(obj):
+        return "the job is suspended (spec.suspend)"
+    event = rank_event(failed_creates(cluster, obj), obj["metadata"]["name"], rank)
+    if event is not None:
+        return _event_text(event)
+    return f"not created yet by the {obj['kind']} controller"

@@ -1,0 +1,117 @@
+"""A job that waits for something outside it says why, through the CLI: no pods yet (a slow controller, a
+suspended Job, an exceeded ResourceQuota), a rank that appears later, a pod being replaced, a Kueue queue."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+Cli = Callable[..., tuple[int, str, str]]
+NS = "ml"
+JOB = f"/apis/batch/v1/namespaces/{NS}/jobs/tiny"
+EVENTS = f"/api/v1/namespaces/{NS}/events"
+
+
+def launch(cli: Cli, kubeconfig: Path, nnodes: int, *sets: str) -> None:
+    args = ["--set", f"k8s.namespace={NS}", "--set", f"k8s.nnodes={nnodes}"]
+    for item in sets:
+        args += ["--set", item]
+    code, _, err = cli("k8s", "launch", *args, "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+
+
+def quota(apiserver: Any, pods: int) -> None:
+    """A namespace's ResourceQuota on pods, as an administrator sets (and raises) it."""
+    apiserver.put({"apiVersion": "v1", "kind": "ResourceQuota",
+                   "metadata": {"name": "pods", "namespace": NS}, "spec": {"hard": {"pods": str(pods)}}})
+
+
+def asked(apiserver: Any, path: str, times: int = 1) -> None:
+    """Until the command asked for `path` `times` more times: each rank's reader asks once a poll, so one ask per
+    rank means every rank saw the cluster as it is now (the deadline is a safety net against a hang)."""
+    seen = len(apiserver.requests)
+    deadline = time.monotonic() + 60
+    while sum(r["path"] == path for r in apiserver.requests[seen:]) < times:
+        assert time.monotonic() < deadline, f"the command never asked for {path}"
+        time.sleep(0.01)
+
+
+@contextmanager
+def beside(script: Callable[[], None]) -> Iterator[None]:
+    """Run `script` (the cluster's changes) in a thread while the test's thread runs a CLI command."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            script()
+        except BaseException as e:  # handed to the test
+            failure.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    yield
+    thread.join(timeout=60)
+    assert not thread.is_alive() and not failure, failure
+
+
+def run_to_completion(apiserver: Any, ranks: int) -> None:
+    for rank in range(ranks):
+        pod = apiserver.pod("tiny", rank)
+        apiserver.start(pod, f"step 1/2 on {rank}\n")
+        apiserver.exit(pod, 0, f"step 2/2 on {rank}\n")
+
+
+def test_follow_before_the_controller_made_pods_waits_saying_why(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    apiserver.job_controller = False  # a slow Job controller: the Job exists, its pods do not yet
+    launch(cli, kubeconfig, 2)
+    assert apiserver.pods("tiny") == []
+
+    def cluster() -> None:
+        asked(apiserver, EVENTS, times=2)  # both ranks looked for the reason
+        apiserver.objects[JOB]["spec"]["suspend"] = True  # kubectl patch job tiny -p '{"spec":{"suspend":true}}'
+        apiserver.job_controller = True
+        apiserver.sync("tiny")
+        asked(apiserver, JOB, times=4)
+        apiserver.objects[JOB]["spec"]["suspend"] = False
+        apiserver.sync("tiny")
+        run_to_completion(apiserver, 2)
+
+    with beside(cluster):
+        code, out, err = cli("k8s", "logs", "tiny", "-f", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    lines = out.splitlines()
+    for rank in (0, 1):
+        said = [line for line in lines if line.startswith(f"[rank {rank}]")]
+        assert said[0] == f"[rank {rank}] (no pod yet: not created yet by the Job controller)"
+        assert f"[rank {rank}] (no pod yet: the job is suspended (spec.suspend))" in said
+        assert said[-2:] == [f"[rank {rank}] step 1/2 on {rank}", f"[rank {rank}] step 2/2 on {rank}"]
+
+
+def test_follow_while_a_quota_refuses_the_pods_names_the_event(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    quota(apiserver, 0)
+    launch(cli, kubeconfig, 2)
+    assert apiserver.pods("tiny") == []
+
+    def cluster() -> None:
+        asked(apiserver, EVENTS, times=2)
+        quota(apiserver, 2)  # the administrator raises it; the controller tries again after its backoff
+        apiserver.sync("tiny")
+        run_to_completion(apiserver, 2)
+
+    with beside(cluster):
+        code, out, err = cli("k8s", "logs", "tiny", "-f", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    refused = ('(no pod yet: FailedCreate: Error creating: pods "tiny-{rank}-" is forbidden: exceeded quota: pods, '
+               'requested: pods=1, used: pods=0, limited: pods=0)')
+    for rank in (0, 1):
+        assert f"[rank {rank}] " + refused.format(rank=rank) in out.splitlines()
+        assert f"[rank {rank}] step 2/2 on {rank}" in out.splitlines()
+    code, out, err = cli("k8s", "logs", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0 and "[rank 1] step 2/2 on 1" in out.splitlines()
+
