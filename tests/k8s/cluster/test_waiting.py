@@ -115,3 +115,37 @@ def test_follow_while_a_quota_refuses_the_pods_names_the_event(tmp_path: Path, a
     code, out, err = cli("k8s", "logs", "tiny", "--kubeconfig", str(kubeconfig))
     assert code == 0 and "[rank 1] step 2/2 on 1" in out.splitlines()
 
+
+
+def test_a_rank_the_quota_holds_back_is_named_then_followed(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    quota(apiserver, 1)
+    launch(cli, kubeconfig, 2)
+    zero = apiserver.pod("tiny", 0)
+    apiserver.start(zero, "[entrypoint] node 0/2\n")
+    refused = ('FailedCreate: Error creating: pods "tiny-1-" is forbidden: exceeded quota: pods, requested: pods=1, '
+               'used: pods=1, limited: pods=1')
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"tiny (indexed-job, namespace ml): pending: rank 1 has no pod: {refused}")
+    assert lines[1].startswith(f"  rank 0: {zero} Running")
+    assert lines[2].startswith(f"  rank 1: no pod: {refused}")
+
+    def cluster() -> None:
+        asked(apiserver, EVENTS)  # rank 1's reader looked for why it has no pod
+        quota(apiserver, 2)
+        apiserver.sync("tiny")
+        one = apiserver.pod("tiny", 1)
+        apiserver.start(one, "[entrypoint] node 1/2\n")
+        apiserver.exit(one, 0)
+        apiserver.exit(zero, 0, "step 2/2\n")
+
+    with beside(cluster):
+        code, out, err = cli("k8s", "logs", "tiny", "-f", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    one_said = [line for line in out.splitlines() if line.startswith("[rank 1]")]
+    assert one_said[0].startswith(f"[rank 1] (no pod yet: {refused}")  # "(N times)" as the controller retries
+    assert one_said[-1] == "[rank 1] [entrypoint] node 1/2" and "[rank 0] step 2/2" in out.splitlines()
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert out.splitlines()[0] == "tiny (indexed-job, namespace ml): succeeded, step 2/2"
