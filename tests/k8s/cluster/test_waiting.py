@@ -149,3 +149,39 @@ def test_a_rank_the_quota_holds_back_is_named_then_followed(tmp_path: Path, apis
     assert one_said[-1] == "[rank 1] [entrypoint] node 1/2" and "[rank 0] step 2/2" in out.splitlines()
     code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
     assert out.splitlines()[0] == "tiny (indexed-job, namespace ml): succeeded, step 2/2"
+
+
+def test_losing_the_rendezvous_host_follows_both_replacements(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, 2)
+    zero, one = apiserver.pod("tiny", 0), apiserver.pod("tiny", 1)
+    apiserver.start(zero, "step 1/4\n")
+    apiserver.start(one, "[entrypoint] node 1/2\n")
+
+    def cluster() -> None:
+        asked(apiserver, f"/api/v1/namespaces/{NS}/pods/{zero}/log")
+        apiserver.delete_pod(zero, log="saved a checkpoint at step 2\n")  # kubectl delete pod: SIGTERM, exit 75
+        asked(apiserver, EVENTS)  # rank 0 has no pod now: neither the old one nor its replacement exists
+        apiserver.exit(one, 69, "RendezvousConnectionError: The connection to the C10d store has failed.\n")
+        new_zero, new_one = apiserver.pod("tiny", 0), apiserver.pod("tiny", 1)
+        apiserver.start(new_zero, "resuming from step 2\nstep 4/4\n")
+        apiserver.start(new_one, "[entrypoint] node 1/2\n")
+        apiserver.exit(new_one, 0)
+        apiserver.exit(new_zero, 0)
+
+    with beside(cluster):
+        code, out, err = cli("k8s", "logs", "tiny", "-f", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    new_one = apiserver.pod("tiny", 1)
+    zero_said = [line for line in out.splitlines() if line.startswith("[rank 0]") and "waiting:" not in line]
+    assert zero_said == ["[rank 0] step 1/4", "[rank 0] saved a checkpoint at step 2",
+                         f"[rank 0] (pod {zero} is gone while the job is active: it is being replaced)",
+                         "[rank 0] (no pod yet: not created yet by the Job controller)",
+                         "[rank 0] resuming from step 2", "[rank 0] step 4/4"]
+    one_said = [line for line in out.splitlines() if line.startswith("[rank 1]") and "waiting:" not in line]
+    assert one_said == ["[rank 1] [entrypoint] node 1/2",
+                        "[rank 1] RendezvousConnectionError: The connection to the C10d store has failed.",
+                        f"[rank 1] (pod {one} was replaced by {new_one}; following it)",
+                        "[rank 1] [entrypoint] node 1/2"]
+    job = apiserver.objects[JOB]
+    assert job["status"]["failed"] == 0  # the rendered podFailurePolicy ignored exit 69
