@@ -115,6 +115,41 @@ class ApiServer:
     def install_crd(self, crd: dict[str, Any]) -> None:
         self.crds[crd["metadata"]["name"]] = crd
 
+    def install_kueue(self) -> None:
+        """Kueue's CRDs served (kueue.x-k8s.io/v1beta1) and its webhook and job reconciler at work: a Job applied
+        with a queue label is suspended, and gets a Workload (tests/k8s/waiting_fakes.py)."""
+        self.kueue = True
+        self.install_crd({"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+                          "metadata": {"name": "workloads.kueue.x-k8s.io"},
+                          "spec": {"group": "kueue.x-k8s.io", "scope": "Namespaced",
+                                   "names": {"kind": "Workload", "plural": "workloads"},
+                                   "versions": [{"name": "v1beta1", "served": True, "storage": True}]}})
+
+    def kueue_workload(self, job: str) -> dict[str, Any]:
+        return next(o for o in self.objects.values() if o["kind"] == "Workload"
+                    and o["metadata"]["ownerReferences"][0]["name"] == job)
+
+    def kueue_pending(self, job: str, message: str) -> None:
+        """Kueue's scheduler could not reserve quota: QuotaReserved False, reason Pending (pkg/scheduler)."""
+        with self.changed:
+            self.kueue_workload(job)["status"]["conditions"] = [
+                waiting_fakes.workload_condition("QuotaReserved", False, "Pending", message, self._now())]
+            self.changed.notify_all()
+
+    def kueue_admit(self, job: str) -> None:
+        """Quota reserved and admitted (no admission checks): Kueue's job reconciler unsuspends the Job."""
+        with self.changed:
+            workload = self.kueue_workload(job)
+            workload["status"]["conditions"] = [
+                waiting_fakes.workload_condition("QuotaReserved", True, "QuotaReserved",
+                                                 "Quota reserved in ClusterQueue cluster-queue", self._now()),
+                waiting_fakes.workload_condition("Admitted", True, "Admitted", "The workload is admitted",
+                                                 self._now())]
+            obj = next(o for o in self.objects.values() if o["kind"] == "Job" and o["metadata"]["name"] == job)
+            obj["spec"]["suspend"] = False
+            self._reconcile_job(obj)
+            self.changed.notify_all()
+
     def kubeconfig(self, folder: Path, namespace: str = "ml") -> Path:
         path = folder / "kubeconfig"
         path.write_text(yaml.safe_dump({
@@ -457,6 +492,9 @@ class ApiServer:
                                               "field": "spec.template"}]))
         new = copy.deepcopy(obj)
         meta = new["metadata"]
+        queued = self.kueue and kind == "Job" and waiting_fakes.QUEUE_LABEL in (meta.get("labels") or {})
+        if old is None and queued:  # Kueue's Job webhook (jobframework ApplyDefaultForSuspend)
+            new["spec"]["suspend"] = True
         if old is None:
             meta.update(uid="" if dry_run else self._next("uid"), creationTimestamp=self._now(),
                         resourceVersion=self._next(""))
@@ -470,6 +508,9 @@ class ApiServer:
             self.objects[path] = new
             if old is None and kind in ("Job", "StatefulSet"):
                 self._reconcile(new)
+            if old is None and queued:
+                workload = waiting_fakes.kueue_workload(new)
+                self.objects[_path_of(workload)] = workload
             if old is None and kind == "Pod":
                 self._bare_pod(new)
             self.changed.notify_all()

@@ -185,3 +185,55 @@ def test_losing_the_rendezvous_host_follows_both_replacements(tmp_path: Path, ap
                         "[rank 1] [entrypoint] node 1/2"]
     job = apiserver.objects[JOB]
     assert job["status"]["failed"] == 0  # the rendered podFailurePolicy ignored exit 69
+
+
+WORKLOADS = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NS}/workloads"
+NO_QUOTA = ("couldn't assign flavors to pod set main: insufficient quota for cpu in flavor default-flavor, "
+            "request > maximum capacity (24 > 10)")
+
+
+def test_a_job_kueue_holds_is_queued_with_the_workloads_reason(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    apiserver.install_kueue()
+    launch(cli, kubeconfig, 2, "k8s.queue=team-a")
+    assert apiserver.objects[JOB]["spec"]["suspend"] is True and apiserver.pods("tiny") == []
+    queued = "queued by Kueue in LocalQueue team-a"
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    assert out.splitlines()[0] == f"tiny (indexed-job, namespace ml): {queued}: not considered by Kueue yet, " \
+                                  "step unknown"
+    apiserver.kueue_pending("tiny", NO_QUOTA)
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert out.splitlines() == [f"tiny (indexed-job, namespace ml): {queued}: no quota reserved: {NO_QUOTA}, "
+                                "step unknown",
+                                f"  rank 0: no pod: {queued}: no quota reserved: {NO_QUOTA}",
+                                f"  rank 1: no pod: {queued}: no quota reserved: {NO_QUOTA}"]
+    code, out, err = cli("k8s", "list", "--kubeconfig", str(kubeconfig))
+    assert code == 0 and f"ml/tiny  indexed-job  {queued}: no quota reserved: {NO_QUOTA}  " in out, out + err
+    workload = next(r for r in apiserver.requests if r["path"] == WORKLOADS)
+    assert workload["query"]["labelSelector"] == [f"kueue.x-k8s.io/job-uid={apiserver.objects[JOB]['metadata']['uid']}"]
+
+    def cluster() -> None:
+        asked(apiserver, WORKLOADS, times=2)  # both ranks looked for why
+        apiserver.kueue_admit("tiny")
+        run_to_completion(apiserver, 2)
+
+    with beside(cluster):
+        code, out, err = cli("k8s", "logs", "tiny", "-f", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    for rank in (0, 1):
+        said = [line for line in out.splitlines() if line.startswith(f"[rank {rank}]")]
+        assert said[0] == f"[rank {rank}] (no pod yet: {queued}: no quota reserved: {NO_QUOTA})"
+        assert said[-1] == f"[rank {rank}] step 2/2 on {rank}"
+
+
+def test_without_kueue_installed_no_workload_is_asked_for(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, 1, "k8s.queue=team-a")  # the label is there; nothing acts on it
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0 and "queued" not in out and "pending: not scheduled yet" in out.splitlines()[0], out + err
+    apiserver.objects[JOB]["spec"]["suspend"] = True
+    apiserver.sync("tiny")
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0 and out.splitlines()[0] == "tiny (indexed-job, namespace ml): suspended, step unknown", out
+    assert not [r for r in apiserver.requests if r["path"].startswith(WORKLOADS)]

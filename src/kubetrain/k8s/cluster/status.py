@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubetrain.k8s.cluster.api import Cluster, ClusterError
-from kubetrain.k8s.cluster.waiting import expected_ranks, why_waiting, workload_object
+from kubetrain.k8s.cluster.waiting import Waiting, expected_ranks, workload_object
 from kubetrain.k8s.workloads import (
     IDLE_MARKER,
     JOB_LABEL,
@@ -82,16 +82,20 @@ def _tail(cluster: Cluster, namespace: str, rank: Rank) -> list[str]:
 
 
 def state(obj: dict[str, Any] | None, live: list[Rank], tails: dict[str, list[str]],
-          missing: dict[int, str] | None = None) -> str:
-    """succeeded, failed, finished (a StatefulSet idling after training), suspended, pending: why, running.
+          missing: dict[int, str] | None = None, queued: str | None = None) -> str:
+    """succeeded, failed, finished (a StatefulSet idling after training), queued by Kueue: why, suspended,
+    pending: why, running.
 
-    `missing`: the ranks of the config that have no pod, with why (waiting.why_waiting).
+    `missing`: the ranks of the config that have no pod, with why (waiting.why_waiting); `queued`: why Kueue
+    holds the job (waiting.kueue_reason).
     """
     if obj is None:
         return "gone (deleted, or removed after ttlSecondsAfterFinished)"
     done = finished(obj)
     if done is not None:
         return done
+    if queued:
+        return queued
     if "Suspended" in conditions(obj) or (obj.get("spec") or {}).get("suspend"):
         return "suspended"
     if not live:
@@ -127,13 +131,15 @@ def job_status(cluster: Cluster, name: str, namespace: str, with_step: bool = Tr
     tails = {r.name: _tail(cluster, namespace, r) for r in live} if with_step else {}
     step = last_step(live, tails)
     have = {r.rank for r in live}
-    missing = {} if obj is None or finished(obj) is not None else {
-        n: why_waiting(cluster, obj, n) for n in range(expected_ranks(config_map) or 0) if n not in have}
+    wanted = [n for n in range(expected_ranks(config_map) or 0) if n not in have]
+    held = wanted or not live or (obj or {}).get("spec", {}).get("suspend")  # suspended: Kueue may hold it
+    waiting = Waiting(cluster, obj) if obj is not None and finished(obj) is None and held else None
+    missing = {n: waiting.why(n) for n in wanted} if waiting is not None else {}
     return {
         "name": name,
         "namespace": namespace,
         "workload": workload,
-        "state": state(obj, live, tails, missing),
+        "state": state(obj, live, tails, missing, waiting.queued if waiting is not None else None),
         "step": step[0] if step else None,
         "max_steps": step[1] if step else None,
         "pods": [

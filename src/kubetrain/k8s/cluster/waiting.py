@@ -1,6 +1,6 @@
 """Why a job, or one of its ranks, has no pod: what the cluster itself says, never a guess.
 
-In order: the workload is gone; Kueue keeps it queued (its Workload's conditions); it is suspended
+In order: the workload is gone or finished; Kueue keeps it queued (its Workload's conditions); it is suspended
 (`spec.suspend`); its controller could not create the pod (a `FailedCreate` event on the workload, e.g. an
 exceeded ResourceQuota); or its controller has not created it yet (a slow controller, or a pod being replaced).
 """
@@ -18,6 +18,9 @@ from kubetrain.k8s.workloads import WORKLOAD_LABEL, WORKLOADS, conditions, finis
 
 # pkg/controller/controller_utils.go: what a controller records on its object when creating a pod fails
 FAILED_CREATE = "FailedCreate"
+# kueue pkg/controller/constants: the queue label on a job, and the label on its Workload naming the job's uid
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 
 
 def expected_ranks(config_map: dict[str, Any] | None) -> int | None:
@@ -74,16 +77,82 @@ def rank_event(events: list[dict[str, Any]], job: str, rank: int | None) -> dict
     return events[0] if events else None
 
 
+def _suspended(obj: dict[str, Any]) -> bool:
+    return bool((obj.get("spec") or {}).get("suspend")) or "Suspended" in conditions(obj)
+
+
+def kueue_reason(cluster: Cluster, obj: dict[str, Any]) -> str | None:
+    """Why Kueue holds this workload back, from its Workload's conditions; None when Kueue does not hold it.
+
+    Kueue's webhook suspends a job with a queue label, and Kueue unsuspends it once its Workload (labelled
+    with the job's uid) is admitted: QuotaReserved (a ClusterQueue's quota is set aside), then Admitted (the
+    admission checks passed). A cluster without Kueue's CRDs is not asked for Workloads.
+    """
+    meta = obj["metadata"]
+    queue = (meta.get("labels") or {}).get(QUEUE_LABEL)
+    if not queue or not _suspended(obj) or not cluster.served("Workload"):
+        return None
+    where = f"queued by Kueue in LocalQueue {queue}"
+    try:
+        found = cluster.list("Workload", meta.get("namespace"), f"{JOB_UID_LABEL}={meta.get('uid')}")
+    except Forbidden:
+        return f"{where} (its Workload may not be read)"
+    if not found:
+        return f"{where}: Kueue has not made its Workload yet"
+    by_type = {c.get("type"): c for c in (found[0].get("status") or {}).get("conditions") or []}
+
+    def holds(kind: str) -> bool | None:
+        condition = by_type.get(kind)
+        return None if condition is None else condition.get("status") == "True"
+
+    def said(kind: str) -> str:
+        condition = by_type.get(kind) or {}
+        return str(condition.get("message") or condition.get("reason") or "")
+
+    if holds("Evicted"):
+        return f"{where}: evicted: {said('Evicted')}"
+    if holds("Admitted"):
+        return f"{where}: admitted, the job starts"
+    if holds("QuotaReserved"):
+        return f"{where}: quota reserved, not admitted yet" + (f": {said('Admitted')}" if said("Admitted") else "")
+    if holds("QuotaReserved") is False:
+        return f"{where}: no quota reserved: {said('QuotaReserved')}"
+    return f"{where}: not considered by Kueue yet"
+
+
+class Waiting:
+    """Why a job's ranks have no pod, asked of the cluster once for all of them (Kueue, then the events)."""
+
+    def __init__(self, cluster: Cluster, obj: dict[str, Any] | None) -> None:
+        self.obj = obj
+        self.queued = None if obj is None or finished(obj) is not None else kueue_reason(cluster, obj)
+        self.whole = self._whole()
+        self.events = failed_creates(cluster, obj) if obj is not None and self.whole is None else []
+
+    def _whole(self) -> str | None:
+        """A reason that holds for every rank, or None when it depends on the rank."""
+        if self.obj is None:
+            return "the job is gone (deleted, or removed after ttlSecondsAfterFinished)"
+        done = finished(self.obj)
+        if done is not None:
+            return f"the job has {done}"
+        if self.queued is not None:
+            return self.queued
+        if _suspended(self.obj):
+            return "the job is suspended (spec.suspend)"
+        return None
+
+    def why(self, rank: int | None = None) -> str:
+        """One line: why this rank (or the job) has no pod right now."""
+        if self.whole is not None:
+            return self.whole
+        assert self.obj is not None
+        event = rank_event(self.events, self.obj["metadata"]["name"], rank)
+        if event is not None:
+            return _event_text(event)
+        return f"not created yet by the {self.obj['kind']} controller"
+
+
 def why_waiting(cluster: Cluster, obj: dict[str, Any] | None, rank: int | None = None) -> str:
     """One line: why the job (or this rank) has no pod right now."""
-    if obj is None:
-        return "the job is gone (deleted, or removed after ttlSecondsAfterFinished)"
-    done = finished(obj)
-    if done is not None:
-        return f"the job has {done}"
-    if (obj.get("spec") or {}).get("suspend") or "Suspended" in conditions(obj):
-        return "the job is suspended (spec.suspend)"
-    event = rank_event(failed_creates(cluster, obj), obj["metadata"]["name"], rank)
-    if event is not None:
-        return _event_text(event)
-    return f"not created yet by the {obj['kind']} controller"
+    return Waiting(cluster, obj).why(rank)
