@@ -82,6 +82,7 @@ class ApiServer:
         self.forbidden: set[str] = set()  # plurals that user may not touch even there (e.g. jobsets)
         self.claims: dict[str, Path] = {}  # claim name -> the folder that stands for its volume (exec sees it)
         self.start_bare_pods = False  # a Pod applied on its own is scheduled and started at once
+        self.no_node_for_bare_pods: str | None = None  # the scheduler's verdict on a Pod applied on its own
         self.job_controller = True  # False: a slow Job controller that has not synced the Jobs yet (see `sync`)
         self.kueue = False  # Kueue installed: its CRDs served, its webhook suspends a Job with a queue label
         self.changed = threading.Condition()
@@ -316,9 +317,13 @@ class ApiServer:
 
     def _bare_pod(self, pod: dict[str, Any]) -> None:
         """A Pod created on its own starts Pending with no node; with `start_bare_pods`, the scheduler binds it
-        and the kubelet starts its container at once (an image already on the node)."""
+        and the kubelet starts its container at once (an image already on the node); with `no_node_for_bare_pods`,
+        the scheduler finds no node and says why (pkg/scheduler/schedule_one.go, handleSchedulingFailure)."""
         pod["status"] = {"phase": "Pending"}
-        if self.start_bare_pods:
+        if self.no_node_for_bare_pods:  # the scheduler's first attempt, in the PodScheduled condition
+            pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                            "message": self.no_node_for_bare_pods}]
+        elif self.start_bare_pods:
             pod["spec"]["nodeName"] = "node-a"
             pod["status"] = {"phase": "Running", "containerStatuses": [
                 _container(pod, {"running": {"startedAt": self._now()}}, ready=True)]}
