@@ -136,8 +136,9 @@ def status(
 ) -> None:
     """The job's state, one line per rank from its newest pod, and the step the live pods logged.
 
-    States: pending (with the scheduler's reason), running, succeeded, failed, finished (a StatefulSet idling
-    after training), gone. Each rank counts the earlier pods of that rank that failed and were replaced.
+    States: pending (with the scheduler's reason, or why a rank has no pod), queued (by Kueue, with its
+    Workload's reason), suspended, running, succeeded, failed, finished (a StatefulSet idling after training),
+    gone. Each rank counts the earlier pods of that rank that failed and were replaced; a Pending rank says why.
     """
     from kubetrain.k8s.cluster.status import format_status, job_status
 

@@ -170,6 +170,8 @@ def format_status(status: dict[str, Any]) -> str:
                 f"{pod['restarts']} restarts")
         if pod["earlier_failed"]:
             line += f", {pod['earlier_failed']} earlier failed pod{'s' if pod['earlier_failed'] > 1 else ''}"
+        if pod.get("waiting"):  # a Pending rank: the scheduler's verdict, or why its container waits
+            line += f": {pod['waiting']}"
         lines.append(line)
     for missing in status.get("missing") or []:
         lines.append(f"  rank {missing['rank']}: no pod: {missing['reason']}")
