@@ -423,6 +423,9 @@ class ApiServer:
                  body: bytes) -> Answer | Iterator[bytes]:
         if (method, path) in self.answers:
             return self.answers[(method, path)]
+        if method == "POST" and path == RESOURCES["SelfSubjectAccessReview"].path():
+            # every authenticated user may ask (the system:basic-user ClusterRole, rbac/bootstrappolicy/policy.go)
+            return _json(201, waiting_fakes.access_review(json.loads(body), self.editor_of, self.forbidden))
         denied = self._rbac(method, path)
         if denied:
             return _json(403, denied)

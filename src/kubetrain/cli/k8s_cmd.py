@@ -290,9 +290,11 @@ def doctor(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
 ) -> None:
-    """Check that the cluster can run this job: reachable, namespace, CRD, nodes, storage, Secrets, bucket.
+    """Check that the cluster can run this job: reachable, namespace, CRD, access, nodes, storage, Secrets, bucket.
 
-    Nodes must match the selector, admit the pod (taints) and allocate its CPU, memory and GPU requests;
+    Access: this user may create the workload's kind (a SelfSubjectAccessReview). Nodes must match the selector
+    and admit the pod (taints); they are counted in pod slots: pods of the job's requests that still fit beside
+    the running pods;
     storage is a storage class or a free static PersistentVolume; the bucket of checkpoint.uri is listed from
     here when this shell has credentials. Checks this user may not run (a namespace
     editor cannot list nodes or storage classes) print "cannot check ...: forbidden"; the others still run.
