@@ -70,6 +70,13 @@ def test_follow_before_the_controller_made_pods_waits_saying_why(tmp_path: Path,
     apiserver.job_controller = False  # a slow Job controller: the Job exists, its pods do not yet
     launch(cli, kubeconfig, 2)
     assert apiserver.pods("tiny") == []
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0 and out.splitlines() == [
+        "tiny (indexed-job, namespace ml): pending: no pods yet: not created yet by the Job controller, step unknown",
+        "  rank 0: no pod: not created yet by the Job controller",
+        "  rank 1: no pod: not created yet by the Job controller"], out + err
+    code, out, err = cli("k8s", "logs", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 1 and "rank 1: no pod: not created yet by the Job controller" in err
 
     def cluster() -> None:
         asked(apiserver, EVENTS, times=2)  # both ranks looked for the reason
@@ -237,3 +244,18 @@ def test_without_kueue_installed_no_workload_is_asked_for(tmp_path: Path, apiser
     code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
     assert code == 0 and out.splitlines()[0] == "tiny (indexed-job, namespace ml): suspended, step unknown", out
     assert not [r for r in apiserver.requests if r["path"].startswith(WORKLOADS)]
+
+
+def test_an_event_is_about_the_rank_its_pod_name_says_and_stale_once_a_newer_pod_was_made() -> None:
+    from kubetrain.k8s.cluster.waiting import rank_event
+
+    def refused(rank: int, at: str) -> dict[str, Any]:
+        return {"reason": "FailedCreate", "lastTimestamp": at,
+                "message": f'Error creating: pods "tiny-{rank}-" is forbidden: exceeded quota: pods'}
+
+    events = [refused(1, "2026-03-02T10:05:00Z"), refused(0, "2026-03-02T10:00:00Z")]  # newest first
+    assert rank_event(events, "tiny", 1) is events[0] and rank_event(events, "tiny", 0) is events[1]
+    assert rank_event(events[:1], "tiny", 0) is None  # rank 1's refusal says nothing about rank 0
+    assert rank_event(events, "tiny", 0, since="2026-03-02T10:01:00Z") is None  # rank 0 got a pod after it
+    other = {"reason": "FailedCreate", "lastTimestamp": "2026-03-02T10:06:00Z", "message": "Error creating: quota"}
+    assert rank_event([other], "tiny", 0) is other  # names no rank: about the whole job

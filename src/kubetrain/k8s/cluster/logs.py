@@ -50,6 +50,7 @@ class _RankReader:
         self.cluster, self.job, self.namespace, self.number = cluster, job, namespace, number
         self.rank, self.lines, self.follow, self.tail, self.poll = rank, lines, follow, tail, poll
         self.prefix = f"[rank {'?' if number is None else number}] "
+        self.last_created = ""  # when this rank's last pod was made: older events about it are stale
 
     def run(self) -> None:
         try:
@@ -72,7 +73,7 @@ class _RankReader:
         noted = ""
         while (found := self._refresh()) is None:
             obj = self._workload()
-            why = why_waiting(self.cluster, obj, self.number)
+            why = why_waiting(self.cluster, obj, self.number, self.last_created)
             if not self.follow:
                 self.lines.put(LogsIncomplete(f"rank {self.number}: no pod: {why}"))
                 return None
@@ -126,6 +127,7 @@ class _RankReader:
                     return False
                 self.lines.put(f"{self.prefix}(pod {before.name} is gone while the job is active: "
                                "it is being replaced)")
+                self.last_created = str(before.pod["metadata"].get("creationTimestamp") or "")
                 self.rank, self.tail = None, None
                 return True
             if now.name != before.name:

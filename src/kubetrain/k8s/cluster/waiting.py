@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from kubetrain.k8s.cluster.api import Cluster, ClusterError, Forbidden
+from kubetrain.k8s.cluster.api import Cluster, Forbidden
 from kubetrain.k8s.render.context import CONFIG_FILE
 from kubetrain.k8s.workloads import WORKLOAD_LABEL, WORKLOADS, conditions, finished
 
@@ -50,7 +50,7 @@ def failed_creates(cluster: Cluster, obj: dict[str, Any]) -> list[dict[str, Any]
     fields = f"involvedObject.kind={obj['kind']},involvedObject.name={meta['name']},reason={FAILED_CREATE}"
     try:
         events = cluster.list("Event", meta.get("namespace"), fields=fields)
-    except (Forbidden, ClusterError):
+    except Forbidden:
         return []
     uid = meta.get("uid")
     mine = [e for e in events if not uid or (e.get("involvedObject") or {}).get("uid") in (None, "", uid)]
@@ -67,14 +67,22 @@ def _event_text(event: dict[str, Any]) -> str:
     return f"{FAILED_CREATE}: {event.get('message', '')}" + (f" ({count} times)" if count > 1 else "")
 
 
-def rank_event(events: list[dict[str, Any]], job: str, rank: int | None) -> dict[str, Any] | None:
-    """The newest event about this rank's pod (an Indexed Job names it `<job>-<index>-<suffix>`), else the newest."""
-    if rank is not None:
-        pattern = re.compile(rf'\b{re.escape(job)}-{rank}-')
-        for event in events:
-            if pattern.search(str(event.get("message", ""))):
-                return event
-    return events[0] if events else None
+def rank_event(events: list[dict[str, Any]], job: str, rank: int | None,
+               since: str = "") -> dict[str, Any] | None:
+    """The newest event about this rank's pod, or about the job when none names a rank; only those newer than
+    `since` (the creation of the rank's last pod: an older event was before that pod, and is stale).
+
+    The pod is named by its generateName in the message: an Indexed Job's is `<job>-<index>-`.
+    """
+    fresh = [e for e in events if _event_time(e) >= since]
+    if rank is None:
+        return fresh[0] if fresh else None
+    named = re.compile(rf'"{re.escape(job)}-(\d+)-')
+    for event in fresh:
+        found = named.search(str(event.get("message", "")))
+        if found is None or int(found.group(1)) == rank:
+            return event
+    return None
 
 
 def _suspended(obj: dict[str, Any]) -> bool:
@@ -142,17 +150,17 @@ class Waiting:
             return "the job is suspended (spec.suspend)"
         return None
 
-    def why(self, rank: int | None = None) -> str:
-        """One line: why this rank (or the job) has no pod right now."""
+    def why(self, rank: int | None = None, since: str = "") -> str:
+        """One line: why this rank (or the job) has no pod right now; `since`: when the rank's last pod was made."""
         if self.whole is not None:
             return self.whole
         assert self.obj is not None
-        event = rank_event(self.events, self.obj["metadata"]["name"], rank)
+        event = rank_event(self.events, self.obj["metadata"]["name"], rank, since)
         if event is not None:
             return _event_text(event)
         return f"not created yet by the {self.obj['kind']} controller"
 
 
-def why_waiting(cluster: Cluster, obj: dict[str, Any] | None, rank: int | None = None) -> str:
+def why_waiting(cluster: Cluster, obj: dict[str, Any] | None, rank: int | None = None, since: str = "") -> str:
     """One line: why the job (or this rank) has no pod right now."""
-    return Waiting(cluster, obj).why(rank)
+    return Waiting(cluster, obj).why(rank, since)
