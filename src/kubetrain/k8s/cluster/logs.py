@@ -101,6 +101,7 @@ class _RankReader:
                 self.lines.put(f"{self.prefix}(pod {self.rank.name} waiting: {why})")
                 noted = why
             time.sleep(self.poll)
+            self.last_created = str(self.rank.pod["metadata"].get("creationTimestamp") or "")
             self.rank = self._refresh()
             if self.rank is None:  # deleted before it started: wait for its replacement
                 return True
