@@ -195,6 +195,9 @@ class ApiServer(Controllers):
             if method == "GET" and path in self.objects:
                 return _json(200, self.objects[path])
             if method == "GET" and path.rsplit("/", 1)[-1] in _PLURALS:
+                unsupported = waiting_fakes.unsupported_field(path, query.get("fieldSelector", [""])[0])
+                if unsupported:
+                    return _json(400, status(400, "BadRequest", f'field label not supported: {unsupported}'))
                 return _json(200, {"kind": "List", "items": self._list(path, query)})
             if method == "DELETE" and path in self.objects:
                 self._delete(self.objects[path])

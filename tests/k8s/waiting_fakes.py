@@ -17,6 +17,24 @@ JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"  # kueue pkg/controller/constants: on t
 WORKLOAD_API = "kueue.x-k8s.io/v1beta1"
 
 
+# pkg/registry/core/event/strategy.go, ToSelectableFields: what an event list may be selected by
+EVENT_FIELDS = {"metadata.name", "metadata.namespace", "involvedObject.kind", "involvedObject.namespace",
+                "involvedObject.name", "involvedObject.uid", "involvedObject.apiVersion",
+                "involvedObject.resourceVersion", "involvedObject.fieldPath", "reason", "reportingComponent",
+                "source", "type"}
+
+
+def unsupported_field(path: str, selector: str) -> str | None:
+    """A field an event list cannot be selected by (kube-apiserver answers 400); other kinds are not checked."""
+    if not path.endswith("/events"):
+        return None
+    for term in filter(None, selector.split(",")):
+        key = term.split("!=", 1)[0].split("=", 1)[0]
+        if key not in EVENT_FIELDS:
+            return key
+    return None
+
+
 def field_value(obj: dict[str, Any], path: str) -> str:
     """A dotted field of an object as a field selector compares it (a missing field is "")."""
     value: Any = obj
