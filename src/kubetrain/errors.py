@@ -7,6 +7,9 @@ EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 # The run was asked to stop (SIGTERM/SIGINT), saved a checkpoint, and can be resumed.
 EXIT_STOPPED_RESUMABLE = 75  # EX_TEMPFAIL from sysexits.h: "try again later"
+# A pod's elastic agent lost its rendezvous host (node rank 0 is gone): resumable once the peer is back, so the
+# Job's podFailurePolicy ignores it (the lost host's own failure is the one counted).
+EXIT_PEER_LOST = 69  # EX_UNAVAILABLE from sysexits.h: "a service is unavailable"
 
 
 class KubetrainError(Exception):

@@ -1,7 +1,9 @@
 """Fixtures of the Kubernetes tests: the CRD schema folder, and a small API server on 127.0.0.1.
 
 The API server is a claim about kube-apiserver and its controllers. Each behaviour below names where the real
-one does the same (kubernetes/kubernetes paths), so that a test passing here means something on a cluster.
+one does the same (kubernetes/kubernetes paths), so that a test passing here means something on a cluster. The
+controllers, the scheduler and the kubelet are in controllers.py; quotas, events, Kueue and access reviews in
+waiting_fakes.py.
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import yaml
 
-from kubetrain.k8s.cluster.api import CUSTOM_KINDS, RESOURCES, Resource
+from kubetrain.k8s.cluster.api import RESOURCES
+from tests.k8s import waiting_fakes
+from tests.k8s.controllers import KINDS, Controllers, _path_of
 
 RESPONSES = Path(__file__).parent / "responses"
 SHARED_CRDS = Path(__file__).resolve().parents[3] / "shared" / "k8s" / "crds"  # beside the checkout
-INDEX = "batch.kubernetes.io/job-completion-index"
 JSON = "application/json"
+# Served by kube-apiserver itself; any other group only once its CRD is installed.
+BUILT_IN = {"v1", "batch/v1", "apps/v1", "networking.k8s.io/v1", "storage.k8s.io/v1", "apiextensions.k8s.io/v1",
+            "authorization.k8s.io/v1"}
 Answer = tuple[int, bytes, str]
 
 
@@ -58,11 +64,11 @@ def status(code: int, reason: str, message: str, **details: Any) -> dict[str, An
     return out | ({"details": details} if details else {})
 
 
-class ApiServer:
+class ApiServer(Controllers):
     """A local HTTP server that answers like kube-apiserver (with the Job and StatefulSet controllers).
 
-    Objects applied (server-side apply) are stored and served back (get, list by label, delete with garbage
-    collection); a Job or StatefulSet gets its pods, which tests move through their life with `schedule`,
+    Objects applied (server-side apply) are stored and served back (get, list by label and field, delete with
+    garbage collection); a Job or StatefulSet gets its pods, which tests move through their life with `schedule`,
     `start` and `exit`. `answer` pins a recorded response (tests/k8s/responses/) to one request.
     """
 
@@ -76,6 +82,9 @@ class ApiServer:
         self.forbidden: set[str] = set()  # plurals that user may not touch even there (e.g. jobsets)
         self.claims: dict[str, Path] = {}  # claim name -> the folder that stands for its volume (exec sees it)
         self.start_bare_pods = False  # a Pod applied on its own is scheduled and started at once
+        self.no_node_for_bare_pods: str | None = None  # the scheduler's verdict on a Pod applied on its own
+        self.job_controller = True  # False: a slow Job controller that has not synced the Jobs yet (see `sync`)
+        self.kueue = False  # Kueue installed: its CRDs served, its webhook suspends a Job with a queue label
         self.changed = threading.Condition()
         self.serial = 0
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -104,9 +113,6 @@ class ApiServer:
             self.changed.notify_all()
         return obj
 
-    def install_crd(self, crd: dict[str, Any]) -> None:
-        self.crds[crd["metadata"]["name"]] = crd
-
     def kubeconfig(self, folder: Path, namespace: str = "ml") -> Path:
         path = folder / "kubeconfig"
         path.write_text(yaml.safe_dump({
@@ -117,159 +123,7 @@ class ApiServer:
         }))
         return path
 
-    # -- pods, as the scheduler and the kubelet move them -----------------------------------------------
-
-    def pods(self, job: str | None = None) -> list[dict[str, Any]]:
-        return [o for o in self.objects.values() if o["kind"] == "Pod"
-                and (job is None or (o["metadata"].get("labels") or {}).get("kubetrain.dev/job") == job)]
-
-    def pod(self, job: str, rank: int) -> str:
-        """The name of the newest pod of a rank."""
-        pods = [p for p in self.pods(job) if _rank(p) == rank]
-        return str(max(pods, key=lambda p: p["metadata"]["creationTimestamp"])["metadata"]["name"])
-
-    def schedule(self, name: str, node: str = "node-a") -> None:
-        """Bound to a node; the kubelet pulls the image: ContainerCreating."""
-        def change(pod: dict[str, Any]) -> None:
-            pod["spec"]["nodeName"] = node
-            pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "True"}]
-            pod["status"]["containerStatuses"] = [_container(pod, {"waiting": {"reason": "ContainerCreating"}})]
-        self._change_pod(name, change)
-
-    def unschedulable(self, name: str, message: str) -> None:
-        """The scheduler's verdict stays in the pod's PodScheduled condition (pkg/scheduler/schedule_one.go)."""
-        def change(pod: dict[str, Any]) -> None:
-            pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "False",
-                                            "reason": "Unschedulable", "message": message}]
-        self._change_pod(name, change)
-
-    def start(self, name: str, log: str = "", node: str = "node-a") -> None:
-        def change(pod: dict[str, Any]) -> None:
-            pod["spec"].setdefault("nodeName", node)
-            pod["status"].update(phase="Running", containerStatuses=[
-                _container(pod, {"running": {"startedAt": self._now()}}, ready=True)])
-        self._change_pod(name, change)
-        self.write_log(name, log)
-
-    def write_log(self, name: str, text: str) -> None:
-        with self.changed:
-            self.logs[name] = self.logs.get(name, "") + text
-            self.changed.notify_all()
-
-    def exit(self, name: str, code: int, log: str = "") -> None:
-        """The container ends; the pod's controller reacts (a Job replaces a failed pod)."""
-        self.write_log(name, log)
-
-        def change(pod: dict[str, Any]) -> None:
-            pod["status"].update(phase="Succeeded" if code == 0 else "Failed", containerStatuses=[
-                _container(pod, {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}})])
-        self._change_pod(name, change)
-
-    def _change_pod(self, name: str, change: Callable[[dict[str, Any]], None]) -> None:
-        with self.changed:
-            pod = next(p for p in self.pods() if p["metadata"]["name"] == name)
-            change(pod)
-            for ref in pod["metadata"].get("ownerReferences") or []:
-                owner = next((o for o in self.objects.values() if o["metadata"].get("uid") == ref["uid"]), None)
-                if owner is not None:
-                    self._reconcile(owner)
-            self.changed.notify_all()
-
-    # -- the controllers ---------------------------------------------------------------------------
-
-    def _reconcile(self, owner: dict[str, Any]) -> None:
-        if owner["kind"] == "Job":
-            self._reconcile_job(owner)
-        elif owner["kind"] == "StatefulSet":
-            self._reconcile_statefulset(owner)
-
-    def _reconcile_job(self, job: dict[str, Any]) -> None:
-        """pkg/controller/job/job_controller.go, the parts a training job meets:
-
-        - `active` counts every pod that is not finished, Pending ones included (a Job whose pods cannot be
-          scheduled is "active");
-        - a failed pod stays listed until the Job is deleted, and its index gets a new pod with a new name
-          and the same `batch.kubernetes.io/job-completion-index` label; `failed` counts the failed pods
-          except those a podFailurePolicy `Ignore` rule matched (and those are replaced too);
-        - finishing adds `SuccessCriteriaMet` then `Complete`, or `FailureTarget` then `Failed` (a FailJob rule,
-          or more failures than backoffLimit).
-        """
-        spec, uid = job["spec"], job["metadata"]["uid"]
-        pods = [p for p in self.pods() if any(r["uid"] == uid for r in p["metadata"].get("ownerReferences") or [])]
-        ignored, fail_job = 0, False
-        for pod in pods:
-            if pod["status"].get("phase") == "Failed":
-                action = _failure_action(spec.get("podFailurePolicy"), pod)
-                ignored += action == "Ignore"
-                fail_job |= action == "FailJob"
-        failed = sum(p["status"].get("phase") == "Failed" for p in pods) - ignored
-        done = {_rank(p) for p in pods if p["status"].get("phase") == "Succeeded"}
-        conditions = [c["type"] for c in job.get("status", {}).get("conditions", [])]
-        finished = "Complete" in conditions or "Failed" in conditions
-        if not finished and (fail_job or failed > spec.get("backoffLimit", 6)):
-            conditions, finished = ["FailureTarget", "Failed"], True
-        elif not finished and len(done) == spec["completions"]:
-            conditions, finished = ["SuccessCriteriaMet", "Complete"], True
-        for index in range(spec["completions"]):
-            mine = [p for p in pods if _rank(p) == index]
-            if not finished and not any(p["status"].get("phase") in ("Pending", "Running", "Succeeded") for p in mine):
-                pods.append(self._create_pod(job, index, f"{job['metadata']['name']}-{index}-{self._next('')}"))
-        job["status"] = {
-            "active": sum(p["status"].get("phase") in ("Pending", "Running") for p in pods),
-            "succeeded": len(done), "failed": failed,
-            "conditions": [{"type": c, "status": "True"} for c in conditions],
-        }
-
-    def _bare_pod(self, pod: dict[str, Any]) -> None:
-        """A Pod created on its own starts Pending with no node; with `start_bare_pods`, the scheduler binds it
-        and the kubelet starts its container at once (an image already on the node)."""
-        pod["status"] = {"phase": "Pending"}
-        if self.start_bare_pods:
-            pod["spec"]["nodeName"] = "node-a"
-            pod["status"] = {"phase": "Running", "containerStatuses": [
-                _container(pod, {"running": {"startedAt": self._now()}}, ready=True)]}
-
-    def _reconcile_statefulset(self, sts: dict[str, Any]) -> None:
-        """pkg/controller/statefulset: pod i is `<name>-i`, labelled apps.kubernetes.io/pod-index; the
-        kubelet restarts a container that exits (restartPolicy Always), so a pod never finishes."""
-        name = sts["metadata"]["name"]
-        for index in range(sts["spec"]["replicas"]):
-            path = RESOURCES["Pod"].path(sts["metadata"]["namespace"], f"{name}-{index}")
-            if path not in self.objects:
-                self._create_pod(sts, index, f"{name}-{index}", {"apps.kubernetes.io/pod-index": str(index)})
-        ready = sum(p["status"].get("phase") == "Running" for p in self.pods(name))
-        sts["status"] = {"replicas": sts["spec"]["replicas"], "readyReplicas": ready}
-
-    def _create_pod(self, owner: dict[str, Any], index: int, name: str,
-                    labels: dict[str, str] | None = None) -> dict[str, Any]:
-        template = copy.deepcopy(owner["spec"]["template"])
-        meta = template.get("metadata") or {}
-        if owner["kind"] == "Job":
-            labels = {INDEX: str(index), "job-name": owner["metadata"]["name"]}
-            meta["annotations"] = {**(meta.get("annotations") or {}), INDEX: str(index)}
-        pod = {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {**meta, "name": name, "namespace": owner["metadata"]["namespace"],
-                         "labels": {**(meta.get("labels") or {}), **(labels or {})},
-                         "uid": self._next("uid"), "creationTimestamp": self._now(),
-                         "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
-                                              "name": owner["metadata"]["name"], "uid": owner["metadata"]["uid"],
-                                              "controller": True}]},
-            "spec": template["spec"],
-            "status": {"phase": "Pending"},
-        }
-        self.objects[_path_of(pod)] = pod
-        return pod
-
     # -- HTTP --------------------------------------------------------------------------------------
-
-    def _next(self, prefix: str) -> str:
-        self.serial += 1
-        return f"{prefix}-{self.serial}" if prefix else f"{self.serial:05d}"
-
-    def _now(self) -> str:
-        self.serial += 1
-        return f"2026-03-02T{self.serial // 3600 % 24:02d}:{self.serial // 60 % 60:02d}:{self.serial % 60:02d}Z"
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         server = self
@@ -324,6 +178,9 @@ class ApiServer:
                  body: bytes) -> Answer | Iterator[bytes]:
         if (method, path) in self.answers:
             return self.answers[(method, path)]
+        if method == "POST" and path == RESOURCES["SelfSubjectAccessReview"].path():
+            # every authenticated user may ask (the system:basic-user ClusterRole, rbac/bootstrappolicy/policy.go)
+            return _json(201, waiting_fakes.access_review(json.loads(body), self.editor_of, self.forbidden))
         denied = self._rbac(method, path)
         if denied:
             return _json(403, denied)
@@ -338,6 +195,9 @@ class ApiServer:
             if method == "GET" and path in self.objects:
                 return _json(200, self.objects[path])
             if method == "GET" and path.rsplit("/", 1)[-1] in _PLURALS:
+                unsupported = waiting_fakes.unsupported_field(path, query.get("fieldSelector", [""])[0])
+                if unsupported:
+                    return _json(400, status(400, "BadRequest", f'field label not supported: {unsupported}'))
                 return _json(200, {"kind": "List", "items": self._list(path, query)})
             if method == "DELETE" and path in self.objects:
                 self._delete(self.objects[path])
@@ -370,8 +230,8 @@ class ApiServer:
         custom = {f"/apis/{c['spec']['group']}/{v['name']}" for c in self.crds.values() for v in c["spec"]["versions"]}
         if method != "GET":
             return None
-        if path in custom or any(r.base == path and r.kind not in CUSTOM_KINDS for r in RESOURCES.values()):
-            served = [r for r in RESOURCES.values() if r.base == path]
+        if path in custom or any(r.base == path and r.group_version in BUILT_IN for r in KINDS.values()):
+            served = [r for r in KINDS.values() if r.base == path]
             return _json(200, {"kind": "APIResourceList", "groupVersion": path.split("/", 2)[-1],
                                "resources": [{"name": r.plural, "kind": r.kind, "namespaced": r.namespaced}
                                              for r in served]})
@@ -398,6 +258,9 @@ class ApiServer:
                                               "field": "spec.template"}]))
         new = copy.deepcopy(obj)
         meta = new["metadata"]
+        queued = self.kueue and kind == "Job" and waiting_fakes.QUEUE_LABEL in (meta.get("labels") or {})
+        if old is None and queued:  # Kueue's Job webhook (jobframework ApplyDefaultForSuspend)
+            new["spec"]["suspend"] = True
         if old is None:
             meta.update(uid="" if dry_run else self._next("uid"), creationTimestamp=self._now(),
                         resourceVersion=self._next(""))
@@ -411,6 +274,9 @@ class ApiServer:
             self.objects[path] = new
             if old is None and kind in ("Job", "StatefulSet"):
                 self._reconcile(new)
+            if old is None and queued:
+                workload = waiting_fakes.kueue_workload(new)
+                self.objects[_path_of(workload)] = workload
             if old is None and kind == "Pod":
                 self._bare_pod(new)
             self.changed.notify_all()
@@ -418,10 +284,10 @@ class ApiServer:
 
     def _list(self, path: str, query: dict[str, list[str]]) -> list[dict[str, Any]]:
         every_namespace = "/namespaces/" not in path
-        selector = query.get("labelSelector", [""])[0]
+        selector, fields = query.get("labelSelector", [""])[0], query.get("fieldSelector", [""])[0]
         return [o for p, o in sorted(self.objects.items())
                 if (re.sub(r"/namespaces/[^/]+", "", p) if every_namespace else p).rsplit("/", 1)[0] == path
-                and _selects(selector, o["metadata"].get("labels") or {})]
+                and _selects(selector, o["metadata"].get("labels") or {}) and waiting_fakes.fields_match(fields, o)]
 
     def _delete(self, obj: dict[str, Any]) -> None:
         """Background propagation: the garbage collector deletes what the object owns (here at once)."""
@@ -537,7 +403,7 @@ class ApiServer:
         self.httpd.server_close()
 
 
-_PLURALS = {r.plural for r in RESOURCES.values()}
+_PLURALS = {r.plural for r in KINDS.values()}
 
 
 def _frame(payload: bytes, opcode: int = 2) -> bytes:
@@ -563,35 +429,9 @@ def _json(code: int, body: Any) -> Answer:
     return code, json.dumps(body).encode(), JSON
 
 
-def _path_of(obj: dict[str, Any]) -> str:
-    res: Resource = RESOURCES[obj["kind"]]
-    return res.path(obj["metadata"].get("namespace"), obj["metadata"]["name"])
-
-
 def _spec_of(obj: dict[str, Any]) -> Any:
     meta = {k: v for k, v in obj["metadata"].items() if k not in ("resourceVersion", "uid", "creationTimestamp")}
     return {**obj, "metadata": meta, "status": None}
-
-
-def _rank(pod: dict[str, Any]) -> int:
-    labels = pod["metadata"].get("labels") or {}
-    return int(labels.get(INDEX, labels.get("apps.kubernetes.io/pod-index", -1)))
-
-
-def _container(pod: dict[str, Any], state: dict[str, Any], ready: bool = False) -> dict[str, Any]:
-    return {"name": pod["spec"]["containers"][0]["name"], "state": state, "ready": ready, "restartCount": 0}
-
-
-def _failure_action(policy: dict[str, Any] | None, pod: dict[str, Any]) -> str | None:
-    """The first podFailurePolicy rule whose exit codes match the failed container (pkg/controller/job/
-    pod_failure_policy.go; onPodConditions rules need conditions the kubelet sets, which tests do not)."""
-    statuses = pod["status"].get("containerStatuses") or []
-    code = ((statuses[0].get("state") or {}).get("terminated") or {}).get("exitCode") if statuses else None
-    for rule in (policy or {}).get("rules", []):
-        match = rule.get("onExitCodes")
-        if match and code is not None and (code in match["values"]) == (match["operator"] == "In"):
-            return str(rule["action"])
-    return None
 
 
 def _selects(selector: str, labels: dict[str, str]) -> bool:

@@ -137,8 +137,9 @@ def status(
 ) -> None:
     """The job's state, one line per rank from its newest pod, and the step the live pods logged.
 
-    States: pending (with the scheduler's reason), running, succeeded, failed, finished (a StatefulSet idling
-    after training), gone. Each rank counts the earlier pods of that rank that failed and were replaced.
+    States: pending (with the scheduler's reason, or why a rank has no pod), queued (by Kueue, with its
+    Workload's reason), suspended, running, succeeded, failed, finished (a StatefulSet idling after training),
+    gone. Each rank counts the earlier pods of that rank that failed and were replaced; a Pending rank says why.
     """
     from kubetrain.k8s.cluster.status import format_status, job_status
 
@@ -290,9 +291,11 @@ def doctor(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
 ) -> None:
-    """Check that the cluster can run this job: reachable, namespace, CRD, nodes, storage, Secrets, bucket.
+    """Check that the cluster can run this job: reachable, namespace, CRD, access, nodes, storage, Secrets, bucket.
 
-    Nodes must match the selector, admit the pod (taints) and allocate its CPU, memory and GPU requests;
+    Access: this user may create the workload's kind (a SelfSubjectAccessReview). Nodes must match the selector
+    and admit the pod (taints); they are counted in pod slots: pods of the job's requests that still fit beside
+    the running pods;
     storage is a storage class or a free static PersistentVolume; the bucket of checkpoint.uri is listed from
     here when this shell has credentials. Checks this user may not run (a namespace
     editor cannot list nodes or storage classes) print "cannot check ...: forbidden"; the others still run.

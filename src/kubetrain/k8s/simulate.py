@@ -297,8 +297,10 @@ class Simulation:
                 if code == EXIT_BAD_INPUT and self.kind in ("Job", "JobSet"):
                     self.stop()
                     return self._result(False, f"{pod.name} exited {code} (bad input): the job fails at once")
-                if code == EXIT_STOPPED_RESUMABLE and self.kind in ("Job", "JobSet"):  # podFailurePolicy Ignore
-                    self.log(f"[simulate] {pod.name} stopped after a checkpoint; starting its replacement")
+                if code in self._ignored_exit_codes():  # podFailurePolicy Ignore: replaced, not counted
+                    why = "stopped after a checkpoint" if code == EXIT_STOPPED_RESUMABLE else f"exited {code}"
+                    self.log(f"[simulate] {pod.name} {why}, which the podFailurePolicy ignores; starting its "
+                             "replacement")
                     self.start_pod(pod.name)
                     continue
                 failures += 1
@@ -313,6 +315,15 @@ class Simulation:
         for thread in self._threads:
             thread.join(timeout=10)
         return self._result(True, f"all {len(self.pods)} pods succeeded")
+
+    def _ignored_exit_codes(self) -> set[int]:
+        """The exit codes of the rendered Job's podFailurePolicy `Ignore` rules (a JobSet's Jobs have it too)."""
+        jobs = [self.workload_obj] if self.kind == "Job" else [
+            j.get("template", {}) for j in self.workload_obj["spec"].get("replicatedJobs", [])]
+        policies = [(j.get("spec") or {}).get("podFailurePolicy") or {} for j in jobs]
+        return {code for policy in policies for rule in policy.get("rules", [])
+                if rule["action"] == "Ignore" and (rule.get("onExitCodes") or {}).get("operator") == "In"
+                for code in rule["onExitCodes"]["values"]}
 
     def _result(self, ok: bool, message: str) -> SimResult:
         return SimResult(ok, message, {p.name: list(p.exit_codes) for p in self.pods})

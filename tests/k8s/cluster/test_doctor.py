@@ -44,7 +44,8 @@ def test_a_cluster_that_fits(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
     assert lines[0].startswith("ok    cluster: Kubernetes v1.35.0 at http://127.0.0.1:")
     assert "ok    namespace: homelab" in lines
     # the control-plane node has a GPU too, but its taint is not tolerated
-    assert "ok    nodes: 1 node(s) fit a pod of 4 cpu, 16Gi memory, 1 nvidia.com/gpu: arcanine" in lines
+    assert "ok    nodes: room for 1 pod(s) of 4 cpu, 16Gi memory, 1 nvidia.com/gpu: arcanine 1" in lines
+    assert "ok    access: this user may create jobs.batch in namespace homelab" in lines
     assert (
         "ok    volume checkpoints: 100Gi ReadWriteOnce from storage class local-path (rancher.io/local-path)"
         in lines
@@ -74,7 +75,7 @@ def test_each_problem_fails_with_its_reason(tmp_path: Path, apiserver: Any, cli:
         )
         in out
     )
-    assert "warn  nodes: 1 node(s) fit a pod of 4 cpu, 16Gi memory, 1 nvidia.com/gpu: arcanine (the job needs 2)" in out
+    assert "warn  nodes: room for 1 pod(s) of 4 cpu, 16Gi memory, 1 nvidia.com/gpu: arcanine 1 (the job needs 2)" in out
 
     code, out, _ = doctor(cli, kubeconfig, 'k8s.secrets.hf_token={"name": "hf-token", "key": "hf_token"}')
     assert code == 1 and "fail  secret HF_TOKEN: Secret hf-token has no key hf_token" in out
@@ -110,6 +111,7 @@ def test_a_namespace_editor_gets_every_check_it_can_have(tmp_path: Path, apiserv
     assert code == 0, err
     assert out.splitlines()[1:] == [
         "ok    namespace: homelab",
+        "ok    access: this user may create jobs.batch in namespace homelab",
         "warn  nodes: cannot check nodes: forbidden",
         "warn  volume checkpoints: cannot check storage classes for the 100Gi claim: forbidden",
         "ok    secret HF_TOKEN: Secret hf-token has key token",
@@ -187,3 +189,48 @@ def test_the_bucket_is_listed_from_here_when_credentials_are(
     assert code == 0 and out.splitlines()[-1] == (f"warn  store: {bucket.uri}: no credentials in this environment; "
                                                   "not checked from here")
     assert "store" not in doctor(cli, kubeconfig, "checkpoint.uri=/mnt/nas/ckpts")[1]  # the pods' path
+
+
+def running_pod(name: str, node: str, cpu: str, phase: str = "Running") -> dict[str, Any]:
+    """A pod of another team, bound to a node: what it requests is not free for the job."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "other"},
+            "spec": {"nodeName": node, "containers": [{"name": "main", "resources": {"requests": {"cpu": cpu}}}]},
+            "status": {"phase": phase}}
+
+
+def test_nodes_are_counted_in_pod_slots_beside_running_pods(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = cluster(tmp_path, apiserver)
+    cpu_only = ["k8s.resources.gpu=0", "k8s.nnodes=2"]  # 4 cpu, 16Gi: arcanine (16 cpu, 62.7Gi) holds 3 of them
+    code, out, err = doctor(cli, kubeconfig, *cpu_only)  # (local-path cannot give 2 nodes a claim: a fail of its own)
+    assert "ok    nodes: room for 3 pod(s) of 4 cpu, 16Gi memory: arcanine 3" in out.splitlines(), out + err
+    apiserver.put(running_pod("inference", "arcanine", "10"))
+    apiserver.put(running_pod("done", "arcanine", "16", phase="Succeeded"))  # finished: holds nothing
+    code, out, err = doctor(cli, kubeconfig, *cpu_only)
+    assert "warn  nodes: room for 1 pod(s) of 4 cpu, 16Gi memory: arcanine 1 (the job needs 2)" in out.splitlines()
+    apiserver.put(running_pod("inference", "arcanine", "14"))
+    code, out, err = doctor(cli, kubeconfig, *cpu_only)
+    assert code == 1
+    nodes = next(line for line in out.splitlines() if "nodes:" in line)
+    assert nodes.startswith("fail  nodes: no node can run a pod of 4 cpu, 16Gi memory now; full: arcanine (1 running "
+                            "pod(s) hold what a pod needs); too small: pi-01"), out + err
+
+
+def test_access_to_the_workload_kind_is_asked_before_launch(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = cluster(tmp_path, apiserver)
+    for path in ("/api/v1/nodes", "/apis/storage.k8s.io/v1/storageclasses"):
+        del apiserver.answers[("GET", path)]
+    apiserver.install_crd({"metadata": {"name": "jobsets.jobset.x-k8s.io"},
+                           "spec": {"group": "jobset.x-k8s.io", "versions": [{"name": "v1alpha2"}]}})
+    apiserver.editor_of, apiserver.forbidden = "homelab", {"jobsets"}  # an `edit` RoleBinding; JobSets not in it
+    code, out, err = doctor(cli, kubeconfig, workload="jobset")
+    assert code == 1, out + err
+    assert ("fail  access: this user may not create or patch jobsets.jobset.x-k8s.io in namespace homelab: launch "
+            "would be forbidden (403); ask for a Role that grants it, or choose another --workload") in out.splitlines()
+    asked = [r["body"]["spec"]["resourceAttributes"] for r in apiserver.requests
+             if r["path"] == "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"]
+    assert asked[0] == {"verb": "create", "group": "jobset.x-k8s.io", "resource": "jobsets", "namespace": "homelab"}
+    sets = [a for o in HOMELAB for a in ("--set", o)]
+    code, _, err = cli("k8s", "launch", *sets, "--workload", "jobset", "--kubeconfig", kubeconfig)
+    assert code == 2 and "forbidden (403)" in err  # what doctor foretold
+    code, out, err = doctor(cli, kubeconfig)  # an Indexed Job is in the `edit` role
+    assert "ok    access: this user may create jobs.batch in namespace homelab" in out.splitlines()

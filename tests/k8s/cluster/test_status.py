@@ -113,6 +113,14 @@ def test_pods_that_cannot_be_scheduled_are_pending_with_the_reason(
     code, out, _ = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")
     status = json.loads(out)
     assert status["state"] == "pending: 0/1 nodes are available: 1 Insufficient memory."
+    apiserver.schedule(apiserver.pod("tiny", 1))  # the kubelet pulls the image
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    assert out.splitlines()[1:] == [
+        f"  rank 0: {apiserver.pod('tiny', 0)} Pending on (not scheduled), 0 restarts: 0/1 nodes are available: "
+        "1 Insufficient memory.",
+        f"  rank 1: {apiserver.pod('tiny', 1)} Pending on node-a, 0 restarts: ContainerCreating",
+    ]
     code, out, _ = cli("k8s", "list", "--kubeconfig", str(kubeconfig))
     assert code == 0 and out.startswith("ml/tiny  indexed-job  pending: 0/1 nodes are available")
 

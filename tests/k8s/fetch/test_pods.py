@@ -183,3 +183,35 @@ def test_a_store_on_a_tracking_server_stays_there(tmp_path: Path, apiserver: Any
     assert code == 0, stdout + err
     assert "MLflow: the job tracks to http://mlflow.ml:5000: its data stays on that server" in stdout.splitlines()
     assert execs(apiserver) == [pod, pod] and not (tmp_path / "local" / "mlflow").exists()
+
+
+def test_a_short_lived_pod_that_cannot_be_scheduled_says_why_at_once(
+    tmp_path: Path, apiserver: Any, cli: Cli, launched: tuple[Path, Path]
+) -> None:
+    import threading
+    import time
+
+    kubeconfig, _ = launched
+    apiserver.start(apiserver.pod("tiny", 0))
+    apiserver.exit(apiserver.pod("tiny", 0), 0)  # the job finished
+    verdict = ("0/2 nodes are available: 2 node(s) didn't match Pod's node affinity/selector. preemption: 0/2 nodes "
+               "are available: 2 Preemption is not helpful for scheduling.")
+    apiserver.no_node_for_bare_pods = verdict
+
+    def scheduler_finds_room() -> None:  # once fetch asked twice after the verdict, a node frees up
+        deadline = time.monotonic() + 60  # a safety net against a hang, not a timing assertion
+        while sum(r["method"] == "GET" and "/pods/tiny-fetch-" in r["path"] for r in apiserver.requests) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        apiserver.start(next(p["metadata"]["name"] for p in apiserver.objects.values()
+                             if p["kind"] == "Pod" and p["metadata"]["name"].startswith("tiny-fetch-")))
+
+    thread = threading.Thread(target=scheduler_finds_room, daemon=True)
+    thread.start()
+    code, stdout, err = fetch(cli, kubeconfig, tmp_path / "local")
+    thread.join(timeout=60)
+    assert code == 0, stdout + err
+    lines = stdout.splitlines()
+    said = next(i for i, line in enumerate(lines) if line.endswith(f"waits: {verdict}"))
+    assert lines[said].startswith("the fetch pod tiny-fetch-") and said < len(lines) - 1  # before the copy
+    assert sum("waits:" in line for line in lines) == 1  # said once, not at every poll

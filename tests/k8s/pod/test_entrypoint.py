@@ -130,3 +130,31 @@ def test_sigterm_to_the_pod_ends_it_with_75_after_a_checkpoint(tmp_path: Path) -
     assert (checkpoints / "latest").exists(), pod.log_path.read_text()[-3000:]
     meta = json.loads((s.root / "volumes" / "checkpoints" / "tiny" / "meta.json").read_text())
     assert meta["status"] == "stopped"
+
+
+@pytest.mark.slow
+def test_a_pod_that_lost_its_rendezvous_host_exits_69_which_the_job_ignores(tmp_path: Path) -> None:
+    """Node rank 0's pod is lost (it hosts the c10d store): the other pod exits 69, which the rendered
+    podFailurePolicy ignores, so with backoffLimit 1 the job survives (the lost pod is its one failure)."""
+    from kubetrain.errors import EXIT_PEER_LOST
+
+    tiny = ["run.threads=1", "run.device=cpu", "model.n_layer=1", "model.n_head=2", "model.n_embd=16",
+            "model.block_size=16", "train.micro_batch_size=2", "train.warmup_steps=1", "train.log_every_steps=10",
+            "train.max_steps=40", "checkpoint.every_steps=10", "eval.every_steps=100000", "eval.sample_prompt=null",
+            "k8s.nnodes=2", "k8s.backoff_limit=1"]
+    s = Simulation(load_config(None, "tiny", tiny), tmp_path / "sim", "indexed-job", echo=False)
+    s.start()
+    latest = s.root / "volumes" / "checkpoints" / "tiny" / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300  # a safety net against a hang, not a timing assertion
+    while not latest.exists():
+        assert time.monotonic() < deadline and all(p.running() for p in s.pods), s.pod(1).log_path.read_text()[-3000:]
+        time.sleep(0.2)
+    s.kill(0)  # the node of rank 0 is gone, and the rendezvous store with it
+    one = s.pod(1).process
+    assert one is not None
+    assert one.wait(timeout=300) == EXIT_PEER_LOST, s.pod(1).log_path.read_text()[-3000:]
+    assert "lost the rendezvous host" in s.pod(1).log_path.read_text()
+    result = s.run(timeout=300)  # the controller replaces both: rank 0's loss counts, rank 1's exit does not
+    logs = "".join(p.log_path.read_text() for p in s.pods)
+    assert result.succeeded, result.message + logs[-4000:]
+    assert result.exit_codes == {"tiny-0": [-9, 0], "tiny-1": [EXIT_PEER_LOST, 0]}

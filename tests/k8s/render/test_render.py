@@ -87,6 +87,10 @@ def test_job_policies_protect_preempted_and_stopping_pods() -> None:
     # a pod that saved a checkpoint on SIGTERM (exit 75) is replaced, not counted; bad input fails the Job
     assert rules[1]["action"] == "Ignore" and rules[1]["onExitCodes"]["values"] == [75]
     assert rules[2]["action"] == "FailJob" and rules[2]["onExitCodes"]["values"] == [2]
+    # a pod whose rendezvous host was lost (the entrypoint exits 69) is replaced, not counted: the host's pod is
+    assert rules[3] == {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In",
+                                                            "values": [69]}}
+    assert validate.problems(render(cfg)) == []  # strictly, against the Job's schema
     assert spec["template"]["spec"]["restartPolicy"] == "Never"
     assert spec["ttlSecondsAfterFinished"] == 600 and spec["backoffLimit"] == 5
     grace = spec["template"]["spec"]["terminationGracePeriodSeconds"]

@@ -76,11 +76,14 @@ _KINDS = [
     Resource("Service", "v1", "services"),
     Resource("Pod", "v1", "pods"),
     Resource("Secret", "v1", "secrets"),
+    Resource("Event", "v1", "events"),
     Resource("Namespace", "v1", "namespaces", namespaced=False),
     Resource("Node", "v1", "nodes", namespaced=False),
     Resource("NetworkPolicy", "networking.k8s.io/v1", "networkpolicies"),
     Resource("StorageClass", "storage.k8s.io/v1", "storageclasses", namespaced=False),
     Resource("PersistentVolume", "v1", "persistentvolumes", namespaced=False),
+    Resource("Workload", "kueue.x-k8s.io/v1beta1", "workloads"),  # Kueue's unit of admission, one per Job
+    Resource("SelfSubjectAccessReview", "authorization.k8s.io/v1", "selfsubjectaccessreviews", namespaced=False),
     Resource("CustomResourceDefinition", "apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False),
     Resource(
         "ClusterTrainingRuntime", "trainer.kubeflow.org/v1alpha1", "clustertrainingruntimes", namespaced=False
@@ -237,10 +240,13 @@ class Cluster:
         namespace: str | None = None,
         selector: str | None = None,
         all_namespaces: bool = False,
+        fields: str | None = None,
     ) -> list[dict[str, Any]]:
+        """Objects of a kind, by label selector and field selector (`involvedObject.name=x` for events)."""
         res = RESOURCES[kind]
         ns = None if all_namespaces else (namespace or self.default_namespace)
         query = [("labelSelector", selector)] if selector else []
+        query += [("fieldSelector", fields)] if fields else []
         where = f" in namespace {ns}" if res.namespaced and ns else ""
         data = self.request("GET", res.path(ns), query=query, what=f"list {res.plural}{where}")
         return list(data.get("items") or [])

@@ -1,9 +1,10 @@
 """`kubetrain k8s doctor CONFIG`: can this cluster run this job? Each check says ok, warn or fail, and why.
 
 Checks: the API server answers; the namespace exists; the workload's CRD (and TrainJob runtime) is installed;
-nodes have the GPU resource and their taints are tolerated; storage classes exist and claims fit several
-nodes (ReadWriteMany); the Secrets and keys the pods read exist (their values are never shown); the bucket of
-checkpoint.uri can be listed from this machine, when it has credentials.
+this user may create the workload (SelfSubjectAccessReview); nodes have room for nnodes pods (pod slots: what
+one pod requests, beside what running pods request) and their taints are tolerated; storage classes exist and
+claims fit several nodes (ReadWriteMany); the Secrets and keys the pods read exist (their values are never
+shown); the bucket of checkpoint.uri can be listed from this machine, when it has credentials.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubetrain.config.schema import Config
-from kubetrain.k8s.cluster.api import CUSTOM_KINDS, Cluster, Forbidden, NotFound
+from kubetrain.k8s.cluster.api import CUSTOM_KINDS, RESOURCES, Cluster, ClusterError, Forbidden, NotFound
 from kubetrain.k8s.render.context import RenderContext, context
 
 # Provisioners of block storage: their volumes attach to one node at a time (ReadWriteOnce).
@@ -71,12 +72,58 @@ def _requests(ctx: RenderContext) -> dict[str, str]:
     return {k: v for k, v in wanted.items() if v}
 
 
+def pod_requests(pod: dict[str, Any]) -> dict[str, float]:
+    """What a pod asks the scheduler for: its containers' requests summed, or its largest init container's when
+    that is more, plus the pod overhead (pkg/api/v1/resource/helpers.go, PodRequests)."""
+    spec = pod.get("spec") or {}
+    out: dict[str, float] = {}
+    for container in spec.get("containers") or []:
+        for key, value in ((container.get("resources") or {}).get("requests") or {}).items():
+            out[key] = out.get(key, 0.0) + quantity(value)
+    for container in spec.get("initContainers") or []:
+        for key, value in ((container.get("resources") or {}).get("requests") or {}).items():
+            out[key] = max(out.get(key, 0.0), quantity(value))
+    for key, value in (spec.get("overhead") or {}).items():
+        out[key] = out.get(key, 0.0) + quantity(value)
+    return out
+
+
+def _in_use(cluster: Cluster) -> dict[str, tuple[int, dict[str, float]]] | None:
+    """Per node: (pods, what they request) of the pods bound there that have not finished; None when the pods
+    of every namespace may not be listed."""
+    try:
+        pods = cluster.list("Pod", all_namespaces=True)
+    except Forbidden:
+        return None
+    used: dict[str, tuple[int, dict[str, float]]] = {}
+    for pod in pods:
+        node = (pod.get("spec") or {}).get("nodeName")
+        if not node or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        count, requests = used.get(node, (0, {}))
+        for key, value in pod_requests(pod).items():
+            requests[key] = requests.get(key, 0.0) + value
+        used[node] = (count + 1, requests)
+    return used
+
+
+def _slots(allocatable: dict[str, Any], wanted: dict[str, str], count: int, requests: dict[str, float]) -> int:
+    """How many more pods of `wanted` fit beside what the node already runs (the scheduler's NodeResourcesFit)."""
+    slots = int(quantity(allocatable.get("pods", 110))) - count
+    for key, value in wanted.items():
+        slots = min(slots, int((quantity(allocatable.get(key, 0)) - requests.get(key, 0.0)) // quantity(value)))
+    return max(slots, 0)
+
+
 def _nodes(cluster: Cluster, ctx: RenderContext, tolerations: list[dict[str, Any]]) -> Check:
-    """Nodes that match the selector, tolerate-wise admit the pod, and can allocate what one pod requests."""
+    """Pod slots: on nodes that match the selector and whose taints are tolerated, how many pods of what one pod
+    requests still fit beside the pods running there. One node may hold several pods of the job."""
     k = ctx.k
     nodes = cluster.list("Node")
     wanted = _requests(ctx)
-    fit, blocked, small = [], [], []
+    used = _in_use(cluster)
+    fit: list[tuple[str, int]] = []
+    blocked, small, full = [], [], []
     for node in nodes:
         name = node["metadata"]["name"]
         labels = node["metadata"].get("labels") or {}
@@ -91,17 +138,51 @@ def _nodes(cluster: Cluster, ctx: RenderContext, tolerations: list[dict[str, Any
         elif taints:
             blocked.append(f"{name} ({', '.join(_taint(t) for t in taints)})")
         else:
-            fit.append(name)
+            count, requests = (used or {}).get(name, (0, {}))
+            slots = _slots(allocatable, wanted, count, requests)
+            if slots:
+                fit.append((name, slots))
+            else:
+                full.append(f"{name} ({count} running pod(s) hold what a pod needs)")
     what = ", ".join(f"{v} {key}" for key, v in wanted.items())
     if k.node_selector:
         what += " on nodes labelled " + ",".join(f"{key}={v}" for key, v in k.node_selector.items())
+    why = "".join(f"; {label}: {'; '.join(names)}" for label, names in (
+        ("full", full), ("too small", small), ("tainted and not tolerated", blocked)) if names)
     if not fit:
-        why = "".join(f"; {label}: {'; '.join(names)}" for label, names in (
-            ("too small", small), ("tainted and not tolerated", blocked)) if names)
-        return Check("nodes", "fail", f"no node can run a pod of {what}{why}")
-    status = "ok" if len(fit) >= k.nnodes else "warn"
+        return Check("nodes", "fail", f"no node can run a pod of {what}{' now' if full else ''}{why}")
+    total = sum(slots for _, slots in fit)
+    status = "ok" if total >= k.nnodes else "warn"
     more = f" (the job needs {k.nnodes})" if status == "warn" else ""
-    return Check("nodes", status, f"{len(fit)} node(s) fit a pod of {what}: {', '.join(fit[:8])}{more}")
+    unseen = "" if used is not None else "; running pods not subtracted (cannot list the pods of every namespace)"
+    where = ", ".join(f"{name} {slots}" for name, slots in fit[:8])
+    return Check("nodes", status, f"room for {total} pod(s) of {what}: {where}{more}{unseen}")
+
+
+def may(cluster: Cluster, verb: str, kind: str, namespace: str) -> tuple[bool, str]:
+    """Whether this user may `verb` a kind in a namespace, and the authorizer's reason: a SelfSubjectAccessReview
+    (authorization.k8s.io/v1), which every authenticated user may create."""
+    res = RESOURCES[kind]
+    group = "" if res.group_version == "v1" else res.group_version.split("/")[0]
+    attributes = {"verb": verb, "group": group, "resource": res.plural, "namespace": namespace}
+    review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+              "spec": {"resourceAttributes": attributes}}
+    answer = cluster.request("POST", RESOURCES["SelfSubjectAccessReview"].path(), body=review,
+                             what=f"ask whether this user may {verb} {res.plural}")
+    status = answer.get("status") or {}
+    return bool(status.get("allowed")), str(status.get("reason") or status.get("evaluationError") or "")
+
+
+def _access(cluster: Cluster, ctx: RenderContext) -> Check:
+    """launch applies the workload with server-side apply: creating it needs `create` and `patch` on its kind."""
+    res = RESOURCES[ctx.kind.kind]
+    what = f"{res.plural}.{res.group_version.split('/')[0]}" if "/" in res.group_version else res.plural
+    refused = [verb for verb in ("create", "patch") if not may(cluster, verb, ctx.kind.kind, ctx.namespace)[0]]
+    if refused:
+        return Check("access", "fail", f"this user may not {' or '.join(refused)} {what} in namespace "
+                                       f"{ctx.namespace}: launch would be forbidden (403); ask for a Role that "
+                                       "grants it, or choose another --workload")
+    return Check("access", "ok", f"this user may create {what} in namespace {ctx.namespace}")
 
 
 def _taint(t: dict[str, Any]) -> str:
@@ -300,6 +381,10 @@ def run_checks(cluster: Cluster, cfg: Config, workload: str | None = None) -> It
     except Forbidden:
         yield Check("namespace", "warn", f"cannot check namespace {ctx.namespace}: forbidden")
     yield from _guarded("workload", "the workload's CRD", lambda: _crd(cluster, ctx, ctx.kind.kind))
+    try:
+        yield _access(cluster, ctx)
+    except ClusterError as e:  # a server without SelfSubjectAccessReview, or one that refuses the question
+        yield Check("access", "warn", f"cannot ask whether this user may create the workload: {e}")
     yield from _guarded("nodes", "nodes", lambda: _nodes(cluster, ctx, tolerations(ctx)))
     yield from _guarded("storage", "storage classes and volumes", lambda: _storage(cluster, ctx))
     yield from _secrets(cluster, ctx)

@@ -1,9 +1,10 @@
 """The logs of every rank of a job, interleaved as they arrive, each line prefixed with its rank.
 
-A rank is read from its newest pod. With --follow, a pod that is not scheduled or whose container is still
-starting is waited for (the log endpoint answers an empty body or 400 until then), and when a pod fails
-the rank is followed into the pod the controller makes in its place. Without --follow, a rank that has no
-log yet is named with the reason, and the command exits 1.
+A rank is read from its newest pod; the ranks are those the launched config asks for (k8s.nnodes), also
+those with no pod yet. With --follow, a rank without a pod, a pod that is not scheduled or whose container
+is still starting is waited for, saying why (the log endpoint answers an empty body or 400 until then), and
+when a pod fails or is gone while its job is active, the rank is followed into the pod the controller makes
+in its place. Without --follow, a rank that has no log yet is named with the reason, and the command exits 1.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 from kubetrain.errors import KubetrainError
 from kubetrain.k8s.cluster.api import Cluster, ClusterError
 from kubetrain.k8s.cluster.status import Rank, job_ranks, main_container, waiting_reason
-from kubetrain.k8s.workloads import WORKLOAD_LABEL, WORKLOADS, finished
+from kubetrain.k8s.cluster.waiting import expected_ranks, why_waiting, workload_object
+from kubetrain.k8s.workloads import finished
 
 Emit = Callable[[str], None]
 _DONE = object()
@@ -37,13 +39,18 @@ def _not_started(pod: dict[str, Any]) -> str | None:
 
 
 class _RankReader:
-    """Reads one rank's log into the shared queue, following it across pod replacements when asked."""
+    """Reads one rank's log into the shared queue, following it across pod replacements when asked.
 
-    def __init__(self, cluster: Cluster, job: str, namespace: str, rank: Rank, lines: queue.Queue[Any],
-                 follow: bool, tail: int | None, poll: float) -> None:
-        self.cluster, self.job, self.namespace = cluster, job, namespace
+    A rank without a pod (not created yet, or gone while its job is active: being replaced) is waited for
+    with --follow, saying why (waiting.why_waiting); without it, the rank is named with that reason.
+    """
+
+    def __init__(self, cluster: Cluster, job: str, namespace: str, number: int | None, rank: Rank | None,
+                 lines: queue.Queue[Any], follow: bool, tail: int | None, poll: float) -> None:
+        self.cluster, self.job, self.namespace, self.number = cluster, job, namespace, number
         self.rank, self.lines, self.follow, self.tail, self.poll = rank, lines, follow, tail, poll
-        self.prefix = f"[rank {'?' if rank.rank is None else rank.rank}] "
+        self.prefix = f"[rank {'?' if number is None else number}] "
+        self.last_created = ""  # when this rank's last pod was made: older events about it are stale
 
     def run(self) -> None:
         try:
@@ -55,10 +62,36 @@ class _RankReader:
             self.lines.put(_DONE)
 
     def _refresh(self) -> Rank | None:
-        return next((r for r in job_ranks(self.cluster, self.job, self.namespace) if r.rank == self.rank.rank), None)
+        return next((r for r in job_ranks(self.cluster, self.job, self.namespace) if r.rank == self.number), None)
+
+    def _workload(self) -> dict[str, Any] | None:
+        config_map = self.cluster.find("ConfigMap", f"{self.job}-config", self.namespace)
+        return workload_object(self.cluster, self.job, self.namespace, config_map)
+
+    def _wait_for_pod(self) -> Rank | None:
+        """This rank's pod once it exists; None when the job ended (or, without --follow, at once)."""
+        noted = ""
+        while (found := self._refresh()) is None:
+            obj = self._workload()
+            why = why_waiting(self.cluster, obj, self.number, self.last_created)
+            if not self.follow:
+                self.lines.put(LogsIncomplete(f"rank {self.number}: no pod: {why}"))
+                return None
+            if obj is None or finished(obj) is not None:
+                self.lines.put(f"{self.prefix}(no pod: {why})")
+                return None
+            if why != noted:
+                self.lines.put(f"{self.prefix}(no pod yet: {why})")
+                noted = why
+            time.sleep(self.poll)
+        return found
 
     def _read_pod(self) -> bool:
         """Stream the current pod; True when there is more to follow (a restart or a replacement)."""
+        if self.rank is None:
+            self.rank = self._wait_for_pod()
+            if self.rank is None:
+                return False
         noted = ""
         while (why := _not_started(self.rank.pod)) is not None:
             if not self.follow:
@@ -68,7 +101,10 @@ class _RankReader:
                 self.lines.put(f"{self.prefix}(pod {self.rank.name} waiting: {why})")
                 noted = why
             time.sleep(self.poll)
-            self.rank = self._refresh() or self.rank
+            self.last_created = str(self.rank.pod["metadata"].get("creationTimestamp") or "")
+            self.rank = self._refresh()
+            if self.rank is None:  # deleted before it started: wait for its replacement
+                return True
         try:
             for line in self.cluster.log_lines(self.rank.name, self.namespace, main_container(self.rank.pod),
                                                follow=self.follow, tail=self.tail):
@@ -77,17 +113,24 @@ class _RankReader:
             if "is waiting to start" not in str(e) or not self.follow:  # the kubelet's view lags the pod's
                 raise
             time.sleep(self.poll)
-            self.rank = self._refresh() or self.rank
+            self.rank = self._refresh()
             return True
         return self.follow and self._next_pod()
 
     def _next_pod(self) -> bool:
         """After a followed stream ended: a replacement pod, a restarted container, or the end."""
+        assert self.rank is not None
         before = self.rank
         while True:
             now = self._refresh()
-            if now is None:  # the job was deleted
-                return False
+            if now is None:  # gone: a job still active replaces it (for a while neither pod exists)
+                if self._workload_over():
+                    return False
+                self.lines.put(f"{self.prefix}(pod {before.name} is gone while the job is active: "
+                               "it is being replaced)")
+                self.last_created = str(before.pod["metadata"].get("creationTimestamp") or "")
+                self.rank, self.tail = None, None
+                return True
             if now.name != before.name:
                 self.lines.put(f"{self.prefix}(pod {before.name} was replaced by {now.name}; following it)")
                 self.rank, self.tail = now, None
@@ -99,11 +142,7 @@ class _RankReader:
             time.sleep(self.poll)  # failed: the controller makes a replacement, or gives up
 
     def _workload_over(self) -> bool:
-        config_map = self.cluster.find("ConfigMap", f"{self.job}-config", self.namespace)
-        workload = WORKLOADS.get(((config_map or {}).get("metadata", {}).get("labels") or {}).get(WORKLOAD_LABEL, ""))
-        if workload is None:
-            return True
-        obj = self.cluster.find(workload.kind, self.job, self.namespace)
+        obj = self._workload()
         return obj is None or finished(obj) is not None
 
 
@@ -123,13 +162,17 @@ def stream_logs(
     poll: float = 2.0,
 ) -> int:
     """Print the ranks' logs line by line (one reader per rank); returns how many ranks were read."""
-    ranks = [r for r in job_ranks(cluster, name, namespace) if rank is None or r.rank == rank]
+    found = {r.rank: r for r in job_ranks(cluster, name, namespace)}
+    # the ranks the config asks for, also those without a pod yet (not created, or being replaced)
+    expected = expected_ranks(cluster.find("ConfigMap", f"{name}-config", namespace)) or 0
+    numbers = sorted(set(found) | set(range(expected)), key=lambda n: (n is None, n or 0))
+    ranks = [n for n in numbers if rank is None or n == rank]
     if not ranks:
         which = f" with rank {rank}" if rank is not None else ""
         raise ClusterError(f"no pods{which} of job '{name}' in namespace {namespace} on {cluster.where}")
     lines: queue.Queue[Any] = queue.Queue(maxsize=1000)
-    for r in ranks:
-        reader = _RankReader(cluster, name, namespace, r, lines, follow, tail, poll)
+    for number in ranks:
+        reader = _RankReader(cluster, name, namespace, number, found.get(number), lines, follow, tail, poll)
         threading.Thread(target=reader.run, daemon=True).start()
     open_streams, errors = len(ranks), []
     while open_streams:

@@ -7,13 +7,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kubetrain.k8s.cluster.api import CUSTOM_KINDS, Cluster, ClusterError
+from kubetrain.k8s.cluster.api import Cluster, ClusterError
+from kubetrain.k8s.cluster.waiting import Waiting, expected_ranks, workload_object
 from kubetrain.k8s.workloads import (
     IDLE_MARKER,
     JOB_LABEL,
     MANAGED_BY,
     WORKLOAD_LABEL,
-    WORKLOADS,
     conditions,
     finished,
     node_rank,
@@ -81,17 +81,28 @@ def _tail(cluster: Cluster, namespace: str, rank: Rank) -> list[str]:
     return list(cluster.log_lines(rank.name, namespace, main_container(rank.pod), tail=200))
 
 
-def state(obj: dict[str, Any] | None, live: list[Rank], tails: dict[str, list[str]]) -> str:
-    """succeeded, failed, finished (a StatefulSet idling after training), suspended, pending: why, running."""
+def state(obj: dict[str, Any] | None, live: list[Rank], tails: dict[str, list[str]],
+          missing: dict[int, str] | None = None, queued: str | None = None) -> str:
+    """succeeded, failed, finished (a StatefulSet idling after training), queued by Kueue: why, suspended,
+    pending: why, running.
+
+    `missing`: the ranks of the config that have no pod, with why (waiting.why_waiting); `queued`: why Kueue
+    holds the job (waiting.kueue_reason).
+    """
     if obj is None:
         return "gone (deleted, or removed after ttlSecondsAfterFinished)"
     done = finished(obj)
     if done is not None:
         return done
-    if "Suspended" in conditions(obj):
+    if queued:
+        return queued
+    if "Suspended" in conditions(obj) or (obj.get("spec") or {}).get("suspend"):
         return "suspended"
     if not live:
-        return "pending: no pods yet"
+        reasons = dict.fromkeys((missing or {}).values())
+        return "pending: no pods yet" + "".join(f": {why}" for why in reasons)
+    if missing:
+        return "pending: " + "; ".join(f"rank {rank} has no pod: {why}" for rank, why in sorted(missing.items()))
     if all(r.phase == "Pending" for r in live):  # a Job's status.active counts these too
         reasons = dict.fromkeys(waiting_reason(r.pod) or "pending" for r in live)
         return "pending: " + "; ".join(reasons)
@@ -110,26 +121,25 @@ def last_step(live: list[Rank], tails: dict[str, list[str]]) -> tuple[int, int] 
     return None
 
 
-def _workload(cluster: Cluster, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
-    if kind in CUSTOM_KINDS and not cluster.served(kind):
-        return None
-    return cluster.find(kind, name, namespace)
-
-
 def job_status(cluster: Cluster, name: str, namespace: str, with_step: bool = True) -> dict[str, Any]:
     config_map = cluster.find("ConfigMap", f"{name}-config", namespace)
     live = job_ranks(cluster, name, namespace)
     if config_map is None and not live:
         raise ClusterError(f"no kubetrain job '{name}' in namespace {namespace} on {cluster.where}")
     workload = ((config_map or {}).get("metadata", {}).get("labels") or {}).get(WORKLOAD_LABEL, "indexed-job")
-    obj = _workload(cluster, WORKLOADS.get(workload, WORKLOADS["indexed-job"]).kind, name, namespace)
+    obj = workload_object(cluster, name, namespace, config_map)
     tails = {r.name: _tail(cluster, namespace, r) for r in live} if with_step else {}
     step = last_step(live, tails)
+    have = {r.rank for r in live}
+    wanted = [n for n in range(expected_ranks(config_map) or 0) if n not in have]
+    held = wanted or not live or (obj or {}).get("spec", {}).get("suspend")  # suspended: Kueue may hold it
+    waiting = Waiting(cluster, obj) if obj is not None and finished(obj) is None and held else None
+    missing = {n: waiting.why(n) for n in wanted} if waiting is not None else {}
     return {
         "name": name,
         "namespace": namespace,
         "workload": workload,
-        "state": state(obj, live, tails),
+        "state": state(obj, live, tails, missing, waiting.queued if waiting is not None else None),
         "step": step[0] if step else None,
         "max_steps": step[1] if step else None,
         "pods": [
@@ -145,6 +155,7 @@ def job_status(cluster: Cluster, name: str, namespace: str, with_step: bool = Tr
             }
             for r in live
         ],
+        "missing": [{"rank": rank, "reason": why} for rank, why in sorted(missing.items())],
     }
 
 
@@ -159,8 +170,12 @@ def format_status(status: dict[str, Any]) -> str:
                 f"{pod['restarts']} restarts")
         if pod["earlier_failed"]:
             line += f", {pod['earlier_failed']} earlier failed pod{'s' if pod['earlier_failed'] > 1 else ''}"
+        if pod.get("waiting"):  # a Pending rank: the scheduler's verdict, or why its container waits
+            line += f": {pod['waiting']}"
         lines.append(line)
-    if not status["pods"]:
+    for missing in status.get("missing") or []:
+        lines.append(f"  rank {missing['rank']}: no pod: {missing['reason']}")
+    if not status["pods"] and not status.get("missing"):
         lines.append("  no pods")
     return "\n".join(lines)
 

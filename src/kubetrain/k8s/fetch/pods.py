@@ -124,13 +124,20 @@ def _running_pod(cluster: Cluster, name: str, namespace: str) -> dict[str, Any] 
     return None
 
 
-def _wait_running(cluster: Cluster, pod: str, namespace: str, timeout: float, poll: float = 1.0) -> None:
+def _wait_running(cluster: Cluster, pod: str, namespace: str, timeout: float, say: Log,
+                  poll: float = 1.0) -> None:
+    """Until the pod runs; each new reason it waits for (the scheduler's verdict, an image pull) is said at once."""
     deadline = time.monotonic() + timeout
+    said = None
     while True:
         found = cluster.get("Pod", pod, namespace)
         status = found.get("status") or {}
         if status.get("phase") == "Running":
             return
+        why = waiting_reason(found)
+        if why is not None and why != said:
+            say(f"the fetch pod {pod} waits: {why}")
+            said = why
         if status.get("phase") in ("Succeeded", "Failed"):
             raise FetchError(f"the fetch pod {pod} ended ({status.get('reason') or status['phase']}) before the "
                              "claim was read")
@@ -161,7 +168,7 @@ def fetch_job(cluster: Cluster, name: str, namespace: str, output: Path | None, 
     say(f"no pod of {name} runs: reading its claim through the pod {helper} (deleted afterwards)")
     cluster.apply(helper_pod(ctx, helper))
     try:
-        _wait_running(cluster, helper, namespace, start_timeout)
+        _wait_running(cluster, helper, namespace, start_timeout, say)
         transport = ExecTransport(cluster, helper, namespace, "fetch")
         return local, fetch_run(transport, remote_root, local, which, say, store)
     finally:

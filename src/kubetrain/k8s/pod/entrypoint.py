@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kubetrain.errors import KubetrainError, UserInputError
+from kubetrain.errors import EXIT_PEER_LOST, KubetrainError, UserInputError
 from kubetrain.k8s.pod.node import NodeEnv, node_env
 from kubetrain.k8s.workloads import IDLE_MARKER
 from kubetrain.launch.elastic import LaunchOptions, launch
@@ -80,7 +80,8 @@ def run(config: Path, *, rdzv_id: str, max_restarts: int, wait_timeout: float, s
 
     The agent runs in this process (the container's main process), as `kubetrain train --nproc` does
     locally: a SIGTERM reaches the workers, which save a checkpoint, and the pod exits 75 (resumable), which
-    the Job's podFailurePolicy tells apart from a crash (1) and bad input (2).
+    the Job's podFailurePolicy tells apart from a crash (1) and bad input (2); a pod that lost its rendezvous
+    host exits 69, which the policy ignores too.
     """
     from kubetrain import runs
     from kubetrain.config import load_config
@@ -99,11 +100,29 @@ def run(config: Path, *, rdzv_id: str, max_restarts: int, wait_timeout: float, s
                           local_addr=os.environ.get(POD_IP_ENV) or None)
     train_args = [str(config), "--resume", "auto", *(a for item in overrides for a in ("--set", item))]
     say(f"starting the elastic agent: kubetrain train {' '.join(train_args)}")
-    code = launch(opts, train_args, runs.run_dir(cfg))
+    code = run_agent(opts, train_args, runs.run_dir(cfg), say)
     if code != 0 or not idle_after_finish:
         return code
     say(f"{IDLE_MARKER} so the StatefulSet does not restart it (kubetrain k8s stop removes it)")
     return idle_until_stopped()
+
+
+def run_agent(opts: LaunchOptions, train_args: list[str], run_dir: Path, say: Log) -> int:
+    """The elastic agent's exit code; EXIT_PEER_LOST when the rendezvous store on node rank 0 went away.
+
+    The agent restarts its workers after a peer dies, and the next rendezvous then cannot reach the store node
+    rank 0 hosted: torch raises RendezvousConnectionError (a traceback and exit 1 before). That pod did nothing
+    wrong; its exit code is one the Job's podFailurePolicy ignores, so only the lost host counts as a failure.
+    """
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    try:
+        return launch(opts, train_args, run_dir)
+    except RendezvousConnectionError as e:
+        cause = f": {e.__cause__}" if e.__cause__ else ""
+        say(f"lost the rendezvous host {opts.rdzv_endpoint} (node rank 0 is gone{cause}); exiting "
+            f"{EXIT_PEER_LOST} so this pod is replaced without counting as a failure")
+        return EXIT_PEER_LOST
 
 
 def idle_until_stopped(ready: Callable[[], None] | None = None) -> int:

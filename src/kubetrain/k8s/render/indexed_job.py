@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubetrain.errors import EXIT_BAD_INPUT, EXIT_STOPPED_RESUMABLE
+from kubetrain.errors import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_STOPPED_RESUMABLE
 from kubetrain.k8s.render import podspec
 from kubetrain.k8s.render.context import RenderContext
 from kubetrain.k8s.render.objects import headless_service
@@ -15,7 +15,9 @@ def pod_failure_policy(container: str) -> dict[str, Any]:
 
     Preemption and eviction (DisruptionTarget), and a pod that stopped on SIGTERM after saving a checkpoint
     (exit 75), are not failures: they do not count against backoffLimit and the pod is replaced, resuming
-    from the checkpoint. Bad input (exit 2) fails the Job at once, since retrying cannot help.
+    from the checkpoint. Bad input (exit 2) fails the Job at once, since retrying cannot help. A pod whose
+    rendezvous host was lost (exit 69, pod/entrypoint.py) is replaced without counting: the lost host's pod
+    counts once, so a job survives as many host losses as its backoffLimit allows.
     """
     def on_exit(action: str, code: int) -> dict[str, Any]:
         return {"action": action, "onExitCodes": {"containerName": container, "operator": "In", "values": [code]}}
@@ -25,6 +27,7 @@ def pod_failure_policy(container: str) -> dict[str, Any]:
             {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
             on_exit("Ignore", EXIT_STOPPED_RESUMABLE),
             on_exit("FailJob", EXIT_BAD_INPUT),
+            on_exit("Ignore", EXIT_PEER_LOST),
         ]
     }
 
