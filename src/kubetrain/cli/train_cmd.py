@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -46,7 +47,8 @@ def train(
     cfg = load(config, preset, set_)
     if nproc is not None or nnodes != "1" or rdzv_endpoint is not None:
         from kubetrain import runs
-        from kubetrain.launch.elastic import LaunchOptions, launch
+        from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
+        from kubetrain.runs.lock import hold_for_workers
 
         forwarded = [str(config)] if config else (["--preset", preset] if preset else [])
         for item in set_ or []:
@@ -56,7 +58,13 @@ def train(
         opts = LaunchOptions(nproc_per_node=nproc or 1, nnodes=nnodes, node_rank=node_rank,
                              rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
                              shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30)
-        raise typer.Exit(launch(opts, forwarded, runs.run_dir(cfg)))
+        torchrun_args(opts, forwarded)  # bad launch options are refused before the run directory is held
+        one_node = nnodes == "1" and rdzv_endpoint is None  # several nodes: rank 0 holds it, wherever it runs
+        held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if one_node and not dry_run:  # the launcher holds it across the agent's restarts of its workers
+            held = hold_for_workers(runs.run_dir(cfg), lambda m: typer.echo(m, err=True))
+        with held:
+            raise typer.Exit(launch(opts, forwarded, runs.run_dir(cfg)))
 
     from kubetrain.secrets import redact, redact_text
     from kubetrain.track.console import console_log

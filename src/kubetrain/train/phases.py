@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,10 @@ from kubetrain import checkpoint, runs
 from kubetrain.config.loading import phase_config
 from kubetrain.config.schema import Config
 from kubetrain.distributed import setup as dist
+from kubetrain.distributed.env import process_env
 from kubetrain.errors import UserInputError
+from kubetrain.runs.lock import hold as hold_run
+from kubetrain.runs.lock import job_identity
 from kubetrain.train.trainer import TrainResult, train
 
 
@@ -17,9 +21,17 @@ def train_all(
     cfg: Config, *, argv: list[str], resume: str = "auto", dry_run: bool = False, only_phase: str | None = None,
     log: Any = None,
 ) -> TrainResult:
-    """Train the config; with `phases:`, run the remaining phases in order (or only `only_phase`)."""
+    """Train the config; with `phases:`, run the remaining phases in order (or only `only_phase`).
+
+    Rank 0 holds the run directory (a dry run writes nothing there); a second live run on it is refused.
+    """
+    say = log or (lambda m: print(m, flush=True))
+    held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    if not dry_run and process_env().is_main:
+        held = hold_run(runs.run_dir(cfg), job_identity(), say)
     try:
-        return _train_phases(cfg, argv=argv, resume=resume, dry_run=dry_run, only_phase=only_phase, log=log)
+        with held:
+            return _train_phases(cfg, argv=argv, resume=resume, dry_run=dry_run, only_phase=only_phase, log=log)
     finally:
         dist.teardown()
 
