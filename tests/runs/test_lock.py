@@ -150,7 +150,7 @@ def test_the_elastic_agent_restarts_rank_0_under_the_lock(tmp_path: Path, how: s
     common = sets("run.name=restart", "train.max_steps=20", "checkpoint.every_steps=5", "eval.every_steps=100",
                   "checkpoint.keep_last=1")
     extra = [] if how == "launcher" else ["--rdzv-endpoint", f"127.0.0.1:{_free_port()}"]
-    proc = start("train", *common, "--nproc", "2", "--max-restarts", "1", *extra, cwd=tmp_path)
+    proc = start("train", *common, "--nproc", "2", *extra, cwd=tmp_path)  # restarts by default
     wait_until((tmp_path / "runs" / "restart" / "checkpoints" / "latest").exists, proc)
     rank0 = _rank0_worker(proc.pid)
     assert rank0 is not None

@@ -8,7 +8,8 @@ import traceback
 
 import typer
 
-from kubetrain.errors import EXIT_BAD_INPUT, KubetrainError
+from kubetrain.distributed.peers import lost_peer
+from kubetrain.errors import EXIT_BAD_INPUT, EXIT_FAILURE, KubetrainError, TrainingFailed
 from kubetrain.launch.elastic import record_worker_error
 
 app = typer.Typer(
@@ -84,6 +85,16 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
         print(f"error: {e.strerror}: {e.filename}", file=sys.stderr, flush=True)
         sys.exit(EXIT_BAD_INPUT)
+    except RuntimeError as e:  # torch.distributed's errors are RuntimeErrors
+        lost = lost_peer(e)
+        if lost is None:  # a bug: keep the traceback, and tell the elastic launcher which rank failed
+            record_worker_error(e)
+            raise
+        if debug:
+            traceback.print_exc()
+        record_worker_error(TrainingFailed(lost))
+        print(f"error: {lost}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_FAILURE)
     except Exception as e:  # a bug: keep the traceback, and tell the elastic launcher which rank failed
         record_worker_error(e)
         raise

@@ -37,8 +37,9 @@ def train(
     ] = None,
     rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="Job id shared by all nodes.")] = "kubetrain",
     max_restarts: Annotated[
-        int, typer.Option("--max-restarts", min=0, help="Times the agent restarts failed workers.")
-    ] = 0,
+        int, typer.Option("--max-restarts", min=0,
+                          help="Times the agent restarts the workers after one dies; each restart resumes.")
+    ] = 3,
 ) -> None:
     """Train a model from a config (the embedded 'tiny' preset when none is given).
 
