@@ -25,6 +25,10 @@ class RunConfig(Section):
         "auto", description="auto picks cuda, then mps, then cpu."
     )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's).")
+    check_memory: bool = Field(
+        True, description="Refuse to start when `kubetrain doctor`'s estimate of the training memory exceeds the "
+        "memory free here (false: start anyway, for those who know the estimate is too high)."
+    )
 
 
 class SourceConfig(Section):

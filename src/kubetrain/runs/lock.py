@@ -88,8 +88,8 @@ def job_identity() -> str | None:
 class RunLock:
     """A held (or, for a launcher's worker, shared) run directory lock; `release` removes it if it is ours."""
 
-    def __init__(self, path: Path, holder: Holder, owned: bool, created_dir: bool) -> None:
-        self.path, self.holder, self.owned, self.created_dir = path, holder, owned, created_dir
+    def __init__(self, path: Path, holder: Holder, owned: bool, created: Path | None) -> None:
+        self.path, self.holder, self.owned, self.created = path, holder, owned, created
         self.lock = path / LOCK_FILE
         self._stop = threading.Event()
         if owned:  # refreshed, so that a host that cannot check our PID sees the run is alive
@@ -109,9 +109,14 @@ class RunLock:
         if read_holder(self.lock) == self.holder:  # never remove the lock of a run that took ours over
             with contextlib.suppress(OSError):
                 self.lock.unlink()
-        if self.created_dir:  # a run refused before it wrote anything leaves no empty run directory behind
-            with contextlib.suppress(OSError):
-                self.path.rmdir()
+        if self.created is not None:  # a run refused before it wrote anything leaves no empty folders behind
+            folder = self.path
+            with contextlib.suppress(OSError):  # not empty: the run wrote something, keep it
+                while True:
+                    folder.rmdir()
+                    if folder == self.created:
+                        break
+                    folder = folder.parent
 
     def __enter__(self) -> RunLock:
         return self
@@ -122,12 +127,12 @@ class RunLock:
 
 def hold(path: Path, job: str | None, say: Say) -> RunLock:
     """Hold `path` for this run, or raise UserInputError naming the live run that holds it."""
-    created_dir = not path.exists()
+    created = _first_missing(path)
     path.mkdir(parents=True, exist_ok=True)
     lock, me = path / LOCK_FILE, this_process(job)
     for _ in range(3):  # a lock that appears or goes while we look: look again
         if _create(lock, me):
-            return RunLock(path, me, owned=True, created_dir=created_dir)
+            return RunLock(path, me, owned=True, created=created)
         held = read_holder(lock)
         if held is None:
             with contextlib.suppress(OSError):
@@ -136,7 +141,7 @@ def hold(path: Path, job: str | None, say: Say) -> RunLock:
             continue
         if held.job is not None and held.job == job:
             if held.alive_here():  # our launcher holds it for its workers
-                return RunLock(path, held, owned=False, created_dir=False)
+                return RunLock(path, held, owned=False, created=None)
             say(f"note: taking over the run lock of this job's previous process ({held.describe()}); "
                 f"the elastic agent restarted it")
         elif _alive(lock, held):
@@ -148,6 +153,16 @@ def hold(path: Path, job: str | None, say: Say) -> RunLock:
         with contextlib.suppress(FileNotFoundError):
             lock.unlink()
     raise UserInputError(f"{path}: could not take the run lock {lock}: other runs keep taking it")
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of `path` that does not exist yet (what mkdir(parents=True) creates), or None."""
+    missing = None
+    for folder in (path, *path.parents):
+        if folder.exists():
+            break
+        missing = folder
+    return missing
 
 
 def _alive(lock: Path, held: Holder) -> bool:

@@ -36,6 +36,7 @@ from kubetrain.track.console import Throughput, console_log
 from kubetrain.track.jsonl import truncate_after
 from kubetrain.train.device import autocast, device_name, memory_gib, peak_flops, resolve_precision
 from kubetrain.train.evaluate import evaluate, lm_loss, perplexity
+from kubetrain.train.memory_check import check_memory
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
 from kubetrain.train.state import (
     TrainResult,
@@ -70,6 +71,7 @@ def train(cfg: Config, *, log: Log | None = None, **options: Any) -> TrainResult
 
     Under a launcher this joins the process group; the caller tears it down (phases share one group).
     """
+    check_memory(cfg)  # before the model is built: this process's share (a launcher checked its workers' total)
     return Trainer(cfg, RunOptions(**options), log=log).run()
 
 
