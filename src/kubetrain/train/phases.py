@@ -14,6 +14,7 @@ from kubetrain.distributed.env import process_env
 from kubetrain.errors import UserInputError
 from kubetrain.runs.lock import hold as hold_run
 from kubetrain.runs.lock import job_identity
+from kubetrain.track.console import console_log
 from kubetrain.train.trainer import TrainResult, train
 
 
@@ -25,7 +26,7 @@ def train_all(
 
     Rank 0 holds the run directory (a dry run writes nothing there); a second live run on it is refused.
     """
-    say = log or (lambda m: print(m, flush=True))
+    say = log or console_log()
     held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
     if not dry_run and process_env().is_main:
         held = hold_run(runs.run_dir(cfg), job_identity(), say)
@@ -51,15 +52,19 @@ def _train_phases(
     root = runs.run_dir(cfg)
     result: TrainResult | None = None
     previous: Path | None = None
+    say = (log or console_log()) if process_env().is_main else (lambda m: None)
     for i, ph in enumerate(cfg.phases):
         sub = phase_config(cfg, i)
         path = root / "phases" / ph.name
+        where = f"phase {ph.name} ({i + 1} of {len(names)})"
         if only_phase and ph.name != only_phase:
             previous = path
             continue
         if runs.read_meta(path).get("status") == "finished" and not only_phase:
+            say(f"{where}: finished before, skipped")
             previous = path
             continue
+        say(f"{where}: {path}")
         init = None
         if previous is not None and not checkpoint.complete_checkpoints(path / runs.CHECKPOINTS):
             init = _phase_weights(previous, ph.init_from)
