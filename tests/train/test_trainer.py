@@ -171,6 +171,15 @@ def test_fp16_counts_skipped_steps_and_resumes_the_scaler(tmp_path: Path) -> Non
     assert again.state.skipped_steps == 1 and again.scaler.get_scale() == 2.0**39
 
 
+def test_sample_prompt_null_turns_every_sample_off(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path, max_steps=2)
+    cfg.eval.sample_prompt = None  # the eval at the last step and the end of the run generate nothing
+    result = Trainer(cfg, RunOptions(argv=[]), log=lambda m: None).run()
+    assert result.status == "finished" and result.final_val_loss is not None
+    assert result.sample is None
+    assert not (tmp_path / "parts" / "samples.txt").exists()
+
+
 class MetaLostAfterStep1(Trainer):
     """meta.json cannot be written after the first step (here: a folder took its place; a lost mount or
     permission looks the same to the writer)."""

@@ -148,8 +148,8 @@ class Trainer:
                             f"checkpoint saved, resume with the same command"
                         )
                 self.t_end = time.perf_counter()
-                if self.main and cfg.dist.strategy != "fsdp":
-                    sample = self.sample(cfg.eval.sample_prompt or "\n", cfg.eval.sample_tokens * 3)
+                if self.main and cfg.dist.strategy != "fsdp" and cfg.eval.sample_prompt is not None:  # null: off
+                    sample = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens * 3)
                 status = "finished"
         except OSError as e:  # bad input was refused before the first step: this is the machine, not the config
             where = f": {e.filename}" if e.filename else ""
