@@ -167,7 +167,8 @@ class EvalConfig(Section):
     every_steps: int = Field(50, ge=1, description="Steps between evaluations (validation loss, sample).")
     batches: int = Field(8, ge=1, description="Validation batches per evaluation.")
     sample_prompt: str | None = Field(
-        "And God said", min_length=1, description="Prompt for a sample at each eval and at the end of the run (null: no samples)."
+        "And God said", min_length=1,
+        description="Prompt for a sample at each eval and at the end of the run (null: no samples).",
     )
     sample_tokens: int = Field(64, ge=1, description="Tokens generated for the eval sample.")
 
