@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
+from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, at_least, load
 from kubetrain.distributed.env import process_env
 
 
@@ -28,16 +28,19 @@ def train(
     ] = "auto",
     phase: Annotated[str | None, typer.Option("--phase", help="Run only this phase of `phases:`.")] = None,
     nproc: Annotated[
-        int | None, typer.Option("--nproc", min=1, help="Processes per node, started by torch.distributed.run.")
+        int | None, typer.Option("--nproc", callback=at_least(1, "--nproc"),
+                                  help="Processes per node, started by torch.distributed.run.")
     ] = None,
     nnodes: Annotated[str, typer.Option("--nnodes", help="Nodes: N, or MIN:MAX for an elastic job.")] = "1",
-    node_rank: Annotated[int | None, typer.Option("--node-rank", min=0, help="This node's rank.")] = None,
+    node_rank: Annotated[
+        int | None, typer.Option("--node-rank", callback=at_least(0, "--node-rank"), help="This node's rank.")
+    ] = None,
     rdzv_endpoint: Annotated[
         str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (several nodes).")
     ] = None,
     rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="Job id shared by all nodes.")] = "kubetrain",
     max_restarts: Annotated[
-        int, typer.Option("--max-restarts", min=0,
+        int, typer.Option("--max-restarts", callback=at_least(0, "--max-restarts"),
                           help="Times the agent restarts the workers after one dies; each restart resumes.")
     ] = 3,
 ) -> None:

@@ -11,6 +11,7 @@ import yaml
 from torch import nn
 
 from kubetrain import checkpoint
+from kubetrain.checkpoint.read import verify_named
 from kubetrain.config.loading import validate
 from kubetrain.config.schema import Config
 from kubetrain.data.tokenizers import Tokenizer, load_saved_tokenizer
@@ -30,7 +31,7 @@ def locate(target: Path, which: str = "best", warn: Callable[[str], None] | None
     if not target.exists():
         raise UserInputError(f"no such run directory or checkpoint: {target}")
     if (target / checkpoint.META_FILE).is_file() and (target / checkpoint.MODEL_FILE).exists():
-        return target.parent.parent, checkpoint.verify(target)
+        return target.parent.parent, verify_named(target)
     if not (target / CONFIG_FILE).is_file() and phase_dirs(target):
         phase = last_finished_phase(target)
         if phase is None:

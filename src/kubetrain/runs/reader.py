@@ -111,6 +111,11 @@ def _status(meta: dict[str, Any]) -> str:
     return status
 
 
+def is_run_dir(path: Path) -> bool:
+    """A run directory (meta.json or config.yaml), or a run of phases (phases/)."""
+    return (path / META_FILE).is_file() or (path / CONFIG_FILE).is_file() or bool(phase_dirs(path))
+
+
 def describe_run(path: Path) -> dict[str, Any]:
     """One run's summary for `runs show`; a multi-phase run reports its newest phase."""
     meta = read_meta(path)
