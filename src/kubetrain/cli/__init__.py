@@ -18,6 +18,8 @@ app = typer.Typer(
     no_args_is_help=False,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's plain help: typer's rich panels print a "<bool>" value placeholder after every flag (--help too)
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -25,7 +27,7 @@ app = typer.Typer(
 # Packages of the optional extras (pyproject.toml), for a one-line hint when one is missing.
 OPTIONAL_EXTRAS = {
     "transformers": "hf", "peft": "hf", "datasets": "hf", "accelerate": "hf",
-    "mlflow": "track", "tensorboard": "track", "prometheus_client": "track", "matplotlib": "track",
+    "mlflow": "track", "tensorboard": "track", "prometheus_client": "track",
     "psycopg": "postgres", "psycopg2": "postgres",
     "kubernetes": "k8s", "kubernetes_validate": "k8s", "jsonschema": "k8s",
     "gguf": "export", "tiktoken": "tiktoken",

@@ -13,7 +13,7 @@ from kubetrain.errors import UserInputError
 
 def generate(
     run_dir: Annotated[Path, typer.Argument(help="A run directory or a checkpoint folder.")],
-    prompt: Annotated[str, typer.Option("--prompt", help="Text to continue.")] = "\n",
+    prompt: Annotated[str, typer.Option("--prompt", help="Text to continue.", show_default="a newline")] = "\n",
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", callback=at_least(1, "--max-new-tokens"))
     ] = 200,

@@ -32,7 +32,7 @@ from kubetrain.models.sampling import generate
 from kubetrain.secrets import redact_text
 from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
-from kubetrain.track.console import Throughput, console_log
+from kubetrain.track.console import Throughput, console_log, count
 from kubetrain.track.jsonl import truncate_after
 from kubetrain.train.device import autocast, device_name, memory_gib, peak_flops, resolve_precision
 from kubetrain.train.evaluate import evaluate, lm_loss, perplexity
@@ -195,7 +195,7 @@ class Trainer:
         self.flops_per_token = getattr(self.base, "flops_per_token", lambda: 6.0 * n_trainable)()
         self.peak = peak_flops(self.device)
         self.say(
-            f"model: {n_params / 1e6:.2f}M parameters ({n_trainable / 1e6:.2f}M trainable) | "
+            f"model: {count(n_params)} parameters ({count(n_trainable)} trainable) | "
             f"device {self.device.type} x{penv.world_size} | precision {self.precision}"
         )
         self.say(
