@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -152,3 +154,50 @@ def test_a_phase_has_its_own_folder_in_the_store(bucket: Bucket) -> None:
     store = remote.checkpoint_store(_cfg(bucket.uri, bucket.endpoint), "code")
     assert store is not None and store.uri == f"{bucket.uri}/r/phases/code/checkpoints"
     assert remote.checkpoint_store(Config()) is None
+
+
+@pytest.fixture
+def no_delete_store(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
+    """(uri, endpoint) of a bucket whose credentials may upload checkpoints but not read the `best` pointer, which
+    only the retention pass reads: an IAM policy that moto's server enforces as AWS does. (A denied DeleteObject
+    would not do: s3fs's bulk delete ignores the per-key errors S3 returns.)"""
+    import boto3
+
+    proc, url = start_moto(INITIAL_NO_AUTH_ACTION_COUNT="4")  # its readiness probe and 3 IAM calls
+    try:
+        iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
+                           aws_secret_access_key="testing")
+        iam.create_user(UserName="writer")
+        iam.put_user_policy(UserName="writer", PolicyName="no-best", PolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
+                                                   {"Effect": "Deny", "Action": "s3:GetObject",
+                                                    "Resource": "arn:aws:s3:::*/best"}]}))
+        key = iam.create_access_key(UserName="writer")["AccessKey"]
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        name = f"kt-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=url).create_bucket(Bucket=name)
+        yield f"s3://{name}/store", url
+    finally:
+        stop(proc)
+
+
+def test_a_failed_retention_pass_does_not_mark_a_complete_upload_as_missing(
+    no_delete_store: tuple[str, str], tmp_path: Path
+) -> None:
+    uri, endpoint = no_delete_store
+    root = tmp_path / "checkpoints"
+    lines: list[str] = []
+    uploader = remote.Uploader.from_config(_cfg(uri, endpoint, keep_last=1), None, root, lines.append)
+    assert uploader is not None
+    for step in (1, 2):  # each upload is complete, then its retention pass cannot read `best`
+        uploader.submit(_save(root, step))
+    uploader.close()
+    store = remote.checkpoint_store(_cfg(uri, endpoint))
+    assert store is not None and store.read_text("latest") == "step-000002\n"
+    assert store.read_text("step-000002/meta.json") is not None
+    assert not any("not uploaded" in line for line in lines), lines
+    assert lines[-1] == f"checkpoints uploaded to {uri}/r/checkpoints (latest: step-000002)"
+    refused = [line for line in lines if line.startswith("warning:")]
+    assert len(refused) == 1 and refused[0].startswith(f"warning: cannot remove old checkpoints from {uri}/r/"), lines
