@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +16,7 @@ import torch
 from kubetrain import checkpoint
 from kubetrain.checkpoint import remote
 from kubetrain.config.schema import Config
-from tests.object_store import Bucket, free_port, start_moto, stop
+from tests.object_store import CREDENTIALS, Bucket, free_port, start_moto, stop
 
 
 def _cfg(uri: str, endpoint: str, **section: object) -> Config:
@@ -201,3 +204,51 @@ def test_a_failed_retention_pass_does_not_mark_a_complete_upload_as_missing(
     assert lines[-1] == f"checkpoints uploaded to {uri}/r/checkpoints (latest: step-000002)"
     refused = [line for line in lines if line.startswith("warning:")]
     assert len(refused) == 1 and refused[0].startswith(f"warning: cannot remove old checkpoints from {uri}/r/"), lines
+
+
+@pytest.fixture
+def dropping_endpoint() -> Iterator[str]:
+    """An endpoint that accepts each connection and closes it at once: a proxy whose backend is down."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    done.set()
+    thread.join()
+    server.close()
+
+
+def test_an_endpoint_that_drops_connections_is_one_warning_not_a_flood_of_tracebacks(
+    dropping_endpoint: str, tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3fs
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # fail in seconds: each retry only repeats the drop
+    for key, value in CREDENTIALS.items():  # without credentials botocore gives up before it connects
+        monkeypatch.setenv(key, value)
+    root = tmp_path / "checkpoints"
+    lines: list[str] = []
+    uri = f"s3://kt-{uuid.uuid4().hex[:12]}/store"
+    uploader = remote.Uploader.from_config(_cfg(uri, dropping_endpoint), None, root, lines.append)
+    assert uploader is not None
+    for step in (1, 2):  # small files: each request's body is written before the close is seen, as in the field
+        uploader.submit(checkpoint.save(root, step, {"w": torch.zeros(4)}, {"step": step}, {}, keep_last=5))
+    uploader.close()
+    gc.collect()  # asyncio reports an unretrieved task's exception when the task is collected
+    assert [line.split(":")[0] for line in lines] == ["warning", "checkpoints not uploaded to s3"], lines
+    err = capfd.readouterr().err  # asyncio logs there; under pytest, its records also land in caplog
+    logged = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert "Task exception was never retrieved" not in err and "Traceback" not in err, err[-3000:]
+    assert not logged, f"{len(logged)} asyncio errors, the first: {logged[:1]}"
