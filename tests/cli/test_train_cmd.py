@@ -90,11 +90,13 @@ GOLDEN_ARGS = [
     "train.warmup_steps=3", "train.log_every_steps=1", "eval.every_steps=6", "eval.batches=2",
     "eval.sample_tokens=8", "checkpoint.every_steps=100",
 ]
+# Refreshed when the cosine was made to reach min_lr on the last step (it reached it one step after): the first
+# five steps, warmup and the peak, are unchanged.
 GOLDEN_LOSS = [
-    5.550888, 5.384748, 5.010561, 4.628825, 4.241792, 3.921235,
-    3.636974, 3.566851, 3.398649, 3.255366, 3.317875, 3.228364,
+    5.550888, 5.384748, 5.010561, 4.628825, 4.241792, 3.923379,
+    3.645518, 3.582723, 3.425636, 3.29416, 3.361891, 3.278867,
 ]
-GOLDEN_VAL = {6: 3.654166, 12: 3.185478}
+GOLDEN_VAL = {6: 3.66241, 12: 3.241623}
 
 
 def test_golden_loss_curve(run_main: RunMain, tmp_cwd: Path) -> None:
