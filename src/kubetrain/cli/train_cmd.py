@@ -64,7 +64,7 @@ def train(
                              rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
                              shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30)
         torchrun_args(opts, forwarded)  # bad launch options are refused before the run directory is held
-        check_memory(cfg, local_processes=opts.nproc_per_node)  # before any worker starts (and is restarted)
+        check_memory(cfg, local_processes=opts.nproc_per_node, launcher=True)  # before any worker starts
         one_node = nnodes == "1" and rdzv_endpoint is None  # several nodes: rank 0 holds it, wherever it runs
         held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if one_node and not dry_run:  # the launcher holds it across the agent's restarts of its workers

@@ -14,14 +14,21 @@ from kubetrain.errors import UserInputError
 GIB = 2**30
 
 
-def check_memory(cfg: Config, local_processes: int = 1) -> None:
+def check_memory(cfg: Config, local_processes: int = 1, launcher: bool = False) -> None:
     """Raise UserInputError (one line: the estimate and what to change) when training `cfg` cannot fit here.
 
     `local_processes`: the processes of this run on this machine; on the CPU they share its RAM.
-    Off with run.check_memory=false; silent when the size or the free memory is not known.
+    `launcher`: the check of `--nproc`'s launcher, for CPU runs only (each GPU worker checks its own device;
+    the launcher must not take a GPU context for the whole job). Off with run.check_memory=false; silent when
+    the size or the free memory is not known.
     """
     if not cfg.run.check_memory:
         return
+    if launcher:
+        from kubetrain.distributed.setup import local_device
+
+        if local_device(cfg.run.device).type != "cpu":  # no CUDA context: is_available() does not make one
+            return
     from kubetrain.doctor import doctor
 
     report = doctor(cfg)
