@@ -36,6 +36,10 @@ class CheckpointError(KubetrainError):
     """A checkpoint cannot be written or does not fit the config."""
 
 
+class BadCheckpointError(UserInputError):
+    """A checkpoint the user named does not verify (torn, corrupt, files missing): bad input, exit 2."""
+
+
 class IncompatibleCheckpointError(UserInputError):
     """A checkpoint whose model shape or tokenizer differs from the config."""
 

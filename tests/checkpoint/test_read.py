@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kubetrain import checkpoint
-from kubetrain.errors import IncompatibleCheckpointError
+from kubetrain.errors import EXIT_BAD_INPUT, IncompatibleCheckpointError, UserInputError
+from kubetrain.models.load import locate
 from tests.checkpoint.conftest import save_step, tiny_state
 
 
@@ -36,6 +37,16 @@ def test_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path: Path) -> N
     found = checkpoint.find_resumable(tmp_path, warn=warnings.append)
     assert found is not None and found.step == 1
     assert any("checksum" in w for w in warnings)
+
+
+def test_a_corrupt_checkpoint_named_by_the_user_is_bad_input(tmp_path: Path) -> None:
+    ck = save_step(tmp_path, 1)
+    (ck.path / "model.safetensors").write_bytes(b"x" * (ck.path / "model.safetensors").stat().st_size)
+    for named in (checkpoint.resolve, lambda p: locate(p)[1]):  # train --resume PATH; generate/export PATH
+        with pytest.raises(UserInputError, match=rf"checkpoint {ck.path} does not verify: model.safetensors fails "
+                                                 r"its checksum$") as refused:
+            named(ck.path)
+        assert refused.value.exit_code == EXIT_BAD_INPUT
 
 
 def test_half_written_checkpoints_are_never_loaded(tmp_path: Path) -> None:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+import json
+import socket
+import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,7 +16,7 @@ import torch
 from kubetrain import checkpoint
 from kubetrain.checkpoint import remote
 from kubetrain.config.schema import Config
-from tests.object_store import Bucket, free_port, start_moto, stop
+from tests.object_store import CREDENTIALS, Bucket, free_port, start_moto, stop
 
 
 def _cfg(uri: str, endpoint: str, **section: object) -> Config:
@@ -152,3 +157,98 @@ def test_a_phase_has_its_own_folder_in_the_store(bucket: Bucket) -> None:
     store = remote.checkpoint_store(_cfg(bucket.uri, bucket.endpoint), "code")
     assert store is not None and store.uri == f"{bucket.uri}/r/phases/code/checkpoints"
     assert remote.checkpoint_store(Config()) is None
+
+
+@pytest.fixture
+def no_delete_store(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
+    """(uri, endpoint) of a bucket whose credentials may upload checkpoints but not read the `best` pointer, which
+    only the retention pass reads: an IAM policy that moto's server enforces as AWS does. (A denied DeleteObject
+    would not do: s3fs's bulk delete ignores the per-key errors S3 returns.)"""
+    import boto3
+
+    proc, url = start_moto(INITIAL_NO_AUTH_ACTION_COUNT="4")  # its readiness probe and 3 IAM calls
+    try:
+        iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
+                           aws_secret_access_key="testing")
+        iam.create_user(UserName="writer")
+        iam.put_user_policy(UserName="writer", PolicyName="no-best", PolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
+                                                   {"Effect": "Deny", "Action": "s3:GetObject",
+                                                    "Resource": "arn:aws:s3:::*/best"}]}))
+        key = iam.create_access_key(UserName="writer")["AccessKey"]
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        name = f"kt-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=url).create_bucket(Bucket=name)
+        yield f"s3://{name}/store", url
+    finally:
+        stop(proc)
+
+
+def test_a_failed_retention_pass_does_not_mark_a_complete_upload_as_missing(
+    no_delete_store: tuple[str, str], tmp_path: Path
+) -> None:
+    uri, endpoint = no_delete_store
+    root = tmp_path / "checkpoints"
+    lines: list[str] = []
+    uploader = remote.Uploader.from_config(_cfg(uri, endpoint, keep_last=1), None, root, lines.append)
+    assert uploader is not None
+    for step in (1, 2):  # each upload is complete, then its retention pass cannot read `best`
+        uploader.submit(_save(root, step))
+    uploader.close()
+    store = remote.checkpoint_store(_cfg(uri, endpoint))
+    assert store is not None and store.read_text("latest") == "step-000002\n"
+    assert store.read_text("step-000002/meta.json") is not None
+    assert not any("not uploaded" in line for line in lines), lines
+    assert lines[-1] == f"checkpoints uploaded to {uri}/r/checkpoints (latest: step-000002)"
+    refused = [line for line in lines if line.startswith("warning:")]
+    assert len(refused) == 1 and refused[0].startswith(f"warning: cannot remove old checkpoints from {uri}/r/"), lines
+
+
+@pytest.fixture
+def dropping_endpoint() -> Iterator[str]:
+    """An endpoint that accepts each connection and closes it at once: a proxy whose backend is down."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    done.set()
+    thread.join()
+    server.close()
+
+
+def test_an_endpoint_that_drops_connections_is_one_warning_not_a_flood_of_tracebacks(
+    dropping_endpoint: str, tmp_path: Path, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3fs
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # fail in seconds: each retry only repeats the drop
+    for key, value in CREDENTIALS.items():  # without credentials botocore gives up before it connects
+        monkeypatch.setenv(key, value)
+    root = tmp_path / "checkpoints"
+    lines: list[str] = []
+    uri = f"s3://kt-{uuid.uuid4().hex[:12]}/store"
+    uploader = remote.Uploader.from_config(_cfg(uri, dropping_endpoint), None, root, lines.append)
+    assert uploader is not None
+    for step in (1, 2):  # small files: each request's body is written before the close is seen, as in the field
+        uploader.submit(checkpoint.save(root, step, {"w": torch.zeros(4)}, {"step": step}, {}, keep_last=5))
+    uploader.close()
+    gc.collect()  # asyncio reports an unretrieved task's exception when the task is collected
+    assert [line.split(":")[0] for line in lines] == ["warning", "checkpoints not uploaded to s3"], lines
+    err = capfd.readouterr().err  # asyncio logs there; under pytest, its records also land in caplog
+    logged = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert "Task exception was never retrieved" not in err and "Traceback" not in err, err[-3000:]
+    assert not logged, f"{len(logged)} asyncio errors, the first: {logged[:1]}"

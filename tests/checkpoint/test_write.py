@@ -100,8 +100,10 @@ def test_write_failure_midway_keeps_the_previous_checkpoint(tmp_path: Path, monk
         raise OSError(28, os.strerror(28))
 
     monkeypatch.setattr(write.torch, "save", failing_save)
-    with pytest.raises(CheckpointError, match=r"No space left"):
+    with pytest.raises(CheckpointError, match=r"No space left on device; the previous checkpoint step-000001 is"):
         checkpoint.save(tmp_path, 2, tiny_state(), {"x": 1}, {}, keep_last=2)
+    with pytest.raises(CheckpointError, match=r"No space left on device; no earlier checkpoint was written$"):
+        checkpoint.save(tmp_path / "fresh", 1, tiny_state(), {"x": 1}, {}, keep_last=2)  # nothing to fall back on
     assert checkpoint.pointer(tmp_path, "latest") == "step-000001"
     assert not (tmp_path / "step-000002.tmp").exists()
     assert not (tmp_path / "step-000002").exists()

@@ -53,6 +53,14 @@ def setup_case(case: str, tmp: Path) -> list[str]:
         return ["prepare", *text]
     if case == "generate from a folder that is no run":
         return ["generate", str(tmp), "--prompt", "hi"]
+    if case == "train on a run directory":
+        (tmp / "runs" / "r").mkdir(parents=True)
+        (tmp / "runs" / "r" / "config.yaml").write_text("{}\n")
+        return ["train", str(tmp / "runs" / "r")]
+    if case == "runs show on a folder that is no run":
+        return ["runs", "show", str(tmp)]
+    if case == "no processes":
+        return ["train", "--nproc", "0"]
     if case == "generate from a missing run":
         return ["generate", str(tmp / "runs" / "nope"), "--prompt", "hi"]
     raise AssertionError(case)
@@ -76,6 +84,9 @@ CASES = {
     "prepare with a missing path": "data path not found:",
     "generate from a folder that is no run": "is not a run directory",
     "generate from a missing run": "no such run directory or checkpoint",
+    "train on a run directory": "is a directory, not a config file; to continue the run in it, pass its config: ",
+    "runs show on a folder that is no run": "is not a run directory (no meta.json, config.yaml or phases/)",
+    "no processes": "--nproc: must be at least 1, got 0",
 }
 
 

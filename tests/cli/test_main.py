@@ -21,3 +21,16 @@ def test_missing_optional_package_names_its_extra(
     assert code == 2
     assert err.strip() == "error: this needs the optional package 'gguf': pip install 'kubetrain[export]'"
     assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("command", [["train"], ["generate"], ["export"], ["runs", "show"], ["doctor"], ["prepare"]])
+def test_help_shows_flags_as_flags_and_each_default_on_its_line(
+    run_main: RunMain, monkeypatch: pytest.MonkeyPatch, command: list[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    code, out, _ = run_main(*command, "--help")
+    assert code == 0 and "--help" in out
+    assert "<bool>" not in out  # --dry-run, --json, --chat, --help take no value
+    if command == ["generate"]:
+        prompt = next(line for line in out.splitlines() if "--prompt" in line)
+        assert prompt.rstrip().endswith("[default: (a newline)]")  # not "[default:" and "]" on two lines

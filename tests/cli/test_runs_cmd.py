@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,16 @@ def test_list_and_show_still_work(trained: Path, run_main: RunMain) -> None:
     assert code == 0 and [r["name"] for r in json.loads(out.strip().splitlines()[-1])] == ["a", "b"]
     code, out, _ = run_main("runs", "show", str(trained / "a"), "--json")
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["step"] == 10
+
+
+def test_show_prints_values_for_a_reader(trained: Path, run_main: RunMain) -> None:
+    code, out, _ = run_main("runs", "show", str(trained / "a"))
+    assert code == 0
+    shown = dict(line.strip().split(": ", 1) for line in out.splitlines())
+    assert "None" not in out and shown["phase"] == "-" and shown["phases"] == "-"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", shown["started_at"])  # not epoch seconds
+    assert re.fullmatch(r"\d\.\d{4}", shown["best_val_loss"]) and shown["tokens"] == "1,280"
+    assert shown["checkpoints"] == "step-000005, step-000010"
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from kubetrain.config.schema import ChatConfig
 from kubetrain.data.chat import renderer
 from kubetrain.data.tokenizers import ByteTokenizer, load_hf_tokenizer
 from kubetrain.export.modelfile import chat_layout, modelfile_path, modelfile_text
+from tests.export.ollama_modelfile import parse_values
 
 CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"},
                 {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and now?"}]
@@ -68,3 +69,12 @@ def test_a_second_gguf_in_the_folder_gets_its_own_modelfile(tmp_path: Path) -> N
     assert modelfile_path(tmp_path / "a.gguf") == tmp_path / "Modelfile"
     (tmp_path / "Modelfile").write_text("FROM ./a.gguf\n")
     assert modelfile_path(tmp_path / "b.gguf") == tmp_path / "b.Modelfile"
+
+
+@pytest.mark.parametrize("stop", ["<|im_end|>", "</s>", 'say "hi"', "a\\b", 'ends with "', '"', '""x', "two\nlines",
+                                  'quote"\nthen more', "tab\there", " padded "])
+def test_stop_strings_read_back_as_ollama_parses_them(stop: str) -> None:
+    text = modelfile_text("m.gguf", None, chat=False, stops=[stop], context_length=64, tokenizer_adds_bos=False)
+    read = parse_values(text)
+    assert ("stop", stop) in read, read
+    assert read[-1] == ("num_ctx", "64")  # nothing after the stop was swallowed into it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -93,6 +94,15 @@ def test_lora_training_lowers_the_loss_and_saves_only_adapters(lora_run: Path, l
     assert (ckpt.path / checkpoint.MODEL_FILE).stat().st_size < base_bytes / 4
     optimizer = ckpt.trainer_state()["optimizer"]
     assert len(optimizer["state"]) == len(saved)  # moments for the adapters only
+
+
+def test_the_model_line_counts_the_adapters_in_thousands(lora_run: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "lora"
+    shutil.copytree(lora_run, copy)
+    said: list[str] = []
+    train(run_config(copy), run_path=copy, log=said.append)  # finished: set up, nothing left to train
+    line = next(m for m in said if m.startswith("model: "))
+    assert re.search(r"\(\d+\.\dK trainable\)", line), line  # not "(0.00M trainable)"
 
 
 def test_resume_after_a_kill_continues_bitwise(lora_run: Path, tmp_path: Path) -> None:

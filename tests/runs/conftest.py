@@ -9,6 +9,7 @@ import pytest
 from kubetrain.config import load_config
 from kubetrain.train.trainer import train
 from tests.track.conftest import TINY, TOKENS_PER_STEP
+from tests.train.conftest import _no_leftover_processes as _no_leftover_processes  # the lock tests start runs
 
 __all__ = ["TOKENS_PER_STEP"]
 

@@ -35,3 +35,12 @@ def test_bad_output_and_empty_runs(two_runs: tuple[Path, Path], tmp_path: Path) 
     with pytest.raises(UserInputError, match="no loss records"):
         plot_losses([empty], tmp_path / "x.png")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_plotting_is_part_of_the_base_install() -> None:
+    # The README's setup (`scripts/setup`, no extras) installs what `runs plot` needs.
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    assert any(dep.startswith("matplotlib") for dep in project["dependencies"])
+    assert not any(dep.startswith("matplotlib") for extra in project["optional-dependencies"].values() for dep in extra)

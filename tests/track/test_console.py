@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from kubetrain.track.console import ConsoleSink, console_log
+from kubetrain.track.console import ConsoleSink, console_log, count
 
 SECRET = "hf_" + "Kp4" * 8
 
@@ -32,3 +32,8 @@ def test_plain_progress_lines() -> None:
         "[rank 0] step 5/10 | loss 2.5000 | lr 1.00e-03 | tok/s 1,234 | mem 0.50GiB",
         "[rank 0] eval step 5: val_loss 2.2500 ppl 9.49",
     ]
+
+
+def test_parameter_counts_read_at_a_glance() -> None:
+    assert [count(n) for n in (512, 15_360, 905_000, 124_439_808, 1_235_814_400)] == [
+        "512", "15.4K", "0.91M", "124.44M", "1.24B"]

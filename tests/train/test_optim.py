@@ -22,14 +22,15 @@ def test_warmup_rises_linearly_to_the_peak() -> None:
     assert lr_at(10, cfg, 100) == pytest.approx(1e-3)  # the cosine starts at the peak
 
 
-def test_cosine_reaches_the_floor_at_the_real_end() -> None:
+def test_cosine_reaches_the_floor_on_the_last_step() -> None:
     cfg = schedule()
-    assert lr_at(55, cfg, 100) == pytest.approx(5.5e-4)  # halfway: mean of peak and floor
-    assert lr_at(100, cfg, 100) == pytest.approx(1e-4)
+    assert lr_at(55, cfg, 101) == pytest.approx(5.5e-4)  # halfway from step 10 to step 100: mean of peak and floor
+    assert lr_at(99, cfg, 100) == pytest.approx(1e-4)  # the 100th step (99 done before it) trains at the floor
+    assert lr_at(98, cfg, 100) > 1e-4
     assert lr_at(500, cfg, 100) == pytest.approx(1e-4)  # past the end it stays at the floor
-    # a run that max_tokens ends at step 40 decays over 40 steps, not over max_steps
-    assert lr_at(40, cfg, 40) == pytest.approx(1e-4)
-    assert lr_at(40, cfg, 40) < lr_at(40, cfg, 100)
+    # a run that max_tokens ends after 40 steps decays over 40 steps, not over max_steps
+    assert lr_at(39, cfg, 40) == pytest.approx(1e-4)
+    assert lr_at(39, cfg, 40) < lr_at(39, cfg, 100)
 
 
 def test_the_default_floor_is_a_tenth_of_the_peak() -> None:

@@ -40,6 +40,8 @@ def test_phases_run_in_order_chain_weights_and_skip_completed(tmp_path: Path) ->
     assert sorted(p.name for p in root.iterdir()) == ["code", "instruct", "pretrain"]
     assert result["run_dir"].endswith("instruct") and result["steps"] == 3
     assert "starting from the weights of" in proc.stdout
+    for i, name in enumerate(("pretrain", "code", "instruct")):  # the console names each phase as it starts
+        assert f"phase {name} ({i + 1} of 3): " in proc.stdout
     assert "weights and optimizer state of" in proc.stdout  # instruct keeps the optimizer
     for name, steps in (("pretrain", 6), ("code", 4), ("instruct", 3)):
         meta = json.loads((root / name / "meta.json").read_text())
@@ -50,6 +52,7 @@ def test_phases_run_in_order_chain_weights_and_skip_completed(tmp_path: Path) ->
     before = load_file(root / "instruct" / "checkpoints" / "step-000003" / "model.safetensors")
     again = kubetrain("train", str(cfg), *extra, "--json", cwd=tmp_path)
     assert "tokens per step" not in again.stdout
+    assert "phase code (2 of 3): finished before, skipped" in again.stdout
     after = load_file(root / "instruct" / "checkpoints" / "step-000003" / "model.safetensors")
     assert all(before[k].equal(after[k]) for k in before)
 
@@ -62,6 +65,23 @@ def test_single_phase_and_unknown_phase(tmp_path: Path) -> None:
     bad = kubetrain("train", str(cfg), *sets(), "--phase", "pretrian", cwd=tmp_path, check=False)
     assert bad.returncode == 2
     assert bad.stderr.strip() == "error: --phase pretrian: no such phase (phases: pretrain, code, instruct)"
+
+
+def test_generate_and_export_a_run_of_phases_use_the_last_finished_phase(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    kubetrain("train", str(cfg), *sets("train.max_steps=2"), "--phase", "pretrain", cwd=tmp_path)
+    kubetrain("train", str(cfg), *sets("train.max_steps=2"), "--phase", "code", cwd=tmp_path)
+    staged = tmp_path / "runs" / "staged"
+    said = f"runs/staged: using phase code, the last one that finished ({staged.relative_to(tmp_path)}/phases/code)"
+    sample = kubetrain("generate", "runs/staged", "--prompt", "def", "--max-new-tokens", "4", cwd=tmp_path)
+    assert sample.stdout.startswith("def") and sample.stderr.strip() == said
+    exported = kubetrain("export", "runs/staged", "-f", "hf", "-o", "hf", "--json", cwd=tmp_path)
+    assert json.loads(exported.stdout)["checkpoint"].startswith("runs/staged/phases/code/checkpoints/step-")
+    assert said in exported.stderr
+    (staged / "phases" / "code" / "meta.json").write_text(json.dumps({"status": "running"}))
+    (staged / "phases" / "pretrain" / "meta.json").write_text(json.dumps({"status": "failed"}))
+    none = kubetrain("generate", "runs/staged", cwd=tmp_path, check=False)
+    assert none.returncode == 2 and "none has finished yet" in none.stderr and none.stderr.count("\n") == 1
 
 
 def test_phase_with_a_bad_override_is_refused_before_training(tmp_path: Path) -> None:

@@ -141,7 +141,8 @@ def test_max_tokens_ends_the_run_at_the_lr_floor(tmp_path: Path) -> None:
     assert result.steps == 3
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()
            if json.loads(line)["kind"] == "train"]
-    assert lrs[-1] == pytest.approx(1e-5 + 0.5 * (1 + math.cos(math.pi * 2 / 3)) * (3e-3 - 1e-5))
+    assert lrs[-1] == pytest.approx(1e-5)  # the floor, on the last step that trains
+    assert lrs[1] == pytest.approx(1e-5 + 0.5 * (3e-3 - 1e-5))  # halfway down the cosine
     assert lrs == sorted(lrs, reverse=True)
 
 
@@ -169,6 +170,15 @@ def test_fp16_counts_skipped_steps_and_resumes_the_scaler(tmp_path: Path) -> Non
     trainer.save()
     again = opened(tmp_path, precision="fp16")
     assert again.state.skipped_steps == 1 and again.scaler.get_scale() == 2.0**39
+
+
+def test_sample_prompt_null_turns_every_sample_off(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path, max_steps=2)
+    cfg.eval.sample_prompt = None  # the eval at the last step and the end of the run generate nothing
+    result = Trainer(cfg, RunOptions(argv=[]), log=lambda m: None).run()
+    assert result.status == "finished" and result.final_val_loss is not None
+    assert result.sample is None
+    assert not (tmp_path / "parts" / "samples.txt").exists()
 
 
 class MetaLostAfterStep1(Trainer):

@@ -27,7 +27,7 @@ from kubetrain.checkpoint.layout import (
     complete_checkpoints,
     file_digest,
 )
-from kubetrain.errors import CheckpointError, IncompatibleCheckpointError
+from kubetrain.errors import BadCheckpointError, CheckpointError, IncompatibleCheckpointError
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,15 @@ def verify(path: Path, deep: bool = True) -> Checkpoint:
     return Checkpoint(path, meta)
 
 
+def verify_named(path: Path) -> Checkpoint:
+    """`verify` for a checkpoint the user named: one that does not verify is bad input (BadCheckpointError)."""
+    try:
+        return verify(path)
+    except CheckpointError as e:
+        why = str(e).removeprefix(f"{path.name}: ")
+        raise BadCheckpointError(f"checkpoint {path} does not verify: {why}") from None
+
+
 def find_resumable(root: Path, warn: Callable[[str], None] | None = None) -> Checkpoint | None:
     """The newest checkpoint that verifies; broken or half-written ones are skipped with a warning.
 
@@ -93,7 +102,7 @@ def find_resumable(root: Path, warn: Callable[[str], None] | None = None) -> Che
 def resolve(path: Path) -> Checkpoint:
     """A checkpoint named by the user: a checkpoint folder, or a run/checkpoints folder (its newest good one)."""
     if (path / META_FILE).is_file() and (path / MODEL_FILE).exists():
-        return verify(path)
+        return verify_named(path)
     for root in (path / "checkpoints", path):
         if root.is_dir() and complete_checkpoints(root):
             found = find_resumable(root)

@@ -72,8 +72,11 @@ def _pointer(store: Store, which: str) -> str | None:
     return (text or "").strip() or None
 
 
-def upload(store: Store, local: Path, name: str, *, is_best: bool, keep_last: int) -> None:
-    """Upload the checkpoint folder `local` as `name`: its files, then meta.json, then the pointers; prune."""
+def upload(store: Store, local: Path, name: str, *, is_best: bool, keep_last: int | None = None) -> None:
+    """Upload the checkpoint folder `local` as `name`: its files, then meta.json, then the pointers; prune.
+
+    The Uploader prunes on its own (keep_last None): a failed retention pass leaves this checkpoint complete.
+    """
     meta = json.loads((local / META_FILE).read_text())
     expected = {f: int(info["bytes"]) for f, info in meta["files"].items()}
     store.put([(local / f, f"{name}/{f}") for f in sorted(expected)])
@@ -88,7 +91,8 @@ def upload(store: Store, local: Path, name: str, *, is_best: bool, keep_last: in
     store.write_text(LATEST, name + "\n")
     if is_best:
         store.write_text(BEST, name + "\n")
-    prune(store, keep_last, current=_step(name))
+    if keep_last is not None:
+        prune(store, keep_last, current=_step(name))
 
 
 def prune(store: Store, keep_last: int, current: int) -> None:
@@ -204,6 +208,7 @@ class Uploader:
         self.failed: list[str] = []
         self.pending: list[str] = []
         self.newest: str | None = None  # the newest checkpoint of this run known to be in the store
+        self._prune_warned = False
         self._count = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -247,7 +252,8 @@ class Uploader:
         while (job := self._queue.get()) is not None:
             try:
                 if not (job.if_missing and self._in_store(job.name)):
-                    upload(self.store, job.stage, job.name, is_best=job.is_best, keep_last=self.keep_last)
+                    upload(self.store, job.stage, job.name, is_best=job.is_best)
+                    self._prune(job.name)
                 with self._lock:
                     self.uploaded.append(job.name)
                     self.newest = job.name
@@ -257,6 +263,16 @@ class Uploader:
                 shutil.rmtree(job.stage, ignore_errors=True)
                 with self._lock:
                     self.pending.remove(job.name)
+
+    def _prune(self, name: str) -> None:
+        """The retention pass after `name` is complete in the store: its failure costs old copies, not `name`."""
+        try:
+            prune(self.store, self.keep_last, current=_step(name))
+        except Exception as e:
+            if not self._prune_warned:
+                self._prune_warned = True
+                self.log(f"warning: cannot remove old checkpoints from {self.store.uri}: {describe(e)}; "
+                         f"the uploads go on, older checkpoints stay there")
 
     def _in_store(self, name: str) -> bool:
         return _pointer(self.store, LATEST) == name and self.store.read_text(f"{name}/{META_FILE}") is not None

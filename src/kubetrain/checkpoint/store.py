@@ -8,6 +8,7 @@ never from the config.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import posixpath
 from pathlib import Path
@@ -174,4 +175,37 @@ def open_store(uri: str, endpoint_url: str | None = None) -> Store:
         raise UserInputError(f"{uri}: {describe(e)} ({EXTRA}, or the fsspec package for {protocol}://)") from None
     except ValueError as e:
         raise UserInputError(f"{uri}: {describe(e)}") from None
+    if getattr(fs, "async_impl", False):
+        quiet_dropped_connections()
     return Store(fs, str(root), uri)
+
+
+def quiet_dropped_connections() -> None:
+    """No asyncio traceback for a request task whose connection the endpoint dropped.
+
+    aiohttp leaves the body-writing task of such a request unretrieved, and asyncio prints "Task exception was
+    never retrieved" with a traceback for each when it is collected: hundreds of them for an endpoint that
+    accepts and then closes connections (a proxy whose backend is down). The request itself fails with the
+    same error, which the store's caller reports once; anything else still reaches asyncio's handler.
+    """
+    from fsspec.asyn import get_loop
+
+    loop = get_loop()  # fsspec's IO loop, in its own thread: the one s3fs, gcsfs and adlfs run on
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        error = context.get("exception")
+        if str(context.get("message", "")).startswith("Task exception was never retrieved") and _dropped(error):
+            return
+        loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
+def _dropped(error: object) -> bool:
+    if isinstance(error, ConnectionError):
+        return True
+    try:
+        from aiohttp import ClientConnectionError
+    except ImportError:
+        return False
+    return isinstance(error, ClientConnectionError)

@@ -23,8 +23,9 @@ from kubetrain.errors import CheckpointError, UserInputError
 MANIFEST = ".kubetrain-sync.json"
 _STEP_DIR = re.compile(r"^step-\d{6,}$")
 # in-progress files and folders: a checkpoint being written (step-N.tmp), an atomic write (.name.tmpPID),
-# a download (.name.PID.tmp), the uploader's hard links (checkpoints/.upload)
-_IN_PROGRESS = re.compile(r"\.tmp\d*$|^\.upload$")
+# a download (.name.PID.tmp), the uploader's hard links (checkpoints/.upload); and a live run's lock
+# (runs/lock.py's run.lock: it names a process of the machine it was written on)
+_IN_PROGRESS = re.compile(r"\.tmp\d*$|^\.upload$|^run\.lock$")
 
 
 @dataclass

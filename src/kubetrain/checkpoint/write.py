@@ -69,6 +69,7 @@ def save(
     name = step_name(step)
     final = root / name
     tmp = tmp_dir(root, step)
+    previous = pointer(root, LATEST)
     try:
         if not prepared:
             begin(root, step)
@@ -109,9 +110,8 @@ def save(
         # torch.save reports a full disk as RuntimeError and safetensors as SafetensorError.
         shutil.rmtree(tmp, ignore_errors=True)
         why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e).splitlines()[0]
-        raise CheckpointError(
-            f"could not save checkpoint {name} in {root}: {why}; the previous checkpoint is intact"
-        ) from None
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint was written"
+        raise CheckpointError(f"could not save checkpoint {name} in {root}: {why}; {kept}") from None
     prune(root, keep_last)
     return Checkpoint(final, full_meta)
 

@@ -8,7 +8,8 @@ import traceback
 
 import typer
 
-from kubetrain.errors import EXIT_BAD_INPUT, KubetrainError
+from kubetrain.distributed.peers import lost_peer
+from kubetrain.errors import EXIT_BAD_INPUT, EXIT_FAILURE, KubetrainError, TrainingFailed
 from kubetrain.launch.elastic import record_worker_error
 
 app = typer.Typer(
@@ -17,6 +18,8 @@ app = typer.Typer(
     no_args_is_help=False,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's plain help: typer's rich panels print a "<bool>" value placeholder after every flag (--help too)
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -24,7 +27,7 @@ app = typer.Typer(
 # Packages of the optional extras (pyproject.toml), for a one-line hint when one is missing.
 OPTIONAL_EXTRAS = {
     "transformers": "hf", "peft": "hf", "datasets": "hf", "accelerate": "hf",
-    "mlflow": "track", "tensorboard": "track", "prometheus_client": "track", "matplotlib": "track",
+    "mlflow": "track", "tensorboard": "track", "prometheus_client": "track",
     "psycopg": "postgres", "psycopg2": "postgres",
     "kubernetes": "k8s", "kubernetes_validate": "k8s", "jsonschema": "k8s",
     "gguf": "export", "tiktoken": "tiktoken",
@@ -84,6 +87,16 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
         print(f"error: {e.strerror}: {e.filename}", file=sys.stderr, flush=True)
         sys.exit(EXIT_BAD_INPUT)
+    except RuntimeError as e:  # torch.distributed's errors are RuntimeErrors
+        lost = lost_peer(e)
+        if lost is None:  # a bug: keep the traceback, and tell the elastic launcher which rank failed
+            record_worker_error(e)
+            raise
+        if debug:
+            traceback.print_exc()
+        record_worker_error(TrainingFailed(lost))
+        print(f"error: {lost}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_FAILURE)
     except Exception as e:  # a bug: keep the traceback, and tell the elastic launcher which rank failed
         record_worker_error(e)
         raise

@@ -7,15 +7,22 @@ from typing import Annotated
 
 import typer
 
+from kubetrain.cli.options import at_least
 from kubetrain.errors import UserInputError
 
 
 def generate(
     run_dir: Annotated[Path, typer.Argument(help="A run directory or a checkpoint folder.")],
-    prompt: Annotated[str, typer.Option("--prompt", help="Text to continue.")] = "\n",
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 200,
-    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 is greedy.")] = 0.8,
-    top_k: Annotated[int, typer.Option("--top-k", min=0, help="0 keeps every token.")] = 50,
+    prompt: Annotated[str, typer.Option("--prompt", help="Text to continue.", show_default="a newline")] = "\n",
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", callback=at_least(1, "--max-new-tokens"))
+    ] = 200,
+    temperature: Annotated[
+        float, typer.Option("--temperature", callback=at_least(0, "--temperature"), help="0 is greedy.")
+    ] = 0.8,
+    top_k: Annotated[
+        int, typer.Option("--top-k", callback=at_least(0, "--top-k"), help="0 keeps every token.")
+    ] = 50,
     seed: Annotated[int | None, typer.Option("--seed")] = None,
     checkpoint: Annotated[str, typer.Option("--checkpoint", help="best or latest (for a run directory).")] = "best",
     chat: Annotated[bool, typer.Option("--chat", help="Send the prompt as a user turn of the chat template.")] = False,

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 
 from kubetrain.config import Config, load_config
+from kubetrain.errors import UserInputError
+
+Number = TypeVar("Number", int, float)
 
 ConfigArg = Annotated[
     Path | None, typer.Argument(help="YAML config file (default: the 'tiny' preset).", show_default=False)
@@ -22,3 +26,14 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (la
 
 def load(config: Path | None, preset: str | None, overrides: list[str] | None) -> Config:
     return load_config(config, preset, overrides or [])
+
+
+def at_least(low: float, flag: str) -> Callable[[Number | None], Number | None]:
+    """An option callback: a value below `low` is one `error:` line and exit 2 (typer's min= prints a usage box)."""
+
+    def check(value: Number | None) -> Number | None:
+        if value is not None and value < low:
+            raise UserInputError(f"{flag}: must be at least {low:g}, got {value:g}")
+        return value
+
+    return check

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -43,18 +44,33 @@ def list_runs(
 @app.command()
 def show(run_dir: Annotated[Path, typer.Argument(help="A run directory.")], json_: JsonOpt = False) -> None:
     """Status, progress, losses and checkpoints of one run."""
-    from kubetrain.runs.reader import describe_run
+    from kubetrain.runs.reader import describe_run, is_run_dir
 
     if not run_dir.is_dir():
         raise UserInputError(f"no such run directory: {run_dir}")
+    if not is_run_dir(run_dir):
+        raise UserInputError(f"{run_dir} is not a run directory (no meta.json, config.yaml or phases/)")
     info = describe_run(run_dir)
     if json_:
         typer.echo(json.dumps(info))
         return
     for key, value in info.items():
-        if key != "checkpoints":
-            typer.echo(f"{key:>16}: {value}")
-    typer.echo(f"{'checkpoints':>16}: {', '.join(info['checkpoints']) or '-'}")
+        typer.echo(f"{key:>16}: {_shown(key, value)}")
+
+
+def _shown(key: str, value: Any) -> str:
+    """A value of `runs show` for a reader: '-' for none, local dates, 4-decimal losses, thousands separated."""
+    if value is None or value == []:
+        return "-"
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value)
+    if key.endswith("_at") and isinstance(value, int | float):
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value))
+    if key.endswith("loss") and isinstance(value, float):
+        return f"{value:.4f}"
+    if key == "tokens" and isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
 
 
 RunDirsArg = Annotated[list[Path], typer.Argument(help="Run directories (a run with phases: each phase).")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
+from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, at_least, load
 from kubetrain.distributed.env import process_env
 
 
@@ -27,17 +28,21 @@ def train(
     ] = "auto",
     phase: Annotated[str | None, typer.Option("--phase", help="Run only this phase of `phases:`.")] = None,
     nproc: Annotated[
-        int | None, typer.Option("--nproc", min=1, help="Processes per node, started by torch.distributed.run.")
+        int | None, typer.Option("--nproc", callback=at_least(1, "--nproc"),
+                                  help="Processes per node, started by torch.distributed.run.")
     ] = None,
     nnodes: Annotated[str, typer.Option("--nnodes", help="Nodes: N, or MIN:MAX for an elastic job.")] = "1",
-    node_rank: Annotated[int | None, typer.Option("--node-rank", min=0, help="This node's rank.")] = None,
+    node_rank: Annotated[
+        int | None, typer.Option("--node-rank", callback=at_least(0, "--node-rank"), help="This node's rank.")
+    ] = None,
     rdzv_endpoint: Annotated[
         str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (several nodes).")
     ] = None,
     rdzv_id: Annotated[str, typer.Option("--rdzv-id", help="Job id shared by all nodes.")] = "kubetrain",
     max_restarts: Annotated[
-        int, typer.Option("--max-restarts", min=0, help="Times the agent restarts failed workers.")
-    ] = 0,
+        int, typer.Option("--max-restarts", callback=at_least(0, "--max-restarts"),
+                          help="Times the agent restarts the workers after one dies; each restart resumes.")
+    ] = 3,
 ) -> None:
     """Train a model from a config (the embedded 'tiny' preset when none is given).
 
@@ -46,7 +51,9 @@ def train(
     cfg = load(config, preset, set_)
     if nproc is not None or nnodes != "1" or rdzv_endpoint is not None:
         from kubetrain import runs
-        from kubetrain.launch.elastic import LaunchOptions, launch
+        from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
+        from kubetrain.runs.lock import hold_for_workers
+        from kubetrain.train.memory_check import check_memory
 
         forwarded = [str(config)] if config else (["--preset", preset] if preset else [])
         for item in set_ or []:
@@ -56,7 +63,14 @@ def train(
         opts = LaunchOptions(nproc_per_node=nproc or 1, nnodes=nnodes, node_rank=node_rank,
                              rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
                              shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30)
-        raise typer.Exit(launch(opts, forwarded, runs.run_dir(cfg)))
+        torchrun_args(opts, forwarded)  # bad launch options are refused before the run directory is held
+        check_memory(cfg, local_processes=opts.nproc_per_node, launcher=True)  # before any worker starts
+        one_node = nnodes == "1" and rdzv_endpoint is None  # several nodes: rank 0 holds it, wherever it runs
+        held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if one_node and not dry_run:  # the launcher holds it across the agent's restarts of its workers
+            held = hold_for_workers(runs.run_dir(cfg), lambda m: typer.echo(m, err=True))
+        with held:
+            raise typer.Exit(launch(opts, forwarded, runs.run_dir(cfg)))
 
     from kubetrain.secrets import redact, redact_text
     from kubetrain.track.console import console_log

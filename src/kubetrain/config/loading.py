@@ -36,6 +36,10 @@ def read_preset(name: str) -> dict[str, Any]:
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        hint = (f"; to continue the run in it, pass its config: {p / 'config.yaml'}" if (p / "config.yaml").is_file()
+                else "")
+        raise ConfigError(f"{p} is a directory, not a config file{hint}")
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:

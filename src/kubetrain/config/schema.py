@@ -25,6 +25,10 @@ class RunConfig(Section):
         "auto", description="auto picks cuda, then mps, then cpu."
     )
     threads: int | None = Field(None, ge=1, description="torch intra-op threads on CPU (default: torch's).")
+    check_memory: bool = Field(
+        True, description="Refuse to start when `kubetrain doctor`'s estimate of the training memory exceeds the "
+        "memory free here (false: start anyway, for those who know the estimate is too high)."
+    )
 
 
 class SourceConfig(Section):
@@ -163,7 +167,8 @@ class EvalConfig(Section):
     every_steps: int = Field(50, ge=1, description="Steps between evaluations (validation loss, sample).")
     batches: int = Field(8, ge=1, description="Validation batches per evaluation.")
     sample_prompt: str | None = Field(
-        "And God said", min_length=1, description="Prompt for a sample at each eval (null: off)."
+        "And God said", min_length=1,
+        description="Prompt for a sample at each eval and at the end of the run (null: no samples).",
     )
     sample_tokens: int = Field(64, ge=1, description="Tokens generated for the eval sample.")
 

@@ -86,7 +86,10 @@ def modelfile_text(
         lines.append("# the chat template is not one wrapper per message: Ollama reads it from the GGUF")
     else:
         lines.append('TEMPLATE """{{ .Prompt }}"""')  # no chat template: plain text completion
-    lines += [f'PARAMETER stop "{_quoted(stop)}"' for stop in dict.fromkeys(s for s in stops if s)]
+    for stop in dict.fromkeys(s for s in stops if s):
+        value = ollama_value(stop)
+        lines.append(f"PARAMETER stop {value}" if value is not None else
+                     f"# stop {stop!r} left out: no quoting makes Ollama's parser read it back as it is")
     lines.append(f"PARAMETER num_ctx {context_length}")
     return "\n".join(lines) + "\n"
 
@@ -97,5 +100,37 @@ def modelfile_path(gguf: Path) -> Path:
     return plain if not plain.exists() else gguf.with_name(f"{gguf.stem}.Modelfile")
 
 
-def _quoted(text: str) -> str:
-    return text.replace("\\", "\\\\").replace('"', '\\"')
+def ollama_value(text: str) -> str | None:
+    """`text` quoted so that Ollama reads it back unchanged; None when no quoting can.
+
+    Ollama's parser (parser/parser.go: ParseFile, unquote) unescapes nothing: it strips one pair of outer
+    \"\"\" or " and keeps what is between, and a value ends at the first newline after which what it has read
+    so far unquotes. So `a"b` is written "a"b" (an escaped "a\\"b" would come back with its backslash).
+    """
+    for quote in ('"', '"""'):
+        written = quote + text + quote
+        if _read_back(written) == text:
+            return written
+    return None
+
+
+def _read_back(value: str) -> str | None:
+    """The value Ollama's parser takes from `value` (what follows `PARAMETER stop `), or None if it fails."""
+    read = ""
+    for r in value:
+        if r in "\r\n":
+            unquoted = _unquote(read.strip())
+            if unquoted is not None:
+                return unquoted  # the value ends here; the rest would be read as the next command
+            read += r
+        elif r in " \t" or r.isprintable():
+            read += r  # other control characters are dropped
+    return _unquote(read.strip())
+
+
+def _unquote(s: str) -> str | None:
+    if s.startswith('"""'):
+        return s[3:-3] if len(s) >= 6 and s.endswith('"""') else None
+    if s.startswith('"'):
+        return s[1:-1] if len(s) >= 2 and s.endswith('"') else None
+    return s

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Mapping
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kubetrain.distributed.peers import PEER_LOST as _PEER_LOST  # a peer went away: an effect, not a cause
 from kubetrain.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_STOPPED_RESUMABLE, UserInputError
 
 
@@ -27,7 +27,7 @@ class LaunchOptions:
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str = "kubetrain"
-    max_restarts: int = 0
+    max_restarts: int = 3  # a worker that dies is restarted and resumes from the latest checkpoint
     shutdown_timeout: int = 90  # how long workers get to save after SIGTERM
     monitor_interval: float = 0.5
     rdzv_conf: str | None = None  # e.g. "is_host=true": which node hosts the c10d store (set by k8s pods)
@@ -99,10 +99,6 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         print(f"error: rank {rank} failed with exit code {failure.exitcode}: {message}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT if failure.exitcode == EXIT_BAD_INPUT else EXIT_FAILURE
     return 0
-
-
-# What a worker says when a peer went away: an effect of another worker's failure, not a cause.
-_PEER_LOST = re.compile(r"(closed|reset) by peer|remote worker|peer (process )?(died|exited)", re.IGNORECASE)
 
 
 def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:

@@ -11,13 +11,14 @@ import yaml
 from torch import nn
 
 from kubetrain import checkpoint
+from kubetrain.checkpoint.read import verify_named
 from kubetrain.config.loading import validate
 from kubetrain.config.schema import Config
 from kubetrain.data.tokenizers import Tokenizer, load_saved_tokenizer
 from kubetrain.errors import KubetrainError, UserInputError
 from kubetrain.models import build_model
 from kubetrain.models.lora import apply_lora
-from kubetrain.runs import CHECKPOINTS, CONFIG_FILE
+from kubetrain.runs import CHECKPOINTS, CONFIG_FILE, PHASES, last_finished_phase, phase_dirs, read_meta
 
 
 def locate(target: Path, which: str = "best", warn: Callable[[str], None] | None = None
@@ -30,7 +31,15 @@ def locate(target: Path, which: str = "best", warn: Callable[[str], None] | None
     if not target.exists():
         raise UserInputError(f"no such run directory or checkpoint: {target}")
     if (target / checkpoint.META_FILE).is_file() and (target / checkpoint.MODEL_FILE).exists():
-        return target.parent.parent, checkpoint.verify(target)
+        return target.parent.parent, verify_named(target)
+    if not (target / CONFIG_FILE).is_file() and phase_dirs(target):
+        phase = last_finished_phase(target)
+        if phase is None:
+            states = ", ".join(f"{d.name} ({read_meta(d).get('status', 'unknown')})" for d in phase_dirs(target))
+            raise UserInputError(f"{target} is a run of phases and none has finished yet ({states}); "
+                                 f"name one: {target / PHASES}/NAME")
+        warn(f"{target}: using phase {phase.name}, the last one that finished ({phase})")
+        target = phase
     root = target / CHECKPOINTS
     if not (target / CONFIG_FILE).is_file():
         raise UserInputError(f"{target} is not a run directory (no {CONFIG_FILE})")

@@ -24,7 +24,7 @@ def plot_losses(paths: list[Path], out: Path, x: XAxis = "step") -> Path:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise UserInputError("the 'matplotlib' package is not installed (pip install 'kubetrain[track]')") from None
+        raise UserInputError("the 'matplotlib' package is missing: pip install 'matplotlib>=3.8'") from None
 
     fig = Figure(figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI)
     FigureCanvasAgg(fig)

@@ -58,6 +58,12 @@ def phase_dirs(path: Path) -> list[Path]:
     return sorted(found, key=lambda d: read_meta(d).get("started_at", 0))
 
 
+def last_finished_phase(path: Path) -> Path | None:
+    """The phase of a multi-phase run that finished last (what generate and export use); None when none has."""
+    finished = [d for d in phase_dirs(path) if read_meta(d).get("status") == "finished"]
+    return max(finished, key=lambda d: read_meta(d).get("finished_at", 0), default=None)
+
+
 @dataclass
 class RunRecords:
     """One run (or phase) and its metrics.jsonl, split by kind."""
@@ -103,6 +109,11 @@ def _status(meta: dict[str, Any]) -> str:
         except PermissionError:
             pass
     return status
+
+
+def is_run_dir(path: Path) -> bool:
+    """A run directory (meta.json or config.yaml), or a run of phases (phases/)."""
+    return (path / META_FILE).is_file() or (path / CONFIG_FILE).is_file() or bool(phase_dirs(path))
 
 
 def describe_run(path: Path) -> dict[str, Any]:

@@ -28,6 +28,17 @@ def format_record(rec: dict[str, Any], total: int) -> str:
     return " | ".join(parts)
 
 
+def count(n: int) -> str:
+    """A parameter count a reader takes in at once: 15.4K, 0.90M, 124.44M, 1.24B (LoRA adapters are not 0.00M)."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    if n >= 1e5:
+        return f"{n / 1e6:.2f}M"
+    if n >= 1e3:
+        return f"{n / 1e3:.1f}K"
+    return str(n)
+
+
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     h, rem = divmod(seconds, 3600)

@@ -25,15 +25,16 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) ->
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
-    """Linear warmup over warmup_steps, then cosine from lr down to min_lr at `total_steps`.
+    """Linear warmup over warmup_steps, then cosine from lr down to min_lr on the last of `total_steps` steps.
 
+    `step` counts the steps done before this one (0 for the first), so the last step is `total_steps - 1`.
     `total_steps` is where the run really ends (max_tokens may end it before max_steps), so the cosine reaches
     its floor on the last step. A pure function of the step: a resumed run continues the same curve.
     """
     floor = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, total_steps - cfg.warmup_steps)
+    span = max(1, total_steps - 1 - cfg.warmup_steps)  # the first cosine step is at the peak, the last at the floor
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     return floor + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - floor)
 

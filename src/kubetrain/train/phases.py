@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,11 @@ from kubetrain import checkpoint, runs
 from kubetrain.config.loading import phase_config
 from kubetrain.config.schema import Config
 from kubetrain.distributed import setup as dist
+from kubetrain.distributed.env import process_env
 from kubetrain.errors import UserInputError
+from kubetrain.runs.lock import hold as hold_run
+from kubetrain.runs.lock import job_identity
+from kubetrain.track.console import console_log
 from kubetrain.train.trainer import TrainResult, train
 
 
@@ -17,9 +22,17 @@ def train_all(
     cfg: Config, *, argv: list[str], resume: str = "auto", dry_run: bool = False, only_phase: str | None = None,
     log: Any = None,
 ) -> TrainResult:
-    """Train the config; with `phases:`, run the remaining phases in order (or only `only_phase`)."""
+    """Train the config; with `phases:`, run the remaining phases in order (or only `only_phase`).
+
+    Rank 0 holds the run directory (a dry run writes nothing there); a second live run on it is refused.
+    """
+    say = log or console_log()
+    held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    if not dry_run and process_env().is_main:
+        held = hold_run(runs.run_dir(cfg), job_identity(), say)
     try:
-        return _train_phases(cfg, argv=argv, resume=resume, dry_run=dry_run, only_phase=only_phase, log=log)
+        with held:
+            return _train_phases(cfg, argv=argv, resume=resume, dry_run=dry_run, only_phase=only_phase, log=log)
     finally:
         dist.teardown()
 
@@ -39,15 +52,19 @@ def _train_phases(
     root = runs.run_dir(cfg)
     result: TrainResult | None = None
     previous: Path | None = None
+    say = (log or console_log()) if process_env().is_main else (lambda m: None)
     for i, ph in enumerate(cfg.phases):
         sub = phase_config(cfg, i)
         path = root / "phases" / ph.name
+        where = f"phase {ph.name} ({i + 1} of {len(names)})"
         if only_phase and ph.name != only_phase:
             previous = path
             continue
         if runs.read_meta(path).get("status") == "finished" and not only_phase:
+            say(f"{where}: finished before, skipped")
             previous = path
             continue
+        say(f"{where}: {path}")
         init = None
         if previous is not None and not checkpoint.complete_checkpoints(path / runs.CHECKPOINTS):
             init = _phase_weights(previous, ph.init_from)

@@ -32,10 +32,11 @@ from kubetrain.models.sampling import generate
 from kubetrain.secrets import redact_text
 from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
-from kubetrain.track.console import Throughput, console_log
+from kubetrain.track.console import Throughput, console_log, count
 from kubetrain.track.jsonl import truncate_after
 from kubetrain.train.device import autocast, device_name, memory_gib, peak_flops, resolve_precision
 from kubetrain.train.evaluate import evaluate, lm_loss, perplexity
+from kubetrain.train.memory_check import check_memory
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
 from kubetrain.train.state import (
     TrainResult,
@@ -70,6 +71,7 @@ def train(cfg: Config, *, log: Log | None = None, **options: Any) -> TrainResult
 
     Under a launcher this joins the process group; the caller tears it down (phases share one group).
     """
+    check_memory(cfg)  # before the model is built: this process's share (a launcher checked its workers' total)
     return Trainer(cfg, RunOptions(**options), log=log).run()
 
 
@@ -146,8 +148,8 @@ class Trainer:
                             f"checkpoint saved, resume with the same command"
                         )
                 self.t_end = time.perf_counter()
-                if self.main and cfg.dist.strategy != "fsdp":
-                    sample = self.sample(cfg.eval.sample_prompt or "\n", cfg.eval.sample_tokens * 3)
+                if self.main and cfg.dist.strategy != "fsdp" and cfg.eval.sample_prompt is not None:  # null: off
+                    sample = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens * 3)
                 status = "finished"
         except OSError as e:  # bad input was refused before the first step: this is the machine, not the config
             where = f": {e.filename}" if e.filename else ""
@@ -193,7 +195,7 @@ class Trainer:
         self.flops_per_token = getattr(self.base, "flops_per_token", lambda: 6.0 * n_trainable)()
         self.peak = peak_flops(self.device)
         self.say(
-            f"model: {n_params / 1e6:.2f}M parameters ({n_trainable / 1e6:.2f}M trainable) | "
+            f"model: {count(n_params)} parameters ({count(n_trainable)} trainable) | "
             f"device {self.device.type} x{penv.world_size} | precision {self.precision}"
         )
         self.say(

@@ -35,7 +35,7 @@ STORE_MEMBER = "mlflow.db"
 PROGRAM = r'''
 import base64, hashlib, io, json, os, re, sqlite3, sys, tarfile, tempfile, urllib.parse, urllib.request, zlib
 mode, root = sys.argv[1], sys.argv[2]
-skip = re.compile(r"\.tmp\d*$|^\.upload$")
+skip = re.compile(r"\.tmp\d*$|^\.upload$|^run\.lock$")  # in progress; the pod's run lock
 if not os.path.isdir(root):
     parent = os.path.dirname(root.rstrip("/"))
     runs = sorted(d for d in (os.listdir(parent) if os.path.isdir(parent) else [])
