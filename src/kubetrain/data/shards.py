@@ -137,6 +137,8 @@ def prepare_in_processes(cfg: Config, nproc: int, min_tokens: int | None = None,
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")  # fork would copy this process's threads and tokenizer state
+    if nproc > 1:  # the tokenizers' Rust threads: the cores shared out, not every process using all of them
+        os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     workers = [ctx.Process(target=_prepare_worker, args=(cfg.model_dump(mode="json"), i), daemon=True)
                for i in range(1, nproc)]
     for w in workers:
