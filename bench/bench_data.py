@@ -97,7 +97,7 @@ def rehash_s(corpus: Path) -> float:
     h = hashlib.sha256()
     for f in sorted(corpus.iterdir()):
         with open(f, "rb") as fh:
-            for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
+            while block := fh.read(1 << 20):
                 h.update(block)
     return time.perf_counter() - t
 
