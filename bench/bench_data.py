@@ -162,12 +162,13 @@ def make_tokenizer(folder: Path, corpus: Path) -> Path:
     return folder
 
 
-def measured(cmd: list[str]) -> dict[str, Any]:
+def measured(cmd: list[str], **env: str) -> dict[str, Any]:
     """Wall time and peak resident memory of a command and all its children together (psutil, every 50 ms)."""
     import psutil
 
     t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})
     root = psutil.Process(proc.pid)
     peak = 0
     while proc.poll() is None:
@@ -202,8 +203,11 @@ def run_tokenize(mb: int, folder: Path, out: str | None) -> None:
             shard = next(p for p in cache.iterdir() if not p.name.startswith("."))
             runs[name]["tokens"] = json.loads((shard / "meta.json").read_text())["tokens"]
             shutil.rmtree(cache)
+            print(name, json.dumps(runs[name]), file=sys.stderr, flush=True)
+        # TOKENIZERS_PARALLELISM=false, as the tokenizers library asks of forked workers: without it the map's
+        # workers hung here (a lock held at fork), and a user of num_proc sets it for that reason
         runs["hf_datasets_map_2proc"] = measured([sys.executable, "-c", HF_MAP, str(corpus), str(tok),
-                                                  str(folder / "hf-cache")])
+                                                  str(folder / "hf-cache")], TOKENIZERS_PARALLELISM="false")
         runs["hf_datasets_map_2proc"]["tokens"] = int(runs["hf_datasets_map_2proc"].pop("stdout_tail").split()[-1])
         for r in runs.values():
             r["mb_per_s"] = size / 2**20 / r["wall_s"]
@@ -218,7 +222,8 @@ def run_tokenize(mb: int, folder: Path, out: str | None) -> None:
             "speedup_1_to_2_processes": ours["mb_per_s"] / runs["kubetrain_1proc"]["mb_per_s"],
             "note": "datasets counts one line as one text and adds no EOS; kubetrain encodes the file as one document",
             "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "python": platform.python_version(),
-            "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM"),
+            "threads": "kubetrain 1 process: the tokenizers' threads on every core; 2 processes: one each "
+                       "(RAYON_NUM_THREADS); datasets: TOKENIZERS_PARALLELISM=false in its 2 workers",
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                      check=False).stdout.strip(),
         }

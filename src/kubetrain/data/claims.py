@@ -28,6 +28,11 @@ ERROR_SUFFIX = ".error"
 Log = Callable[[str], None]
 
 
+def process_tag() -> str:
+    """This process among all that share the folder (pods share pids): for temporary file names."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
 class Claims:
     """The claim files of one piece of shared work, in `folder`."""
 
@@ -55,7 +60,7 @@ class Claims:
         except FileExistsError:
             if not self.is_stale(task):
                 return False
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp = path.with_name(f".{path.name}.{process_tag()}")
             try:
                 tmp.write_text(self.owner)
                 os.replace(tmp, path)  # taken over; a second taker at the same moment only duplicates the work

@@ -21,6 +21,7 @@ import xxhash
 
 from kubetrain.config.schema import Config, SourceConfig
 from kubetrain.data import sources
+from kubetrain.data.claims import process_tag
 from kubetrain.data.pieces import PIECE_BYTES, boundary, text_pieces
 from kubetrain.data.tokenizers import ByteTokenizer, Tokenizer, encode_texts
 from kubetrain.errors import DataError
@@ -94,7 +95,7 @@ class PartWriter:
 
     def __init__(self, folder: Path, part: Part, dtype: np.dtype[Any], masked: bool, doc_ends: bool) -> None:
         self.folder, self.part, self.dtype = folder, part, dtype
-        self.suffix = f".tmp-{os.getpid()}"
+        self.suffix = f".tmp-{process_tag()}"
         self.names = [f"{part.name}.bin"] + ([f"{part.name}.mask"] if masked else [])
         self.files = [open(folder / (n + self.suffix), "wb") for n in self.names]  # noqa: SIM115
         self.hashes = [xxhash.xxh3_128() for _ in self.names]

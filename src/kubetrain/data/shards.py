@@ -23,7 +23,7 @@ import numpy as np
 
 from kubetrain.config.schema import Config
 from kubetrain.data import sources
-from kubetrain.data.claims import Claims, share
+from kubetrain.data.claims import Claims, process_tag, share
 from kubetrain.data.fingerprints import DigestCache, file_digest
 from kubetrain.data.index import Segment, TokenSequence, join, length
 from kubetrain.data.parts import PARTS_DIR, Part, plan, write_part
@@ -183,8 +183,10 @@ def verify(prepared: Prepared) -> str | None:
 def _build(cfg: Config, key: str, folder: Path, log: Log | None, first: int) -> Prepared:
     """Prepare the data together with whichever other processes are preparing it, into folder."""
     work = folder.with_name(f".{key}.partial")  # one name for every process and pod: they share it
-    claims = Claims(work / "claims")
     meta_file = folder / "meta.json"
+    if meta_file.is_file():  # finished by another process since this one looked
+        return Prepared(folder, json.loads(meta_file.read_text()))
+    claims = Claims(work / "claims")
     try:
         tok, info = _shared_tokenizer(cfg, work, claims, log)
         parts = plan(cfg)
@@ -208,7 +210,7 @@ def _build(cfg: Config, key: str, folder: Path, log: Log | None, first: int) -> 
               lambda t: write_part(cfg, tok, tasks[t], work, dtype, masked), claims, log, "parts", first)
         share(["index"], lambda: {"index"} if meta_file.is_file() else set(), lambda _: meta_file.is_file(),
               lambda _: _publish(cfg, key, work, folder, parts, tok, info, dtype, masked), claims, log, "index")
-    except OSError:
+    except (OSError, DataError):
         if not meta_file.is_file():  # else: another process finished and moved the work while this one helped
             raise
     finally:
@@ -225,7 +227,7 @@ def _shared_tokenizer(cfg: Config, work: Path, claims: Claims, log: Log | None) 
         if corpus is not None and log:
             log("training the BPE tokenizer on the corpus")
         tok = build_tokenizer(cfg.data.tokenizer, corpus)
-        tmp = work / f"tokenizer.tmp-{os.getpid()}"
+        tmp = work / f"tokenizer.tmp-{process_tag()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tok.save(tmp)
         info = {"fingerprint": tok.fingerprint(), "kind": tok.kind, "vocab_size": tok.vocab_size,
@@ -293,7 +295,7 @@ def _publish(cfg: Config, key: str, work: Path, folder: Path, parts: list[Part],
         "parts": segments,
         "checksums": {name: digest for i in sorted(infos) for name, digest in infos[i]["checksums"].items()},
     }
-    tmp = work / f"meta.json.tmp-{os.getpid()}"
+    tmp = work / f"meta.json.tmp-{process_tag()}"
     tmp.write_text(json.dumps(meta, indent=1))
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
