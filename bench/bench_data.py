@@ -1,11 +1,16 @@
-"""Start-up data work on a large text corpus: first start (hash, tokenize, checksum) and second start (known
-files, verified shard), each in a fresh process as a restarted rank would be, against hashing the whole corpus
-again (what every start did before the fingerprints).
+"""Data preparation benchmarks, on corpora generated in a temporary folder (never committed).
 
-The corpus is generated in a temporary folder (never committed): N files of text drawn from the shipped corpus.
-Usage:
+startup (default): start-up data work on a large text corpus: first start (hash, tokenize, checksum) and
+second start (known files, verified shard), each in a fresh process as a restarted rank would be, against
+hashing the whole corpus again (what every start did before the fingerprints).
 
     PYTHONPATH=src .venv/bin/python bench/bench_data.py [--mb 256] [--files 256] [--dir /tmp/kt-bench] [--out FILE]
+
+tokenize: MB/s and peak memory (all processes together) of `kubetrain prepare` with 1 and 2 processes against
+Hugging Face `datasets` (`load_dataset("text")` + `map(batched=True, num_proc=2)`), one text file, the same
+BPE tokenizer (vocab 8192, a tokenizer.json folder, `kind: hf`), one after the other in the same run.
+
+    PYTHONPATH=src .venv/bin/python bench/bench_data.py --what tokenize [--mb 100] [--out auto]
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -91,7 +97,7 @@ def rehash_s(corpus: Path) -> float:
     h = hashlib.sha256()
     for f in sorted(corpus.iterdir()):
         with open(f, "rb") as fh:
-            for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
+            while block := fh.read(1 << 20):
                 h.update(block)
     return time.perf_counter() - t
 
@@ -105,13 +111,143 @@ def xxh3_gbps(path: Path) -> float:
     return path.stat().st_size / (time.perf_counter() - t) / 1e9
 
 
+# --- tokenize: kubetrain prepare against datasets.map -----------------------------------------------------
+
+HF_MAP = """
+import sys, time
+from datasets import load_dataset
+from transformers import AutoTokenizer
+corpus, tokenizer, cache = sys.argv[1:4]
+tok = AutoTokenizer.from_pretrained(tokenizer)
+ds = load_dataset("text", data_files=corpus, split="train", cache_dir=cache)
+def encode(batch):
+    return tok(batch["text"])
+out = ds.map(encode, batched=True, num_proc=2, remove_columns=["text"])
+print(sum(len(x) for x in out["input_ids"]))
+"""
+
+
+def make_text(path: Path, mb: int) -> int:
+    """One text file of about mb MiB: the shipped corpus with its words shuffled per copy (not one text repeated)."""
+    import random
+
+    words = builtin_corpus_path().read_text(encoding="utf-8").split(" ")
+    rng = random.Random(0)
+    size = 0
+    with open(path, "w", encoding="utf-8") as f:
+        while size < mb * 2**20:
+            cut = rng.randrange(len(words))
+            chunk = " ".join(words[cut:] + words[:cut])
+            f.write(chunk)
+            size += len(chunk.encode("utf-8"))
+    return path.stat().st_size
+
+
+def make_tokenizer(folder: Path, corpus: Path) -> Path:
+    """A byte-level BPE of vocab 8192 trained on the first 16 MiB, saved as a tokenizer.json folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=8192, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    with open(corpus, encoding="utf-8") as f:
+        head = f.read(16 << 20)
+    tok.train_from_iterator([head[i : i + (1 << 20)] for i in range(0, len(head), 1 << 20)], trainer=trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "model_max_length": 10**9}))
+    return folder
+
+
+def measured(cmd: list[str], **env: str) -> dict[str, Any]:
+    """Wall time and peak resident memory of a command and all its children together (psutil, every 50 ms)."""
+    import psutil
+
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env})
+    root = psutil.Process(proc.pid)
+    peak = 0
+    while proc.poll() is None:
+        try:
+            tree = [root, *root.children(recursive=True)]
+            peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
+        except psutil.Error:
+            pass
+        time.sleep(0.05)
+    wall = time.perf_counter() - t
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:4])} failed ({proc.returncode}):\n{err[-3000:]}")
+    return {"wall_s": wall, "peak_rss_mib": peak / 2**20, "stdout_tail": out.strip()[-200:]}
+
+
+def run_tokenize(mb: int, folder: Path, out: str | None) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    try:
+        corpus = folder / "corpus.txt"
+        size = make_text(corpus, mb)
+        tok = make_tokenizer(folder / "tokenizer", corpus)
+        runs: dict[str, dict[str, Any]] = {}
+        for name, nproc in (("kubetrain_1proc", 1), ("kubetrain_2proc", 2)):
+            cache = folder / f"cache-{name}"
+            sets = [f"data.sources.0.path={corpus}", "data.sources.0.kind=text", "data.tokenizer.kind=hf",
+                    f"data.tokenizer.path={tok}", f"data.cache_dir={cache}"]
+            runs[name] = measured([sys.executable, "-m", "kubetrain", "prepare", *[a for kv in sets
+                                   for a in ("--set", kv)], "--nproc", str(nproc), "--json"])
+            runs[name].pop("stdout_tail")
+            shard = next(p for p in cache.iterdir() if not p.name.startswith("."))
+            runs[name]["tokens"] = json.loads((shard / "meta.json").read_text())["tokens"]
+            shutil.rmtree(cache)
+            print(name, json.dumps(runs[name]), file=sys.stderr, flush=True)
+        # TOKENIZERS_PARALLELISM=false, as the tokenizers library asks of forked workers: without it the map's
+        # workers hung here (a lock held at fork), and a user of num_proc sets it for that reason
+        runs["hf_datasets_map_2proc"] = measured([sys.executable, "-c", HF_MAP, str(corpus), str(tok),
+                                                  str(folder / "hf-cache")], TOKENIZERS_PARALLELISM="false")
+        runs["hf_datasets_map_2proc"]["tokens"] = int(runs["hf_datasets_map_2proc"].pop("stdout_tail").split()[-1])
+        for r in runs.values():
+            r["mb_per_s"] = size / 2**20 / r["wall_s"]
+        ours, hf = runs["kubetrain_2proc"], runs["hf_datasets_map_2proc"]
+        result = {
+            "corpus_mib": size / 2**20, "tokenizer": "byte-level BPE, vocab 8192, tokenizer.json folder (kind: hf)",
+            "runs": runs,
+            "speed_vs_datasets": ours["mb_per_s"] / hf["mb_per_s"],
+            "memory_vs_datasets": ours["peak_rss_mib"] / hf["peak_rss_mib"],
+            "speed_vs_datasets_1proc": runs["kubetrain_1proc"]["mb_per_s"] / hf["mb_per_s"],
+            "memory_vs_datasets_1proc": runs["kubetrain_1proc"]["peak_rss_mib"] / hf["peak_rss_mib"],
+            "speedup_1_to_2_processes": ours["mb_per_s"] / runs["kubetrain_1proc"]["mb_per_s"],
+            "note": "datasets counts one line as one text and adds no EOS; kubetrain encodes the file as one document",
+            "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "python": platform.python_version(),
+            "threads": "kubetrain 1 process: the tokenizers' threads on every core; 2 processes: one each "
+                       "(RAYON_NUM_THREADS); datasets: TOKENIZERS_PARALLELISM=false in its 2 workers",
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                     check=False).stdout.strip(),
+        }
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    print(json.dumps(result, indent=2))
+    if out:
+        path = Path(out) if out != "auto" else (Path(__file__).parent / "results" /
+                                                f"data-tokenize-{mb}mb_cpu-{os.cpu_count()}core_{time.strftime('%Y-%m-%d')}.json")
+        path.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mb", type=int, default=256, help="corpus size in MiB")
+    ap.add_argument("--what", choices=["startup", "tokenize"], default="startup")
+    ap.add_argument("--mb", type=int, default=None, help="corpus size in MiB (startup 256, tokenize 100)")
     ap.add_argument("--files", type=int, default=256)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/kubetrain-bench-data"))
-    ap.add_argument("--out", type=Path, default=None, help="write the JSON result here too")
+    ap.add_argument("--out", type=str, default=None, help="write the JSON result here too ('auto': bench/results)")
     args = ap.parse_args()
+    if args.what == "tokenize":
+        run_tokenize(args.mb or 100, args.dir, args.out)
+        return
+    args.mb = args.mb or 256
     corpus, cache = args.dir / "corpus", args.dir / "cache"
     size = make_corpus(corpus, args.mb, args.files)
     shutil.rmtree(cache, ignore_errors=True)
@@ -132,7 +268,7 @@ def main() -> None:
     }
     print(json.dumps(result, indent=2))
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

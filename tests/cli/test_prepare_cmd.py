@@ -24,8 +24,8 @@ def test_prepare_json_then_cache_hit(run_main: RunMain, tmp_cwd: Path) -> None:
     assert folder.parent == Path("runs/.data")  # the cache lives under run.output_dir by default
     assert info["tokens"] == 20 * 200 + 2
     assert info["train_tokens"] + info["val_tokens"] == info["tokens"]
-    assert (folder / "tokens.bin").stat().st_size == 2 * info["tokens"]  # uint16
-    stamp = (folder / "tokens.bin").stat().st_mtime_ns
+    assert (folder / "parts/00000.bin").stat().st_size == 2 * info["tokens"]  # uint16, one part
+    stamp = (folder / "parts/00000.bin").stat().st_mtime_ns
 
     code, out, _ = run_main("prepare", *args)
     assert code == 0
@@ -33,7 +33,7 @@ def test_prepare_json_then_cache_hit(run_main: RunMain, tmp_cwd: Path) -> None:
         f"{folder}: {info['tokens']:,} tokens ({info['train_tokens']:,} train, {info['val_tokens']:,} val), "
         "byte tokenizer, vocab 256"
     ]  # no "preparing" line: nothing was done
-    assert (folder / "tokens.bin").stat().st_mtime_ns == stamp
+    assert (folder / "parts/00000.bin").stat().st_mtime_ns == stamp
 
 
 def test_prepare_says_what_it_does_the_first_time(run_main: RunMain, tmp_cwd: Path) -> None:

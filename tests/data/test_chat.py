@@ -11,7 +11,7 @@ import pytest
 from kubetrain.config.loading import validate
 from kubetrain.config.schema import ChatConfig, Config, SourceConfig
 from kubetrain.data.chat import encode_conversations
-from kubetrain.data.shards import MASK_FILE, TOKENS_FILE, prepare
+from kubetrain.data.shards import prepare
 from kubetrain.data.tokenizers import ByteTokenizer, HFTokenizer, load_hf_tokenizer
 from kubetrain.errors import DataError
 
@@ -154,8 +154,8 @@ def test_unpacked_conversations_fill_one_window_each(
     tmp_path: Path, chat_file: Path, hf_tokenizer_dir: Path
 ) -> None:
     prepared = prepare(chat_config(tmp_path, chat_file, hf_tokenizer_dir))
-    tokens = np.fromfile(prepared.folder / TOKENS_FILE, dtype=prepared.dtype)
-    mask = np.fromfile(prepared.folder / MASK_FILE, dtype=np.uint8)
+    tokens = np.asarray(prepared.tokens()[:])
+    mask = np.asarray(prepared.mask()[:])  # type: ignore[index]
     n_rows = len(chat_file.read_text().splitlines())
     assert len(tokens) == n_rows * 64 and prepared.n_val % 64 == 0 and prepared.n_val > 0
     windows, masks = tokens.reshape(n_rows, 64), mask.reshape(n_rows, 64)
@@ -169,7 +169,7 @@ def test_packing_concatenates_without_padding(
     tmp_path: Path, chat_file: Path, hf_tokenizer_dir: Path
 ) -> None:
     packed = prepare(chat_config(tmp_path, chat_file, hf_tokenizer_dir, packing=True))
-    tokens = np.fromfile(packed.folder / TOKENS_FILE, dtype=packed.dtype)
+    tokens = np.asarray(packed.tokens()[:])
     assert 4 not in tokens.tolist()
     tok = load_hf_tokenizer(str(hf_tokenizer_dir))
     expected = sum(len(ids) for ids, _ in encode(chat_file, tok))

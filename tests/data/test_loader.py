@@ -12,7 +12,7 @@ import torch
 
 from kubetrain.config import load_config
 from kubetrain.data.loader import IGNORE_INDEX, Batch, TokenWindows, TrainLoader, val_batches
-from kubetrain.data.shards import MASK_FILE, TOKENS_FILE, Prepared, prepare
+from kubetrain.data.shards import Prepared, prepare
 
 BLOCK = 8
 
@@ -38,7 +38,7 @@ def test_windows_are_next_token_pairs(prepared: Prepared) -> None:
     assert len({rows(w.batch([i]))[0] for i in range(w.n_windows)}) == w.n_windows
     assert w.n_windows == (prepared.n_train - 1) // BLOCK
     batch = w.batch([0, 3])
-    all_tokens = np.fromfile(prepared.folder / TOKENS_FILE, dtype=prepared.dtype).astype(np.int64)
+    all_tokens = np.asarray(prepared.tokens()[:]).astype(np.int64)
     assert batch.input_ids.shape == batch.labels.shape == (2, BLOCK)
     assert batch.input_ids.dtype == batch.labels.dtype == torch.int64
     assert batch.input_ids[1].tolist() == all_tokens[3 * BLOCK : 4 * BLOCK].tolist()
@@ -48,7 +48,7 @@ def test_windows_are_next_token_pairs(prepared: Prepared) -> None:
 
 def test_val_windows_come_from_the_tail(prepared: Prepared) -> None:
     val = windows_of(prepared, "val")
-    all_tokens = np.fromfile(prepared.folder / TOKENS_FILE, dtype=prepared.dtype).astype(np.int64)
+    all_tokens = np.asarray(prepared.tokens()[:]).astype(np.int64)
     assert val.n_windows == (prepared.n_val - 1) // BLOCK
     first = val.batch([0]).input_ids[0].tolist()
     assert first == all_tokens[prepared.n_train : prepared.n_train + BLOCK].tolist()
@@ -138,10 +138,13 @@ def test_state_from_other_data_is_refused(prepared: Prepared) -> None:
 
 
 def test_masked_shard_labels_are_ignored_where_the_mask_is_zero(prepared: Prepared) -> None:
-    # A chat shard carries mask.bin; positions with mask 0 must not count in the loss.
-    n = prepared.meta["tokens"]
-    mask = np.tile(np.array([1, 0], dtype=np.uint8), n // 2 + 1)[:n]
-    mask.tofile(prepared.folder / MASK_FILE)
+    # A chat shard carries a mask per part; positions with mask 0 must not count in the loss.
+    start = 0
+    for segment in prepared.segments:
+        n = segment["tokens"]
+        mask = np.tile(np.array([1, 0], dtype=np.uint8), n // 2 + 1)[start % 2 : start % 2 + n]
+        mask.tofile(prepared.folder / f"{segment['part']}.mask")
+        start += n
     masked = Prepared(prepared.folder, {**prepared.meta, "masked": True})
     batch = TokenWindows(masked, "train", BLOCK).batch([0])
     # Label j is token j + 1, whose mask is 1 when j + 1 is even.

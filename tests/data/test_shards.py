@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kubetrain.config import Config, load_config
-from kubetrain.data.shards import INDEX_DIR, TOKENS_FILE, Prepared, cache_root, data_key, prepare
+from kubetrain.data.shards import INDEX_DIR, Prepared, cache_root, data_key, prepare
 from kubetrain.errors import DataError
 
 TEXT = "And God said, Let there be light: and there was light.\n" * 40
@@ -28,7 +28,7 @@ def text_config(tmp_path: Path, text: str = TEXT, *overrides: str) -> Config:
 
 
 def tokens(prepared: Prepared) -> np.ndarray:
-    return np.fromfile(prepared.folder / TOKENS_FILE, dtype=prepared.dtype)
+    return np.asarray(prepared.tokens()[:])
 
 
 def test_byte_shard_holds_the_text_and_a_separator(tmp_path: Path) -> None:
@@ -39,7 +39,7 @@ def test_byte_shard_holds_the_text_and_a_separator(tmp_path: Path) -> None:
     assert p.meta["tokens"] == len(raw)
     assert p.meta["vocab_size"] == 256
     assert p.meta["tokenizer_kind"] == "byte"
-    assert not p.has_mask and not (p.folder / "mask.bin").exists()
+    assert not p.has_mask and not list(p.folder.rglob("*.mask"))
     assert p.tokenizer().decode(tokens(p).tolist()) == TEXT + "\n\n"
 
 
@@ -126,8 +126,12 @@ def test_several_sources_and_weights(tmp_path: Path) -> None:
 def test_empty_corpus(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="the corpus is empty"):
         prepare(text_config(tmp_path, ""))
-    left = [d.name for d in cache_root(text_config(tmp_path, "")).iterdir()]
-    assert left == [INDEX_DIR]  # the failed attempt left nothing but the index
+    left = sorted(d.name for d in cache_root(text_config(tmp_path, "")).iterdir())
+    # the failed attempt left the index and its work folder, which holds no data, only the error for other
+    # processes that prepare the same data
+    assert len(left) == 2 and INDEX_DIR in left
+    work = next(name for name in left if name != INDEX_DIR)
+    assert work.endswith(".partial") and not list((cache_root(text_config(tmp_path, "")) / work).rglob("*.bin"))
 
 
 def test_empty_jsonl_texts_are_an_empty_corpus(tmp_path: Path) -> None:
@@ -195,18 +199,19 @@ def test_a_cache_hit_reads_no_corpus_file_and_verifies_the_shard(
         os.utime(corpus / f"{i}.txt", (time.time() - 60, time.time() - 60))
     cfg = config(tmp_path, "data.sources.0.kind=text", f"data.sources.0.path={corpus}")
     first = prepare(cfg)
-    assert set(first.meta["checksums"]) == {TOKENS_FILE}
+    shards_files = {f"parts/{i:05d}.bin" for i in range(3)}  # a part per file
+    assert set(first.meta["checksums"]) == shards_files
     read: list[str] = []
 
     def spy(path: Path) -> str:
-        read.append(Path(path).name)
+        read.append(Path(path).relative_to(first.folder).as_posix())
         return file_digest(path)
 
     file_digest = fingerprints.file_digest
     monkeypatch.setattr(fingerprints, "file_digest", spy)
     monkeypatch.setattr(shards, "file_digest", spy)
     assert prepare(cfg).folder == first.folder
-    assert read == [TOKENS_FILE]  # the corpus is known by its fingerprints; the shard is checked
+    assert sorted(read) == sorted(shards_files)  # the corpus is known by its fingerprints; the shard is checked
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
@@ -216,7 +221,7 @@ def test_a_damaged_shard_is_prepared_again(
     cfg = text_config(tmp_path)
     first = prepare(cfg)
     good = tokens(first).copy()
-    shard = first.folder / TOKENS_FILE
+    shard = first.folder / "parts/00000.bin"
     if damage == "flip":
         raw = bytearray(shard.read_bytes())
         raw[100] ^= 1
@@ -228,15 +233,15 @@ def test_a_damaged_shard_is_prepared_again(
     again = prepare(cfg)
     assert np.array_equal(tokens(again), good)
     err = capsys.readouterr().err
-    assert f"warning: the prepared data in {first.folder} is damaged (tokens.bin " in err
+    assert f"warning: the prepared data in {first.folder} is damaged (parts/00000.bin " in err
 
 
 def test_the_chat_mask_is_checksummed_too(tmp_path: Path, chat_file: Path) -> None:
     cfg = config(tmp_path, "data.sources.0.kind=chat", f"data.sources.0.path={chat_file}",
                  "data.chat.template=chatml", "data.chat.packing=true")
     first = prepare(cfg)
-    assert set(first.meta["checksums"]) == {TOKENS_FILE, "mask.bin"}
-    mask = first.folder / "mask.bin"
+    assert set(first.meta["checksums"]) == {"parts/00000.bin", "parts/00000.mask"}
+    mask = first.folder / "parts/00000.mask"
     good = mask.read_bytes()
     mask.write_bytes(bytes(b ^ 1 for b in good))
-    assert (prepare(cfg).folder / "mask.bin").read_bytes() == good
+    assert (prepare(cfg).folder / "parts/00000.mask").read_bytes() == good

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -214,3 +216,14 @@ def test_prompts_start_with_bos_when_the_tokenizer_adds_one(hf_tokenizer_dir: Pa
     no_bos = build_tokenizer(TokenizerConfig(kind="hf", path=str(make_hf_tokenizer_folder(tmp_path / "plain"))))
     assert prompt_ids(no_bos, text) == no_bos.encode(text)
     assert prompt_ids(ByteTokenizer(), text) == list(text.encode())
+
+
+def test_batch_encode_gives_the_ids_of_encode(tmp_path: Path) -> None:
+    from kubetrain.data.tokenizers import ByteTokenizer, encode_texts, load_hf_tokenizer, train_bpe
+
+    texts = ["Hello world.\nAnd God said", "", "Ça va très bien, 日本語 123456 it's"]
+    toks: list[Any] = [ByteTokenizer(), train_bpe(texts * 20, 300)]
+    if importlib.util.find_spec("transformers"):
+        toks.append(load_hf_tokenizer(str(make_hf_tokenizer_folder(tmp_path / "hf"))))
+    for tok in toks:
+        assert [ids.tolist() for ids in encode_texts(tok, texts)] == [tok.encode(t) for t in texts]

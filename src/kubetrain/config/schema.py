@@ -90,6 +90,11 @@ class DataConfig(Section):
     chat: ChatConfig = Field(default_factory=ChatConfig, description="How chat sources are rendered and masked.")
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of tokens held out for validation.")
     cache_dir: str | None = Field(None, description="Where prepared shards go (default <output_dir>/.data).")
+    part_mb: float = Field(
+        32.0, gt=0, le=4096,
+        description="Size of the parts of text and JSONL files that processes tokenize in parallel (MiB); "
+        "part of the cache key.",
+    )
 
 
 class LoraConfig(Section):
@@ -212,7 +217,14 @@ class DistConfig(Section):
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp: a full copy per process; fsdp: FSDP2 shards weights and optimizer state."
     )
-    timeout_seconds: int = Field(600, ge=10, description="Collective timeout; a hung rank fails the job.")
+    timeout_seconds: int = Field(
+        600, ge=1, description="Collective timeout once the first step is done; a hung rank fails the job."
+    )
+    init_timeout_seconds: int = Field(
+        1800, ge=1,
+        description="Collective timeout until the first step is done (start-up: loading, restoring, the first "
+        "collectives of slow ranks); then timeout_seconds applies.",
+    )
 
 
 class PhaseConfig(Section):

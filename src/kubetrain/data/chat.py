@@ -93,7 +93,7 @@ def _conversations(src: SourceConfig, chat_cfg: ChatConfig, quiet: bool) -> Iter
     """('file:line', messages) per good row; bad rows raise, or are skipped and counted."""
     skipped, first_bad = 0, ""
     for f in sources.source_files(src):
-        for lineno, line in enumerate(sources.read_text(f).splitlines(), start=1):
+        for lineno, line in sources.iter_lines(f):
             if not line.strip():
                 continue
             where = f"{f}:{lineno}"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kubetrain.data.shards import MASK_FILE, TOKENS_FILE, Prepared
+from kubetrain.data.shards import Prepared
 
 IGNORE_INDEX = -100
 
@@ -36,13 +36,11 @@ class TokenWindows:
     """The windows of one split (train or val) of a prepared shard."""
 
     def __init__(self, prepared: Prepared, split: str, block_size: int) -> None:
-        tokens = np.memmap(prepared.folder / TOKENS_FILE, dtype=prepared.dtype, mode="r")
         train = split == "train"
         start, end = (0, prepared.n_train) if train else (prepared.n_train, int(prepared.meta["tokens"]))
-        self.tokens = tokens[start:end]
-        self.mask = None
-        if prepared.has_mask:
-            self.mask = np.memmap(prepared.folder / MASK_FILE, dtype=np.uint8, mode="r")[start:end]
+        self.tokens = prepared.tokens().view(start, end)
+        mask = prepared.mask()
+        self.mask = mask.view(start, end) if mask is not None else None
         self.block_size = block_size
         self.n_windows = max(0, (len(self.tokens) - 1) // block_size)
 

@@ -1,30 +1,43 @@
-"""`prepare`: turn the configured sources into one token shard (memmap) + meta.json, cached by content."""
+"""`prepare`: turn the configured sources into token shards (memmaps) + meta.json, cached by content.
+
+Every process that needs the data (each rank of a job, each `prepare --nproc` worker) calls `prepare`; they
+share the work through the cache folder (claims.py): one builds the tokenizer, all tokenize parts of the
+sources (parts.py), one writes the index (index.py) and renames the folder into place. Nobody waits in a
+collective, so the work is bounded by the data, never by `dist.timeout_seconds`.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import sys
-import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kubetrain.config.schema import Config, SourceConfig
+from kubetrain.config.schema import Config
 from kubetrain.data import sources
-from kubetrain.data.fingerprints import DigestCache, file_digest, locked
-from kubetrain.data.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer, load_saved_tokenizer
+from kubetrain.data.claims import Claims, process_tag, share
+from kubetrain.data.fingerprints import DigestCache, file_digest
+from kubetrain.data.index import Segment, TokenSequence, join, length
+from kubetrain.data.parts import PARTS_DIR, Part, plan, write_part
+from kubetrain.data.pieces import PIECE_BYTES, text_pieces
+from kubetrain.data.tokenizers import Tokenizer, build_tokenizer, load_saved_tokenizer
 from kubetrain.errors import DataError
 
-FORMAT_VERSION = 2  # 2: files known by xxh3-128 digests, every shard file checksummed
-TOKENS_FILE = "tokens.bin"
-INDEX_DIR = ".index"  # in the cache root: the digests of known data files, and the locks of preparing processes
-MASK_FILE = "mask.bin"  # uint8, 1 where the token counts in the loss (chat data); absent means all count
+# 2: files known by xxh3-128 digests, every shard file checksummed; 3: parts joined by an index, long texts
+# encoded in pieces (pieces.py)
+FORMAT_VERSION = 3
+INDEX_DIR = ".index"  # in the cache root: the digests of known data files
+TOKENIZER_INFO = "kubetrain_prepared.json"  # what the tokenizer that prepared the data is (its fingerprint)
+
+Log = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,18 @@ class Prepared:
     def has_mask(self) -> bool:
         return bool(self.meta.get("masked"))
 
+    @property
+    def segments(self) -> list[Segment]:
+        return list(self.meta["parts"])
+
+    def tokens(self) -> TokenSequence:
+        """All tokens, train then validation, read through memory maps of the parts."""
+        return TokenSequence(self.folder, self.segments, self.dtype)
+
+    def mask(self) -> TokenSequence | None:
+        """1 where a token counts in the loss (chat data); None when all count."""
+        return TokenSequence(self.folder, self.segments, np.dtype(np.uint8), ".mask") if self.has_mask else None
+
     def tokenizer(self) -> Tokenizer:
         return load_saved_tokenizer(self.folder / "tokenizer")
 
@@ -73,6 +98,7 @@ def data_key(cfg: Config) -> str:
     h.update(json.dumps(cfg.data.tokenizer.model_dump(mode="json"), sort_keys=True).encode())
     h.update(json.dumps(cfg.data.chat.model_dump(mode="json"), sort_keys=True).encode())
     h.update(f"{cfg.data.val_fraction}".encode())
+    h.update(f"part{cfg.data.part_mb}:piece{PIECE_BYTES}".encode())  # where long texts are cut
     if _unpacked_chat(cfg):  # conversations are laid out one per window
         h.update(f"block{cfg.model.block_size}".encode())
     if cfg.data.tokenizer.kind == "hf" and cfg.data.tokenizer.path and Path(cfg.data.tokenizer.path).exists():
@@ -92,19 +118,41 @@ def _unpacked_chat(cfg: Config) -> bool:
     return not cfg.data.chat.packing and any(src.kind == "chat" for src in cfg.data.sources)
 
 
-def prepare(cfg: Config, min_tokens: int | None = None, log: Any = None) -> Prepared:
-    """Tokenize the sources once; later calls with the same content return the cached shard at once."""
+def prepare(cfg: Config, min_tokens: int | None = None, log: Log | None = None, first: int = 0) -> Prepared:
+    """Tokenize the sources once; later calls with the same content return the cached shard at once.
+
+    Several processes calling it together split the work; `first` (a rank, say) spreads where they start.
+    """
     cfg = with_resolved_sources(cfg)
     key = data_key(cfg)
     folder = cache_root(cfg) / key
-    prepared = _cached(folder)
-    if prepared is None:
-        # One process tokenizes while the others on this machine (ranks, a second `prepare`) wait, then find
-        # the shard; processes on other machines sharing the volume race, and the first rename wins.
-        with locked(folder.parent / INDEX_DIR / f"{key}.lock"):
-            prepared = _cached(folder) or _build(cfg, key, folder, log)
+    prepared = _cached(folder) or _build(cfg, key, folder, log, first)
     _check_size(prepared, min_tokens)
     return prepared
+
+
+def prepare_in_processes(cfg: Config, nproc: int, min_tokens: int | None = None, log: Log | None = None) -> Prepared:
+    """`prepare` by nproc local processes together: this one and nproc - 1 started for it (the same path as the
+    ranks of a job take)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # fork would copy this process's threads and tokenizer state
+    if nproc > 1:  # the tokenizers' Rust threads: the cores shared out, not every process using all of them
+        os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    workers = [ctx.Process(target=_prepare_worker, args=(cfg.model_dump(mode="json"), i), daemon=True)
+               for i in range(1, nproc)]
+    for w in workers:
+        w.start()
+    try:
+        return prepare(cfg, min_tokens, log, first=0)
+    finally:
+        for w in workers:
+            w.join()
+
+
+def _prepare_worker(raw: dict[str, Any], first: int) -> None:
+    with contextlib.suppress(DataError):  # the process that started it meets the same error and reports it
+        prepare(Config.model_validate(raw), first=first)
 
 
 def _cached(folder: Path) -> Prepared | None:
@@ -132,26 +180,128 @@ def verify(prepared: Prepared) -> str | None:
     return None
 
 
-def _build(cfg: Config, key: str, folder: Path, log: Any) -> Prepared:
-    if log:
-        log(f"preparing data into {folder}")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    # Written into a temporary folder and renamed into place: a reader never sees half a shard.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=folder.parent))
+def _build(cfg: Config, key: str, folder: Path, log: Log | None, first: int) -> Prepared:
+    """Prepare the data together with whichever other processes are preparing it, into folder."""
+    work = folder.with_name(f".{key}.partial")  # one name for every process and pod: they share it
+    meta_file = folder / "meta.json"
+    if meta_file.is_file():  # finished by another process since this one looked
+        return Prepared(folder, json.loads(meta_file.read_text()))
+    claims = Claims(work / "claims")
     try:
-        meta = _write_shard(cfg, tmp)
-        meta["key"] = key
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        _fsync_tree(tmp)
-        try:
-            os.rename(tmp, folder)
-        except OSError:
-            if not (folder / "meta.json").is_file():
-                raise
+        tok, info = _shared_tokenizer(cfg, work, claims, log)
+        parts = plan(cfg)
+        tasks = {f"part-{p.index:05d}": p for p in parts}
+        dtype = np.dtype(np.uint16 if info["vocab_size"] <= 65535 else np.uint32)
+        masked = any(src.kind == "chat" for src in cfg.data.sources)
+        if log:
+            log(f"preparing data into {folder}: {len(parts)} parts of up to {cfg.data.part_mb:g} MiB, shared by "
+                "every process that prepares it")
+
+        def parts_done() -> set[str]:
+            if meta_file.is_file():
+                return set(tasks)
+            try:
+                names = set(os.listdir(work / PARTS_DIR))
+            except FileNotFoundError:
+                names = set()
+            return {t for t, p in tasks.items() if f"{Path(p.name).name}.json" in names}
+
+        share(list(tasks), parts_done, lambda t: (work / f"{tasks[t].name}.json").is_file() or meta_file.is_file(),
+              lambda t: write_part(cfg, tok, tasks[t], work, dtype, masked), claims, log, "parts", first)
+        share(["index"], lambda: {"index"} if meta_file.is_file() else set(), lambda _: meta_file.is_file(),
+              lambda _: _publish(cfg, key, work, folder, parts, tok, info, dtype, masked), claims, log, "index")
+    except (OSError, DataError):
+        if not meta_file.is_file():  # else: another process finished and moved the work while this one helped
+            raise
     finally:
-        if tmp.exists():
+        claims.close()
+    return Prepared(folder, json.loads(meta_file.read_text()))
+
+
+def _shared_tokenizer(cfg: Config, work: Path, claims: Claims, log: Log | None) -> tuple[Tokenizer, dict[str, Any]]:
+    """The tokenizer, built (a BPE trained) by one process and saved for the others; what it is."""
+    saved = work / "tokenizer"
+
+    def build(_: str) -> None:
+        corpus = training_texts(cfg) if cfg.data.tokenizer.kind == "bpe" else None
+        if corpus is not None and log:
+            log("training the BPE tokenizer on the corpus")
+        tok = build_tokenizer(cfg.data.tokenizer, corpus)
+        tmp = work / f"tokenizer.tmp-{process_tag()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok.save(tmp)
+        info = {"fingerprint": tok.fingerprint(), "kind": tok.kind, "vocab_size": tok.vocab_size,
+                "eos_id": tok.eos_id}
+        (tmp / TOKENIZER_INFO).write_text(json.dumps(info))
+        try:
+            os.rename(tmp, saved)
+        except OSError:  # another process saved it first (a taken-over claim)
             shutil.rmtree(tmp, ignore_errors=True)
-    return Prepared(folder, json.loads((folder / "meta.json").read_text()))
+            if not (saved / TOKENIZER_INFO).is_file():
+                raise
+
+    def done() -> set[str]:
+        return {"tokenizer"} if (saved / TOKENIZER_INFO).is_file() else set()
+
+    share(["tokenizer"], done, lambda _: bool(done()), build, claims, log, "tokenizer")
+    return load_saved_tokenizer(saved), json.loads((saved / TOKENIZER_INFO).read_text())
+
+
+def training_texts(cfg: Config) -> Iterator[str]:
+    """What a BPE tokenizer learns from: every document (text files in pieces cut where the pre-tokenizer
+    splits, so the word counts, and the tokenizer, are those of whole files)."""
+    from kubetrain.data.chat import conversation_texts
+
+    for src in cfg.data.sources:
+        if src.kind == "chat":
+            yield from conversation_texts(src)
+        elif src.kind in ("text", "builtin"):
+            for f in sources.source_files(src):
+                with open(f, "rb") as fh:
+                    yield from text_pieces(fh, 0, f.stat().st_size)
+        else:
+            yield from sources.iter_documents(src)
+
+
+def _publish(cfg: Config, key: str, work: Path, folder: Path, parts: list[Part], tok: Tokenizer,
+             info: dict[str, Any], dtype: np.dtype[Any], masked: bool) -> None:
+    """Join the parts into the index, write meta.json and move the folder into place."""
+    from kubetrain.data.chat import pad_id
+
+    infos = {p.index: json.loads((work / f"{p.name}.json").read_text()) for p in parts}
+    segments = join(cfg, parts, infos, pad_id(tok))
+    n_tokens = sum(length(segment) for segment in segments)
+    if n_tokens == 0:
+        names = ", ".join(s.path or "builtin corpus" for s in cfg.data.sources)
+        raise DataError(f"the corpus is empty: no tokens in {names}")
+    n_val = int(n_tokens * cfg.data.val_fraction)
+    if _unpacked_chat(cfg):
+        n_val -= n_val % cfg.model.block_size  # the validation windows start on a conversation too
+    meta = {
+        "format": FORMAT_VERSION,
+        "key": key,
+        "tokenizer": info["fingerprint"],
+        "tokenizer_kind": info["kind"],
+        "vocab_size": info["vocab_size"],
+        "eos_id": info["eos_id"],
+        "dtype": dtype.name,
+        "tokens": n_tokens,
+        "train_tokens": n_tokens - n_val,
+        "val_tokens": n_val,
+        "val_fraction": cfg.data.val_fraction,
+        "masked": masked,
+        "part_mb": cfg.data.part_mb,
+        "sources": [s.model_dump(mode="json") for s in cfg.data.sources],
+        "parts": segments,
+        "checksums": {name: digest for i in sorted(infos) for name, digest in infos[i]["checksums"].items()},
+    }
+    tmp = work / f"meta.json.tmp-{process_tag()}"
+    tmp.write_text(json.dumps(meta, indent=1))
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, work / "meta.json")
+    shutil.rmtree(work / "claims", ignore_errors=True)
+    os.rename(work, folder)
 
 
 def _check_size(prepared: Prepared, min_tokens: int | None) -> None:
@@ -169,84 +319,3 @@ def _check_size(prepared: Prepared, min_tokens: int | None) -> None:
         )
 
 
-def encoded(cfg: Config, tok: Tokenizer, src: SourceConfig) -> Iterator[tuple[list[int], list[int] | None]]:
-    """(token ids, loss mask or None) for each document or conversation of a source."""
-    if src.kind == "chat":
-        from kubetrain.data.chat import encode_conversations
-
-        yield from encode_conversations(src, tok, cfg.data.chat, block_size=cfg.model.block_size)
-        return
-    sep = _document_separator(tok)
-    whole, frac = divmod(src.weight, 1.0)
-    for copy in range(int(whole) + (1 if frac else 0)):
-        docs: Iterable[str] = sources.iter_documents(src)
-        if copy == int(whole):  # the fractional copy: the first share of the documents
-            listed = list(docs)
-            docs = listed[: int(len(listed) * frac)]
-        for doc in docs:
-            if doc:
-                yield tok.encode(doc) + sep, None
-
-
-def _document_separator(tok: Tokenizer) -> list[int]:
-    """EOS after each document; a blank line for the byte tokenizer, as its shards always had (its EOS came
-    later): the same corpus keeps giving the same tokens, so runs trained on them still resume."""
-    if tok.eos_id is None or isinstance(tok, ByteTokenizer):
-        return tok.encode("\n\n")
-    return [tok.eos_id]
-
-
-def _write_shard(cfg: Config, out: Path) -> dict[str, Any]:
-    from kubetrain.data.chat import conversation_texts
-
-    corpus = (doc for src in cfg.data.sources
-              for doc in (conversation_texts(src) if src.kind == "chat" else sources.iter_documents(src)))
-    tok = build_tokenizer(cfg.data.tokenizer, corpus if cfg.data.tokenizer.kind == "bpe" else None)
-    tok.save(out / "tokenizer")
-    dtype = np.uint16 if tok.vocab_size <= 65535 else np.uint32
-    n_tokens = 0
-    masked = any(src.kind == "chat" for src in cfg.data.sources)
-    with open(out / TOKENS_FILE, "wb") as ft, open(out / MASK_FILE, "wb") as fm:
-        for src in cfg.data.sources:
-            if src.kind == "chat" and _unpacked_chat(cfg) and n_tokens % cfg.model.block_size:
-                from kubetrain.data.chat import pad_id
-
-                fill = cfg.model.block_size - n_tokens % cfg.model.block_size  # start on a window boundary
-                ft.write(np.full(fill, pad_id(tok), dtype=dtype).tobytes())
-                fm.write(np.zeros(fill, dtype=np.uint8).tobytes())
-                n_tokens += fill
-            for ids, mask in encoded(cfg, tok, src):
-                ft.write(np.asarray(ids, dtype=dtype).tobytes())
-                if masked:
-                    fm.write(np.asarray(mask if mask is not None else [1] * len(ids), dtype=np.uint8).tobytes())
-                n_tokens += len(ids)
-    if not masked:
-        (out / MASK_FILE).unlink()
-    if n_tokens == 0:
-        names = ", ".join(s.path or "builtin corpus" for s in cfg.data.sources)
-        raise DataError(f"the corpus is empty: no tokens in {names}")
-    n_val = int(n_tokens * cfg.data.val_fraction)
-    if _unpacked_chat(cfg):
-        n_val -= n_val % cfg.model.block_size  # the validation windows start on a conversation too
-    return {
-        "format": FORMAT_VERSION,
-        "tokenizer": tok.fingerprint(),
-        "tokenizer_kind": tok.kind,
-        "vocab_size": tok.vocab_size,
-        "eos_id": tok.eos_id,
-        "dtype": np.dtype(dtype).name,
-        "tokens": n_tokens,
-        "train_tokens": n_tokens - n_val,
-        "val_tokens": n_val,
-        "val_fraction": cfg.data.val_fraction,
-        "masked": masked,
-        "sources": [s.model_dump(mode="json") for s in cfg.data.sources],
-        "checksums": {f.name: file_digest(f) for f in (out / TOKENS_FILE, out / MASK_FILE) if f.is_file()},
-    }
-
-
-def _fsync_tree(folder: Path) -> None:
-    for f in folder.rglob("*"):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())

@@ -127,9 +127,21 @@ def read_text(path: Path) -> str:
         raise DataError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
 
 
+def iter_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of every line, read as a stream: memory holds one line, not the file."""
+    pos = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: not UTF-8 text (invalid byte at offset {pos + e.start})") from None
+            pos += len(raw)
+
+
 def iter_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object) for every non-blank line; bad JSON names its line."""
-    for lineno, line in enumerate(read_text(path).splitlines(), start=1):
+    for lineno, line in iter_lines(path):
         if not line.strip():
             continue
         try:

@@ -8,13 +8,19 @@ import os
 import torch
 import torch.distributed as td
 from torch import nn
+from torch.distributed import distributed_c10d
 
 from kubetrain.config.schema import DistConfig
 from kubetrain.distributed.env import ProcessEnv, process_env
 
 
 def init(cfg: DistConfig, device: torch.device) -> ProcessEnv:
-    """Join the process group when launched as one of several workers; a no-op for one process."""
+    """Join the process group when launched as one of several workers; a no-op for one process.
+
+    The group starts with the generous start-up timeout (`init_timeout_seconds`): until the first step, ranks
+    reach their first collectives at different times (loading, restoring, compiling). `use_step_timeout`
+    lowers it once the first step is done, as torchtitan does.
+    """
     penv = process_env()
     if not penv.distributed or td.is_initialized():
         return penv
@@ -25,10 +31,24 @@ def init(cfg: DistConfig, device: torch.device) -> ProcessEnv:
         torch.cuda.set_device(device)
     td.init_process_group(
         backend=backend,
-        timeout=datetime.timedelta(seconds=cfg.timeout_seconds),
+        timeout=datetime.timedelta(seconds=max(cfg.init_timeout_seconds, cfg.timeout_seconds)),
         device_id=device if device.type == "cuda" else None,
     )
     return penv
+
+
+def use_step_timeout(cfg: DistConfig, device: torch.device) -> None:
+    """Every collective from now on fails after `timeout_seconds` (a hung rank is found quickly).
+
+    A barrier first, under the start-up timeout: a slow rank may still be in start-up work while a fast one
+    would otherwise start its next collective with the short timeout and fail (torchtitan's set_pg_timeouts).
+    """
+    if not td.is_initialized():
+        return
+    td.barrier(device_ids=[device.index] if device.type == "cuda" and device.index is not None else None)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=cfg.timeout_seconds), None)
 
 
 def teardown() -> None:

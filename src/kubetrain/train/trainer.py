@@ -131,6 +131,8 @@ class Trainer:
             with stop:
                 while state.step < self.max_steps:
                     self.train_step()
+                    if state.step == self.start_step + 1:  # start-up is behind us: the short timeout from now on
+                        dist.use_step_timeout(cfg.dist, self.device)
                     final = state.step >= self.max_steps
                     if state.step % cfg.train.log_every_steps == 0 or final:
                         self.log_train()
@@ -163,14 +165,10 @@ class Trainer:
     # --- setup: everything a dry run needs too -------------------------------------------------------------
 
     def setup(self) -> None:
-        """Data (rank 0 tokenizes, the others find it in the content-addressed cache), model, step arithmetic."""
+        """Data (every rank tokenizes a share, through the cache folder, never in a collective), model, steps."""
         cfg, penv = self.cfg, self.penv
         need = cfg.model.block_size + 1
-        if self.main:
-            self.prepared = prepare(cfg, min_tokens=need, log=self.say)
-        dist.barrier()
-        if not self.main:
-            self.prepared = prepare(cfg, min_tokens=need)
+        self.prepared = prepare(cfg, min_tokens=need, log=self.say, first=penv.rank)
         if penv.distributed:
             self.out(f"process {penv.rank}/{penv.world_size} on {self.device} (local rank {penv.local_rank})")
         prepared = self.prepared
