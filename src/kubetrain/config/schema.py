@@ -161,7 +161,10 @@ class TrainConfig(Section):
 
 class EvalConfig(Section):
     every_steps: int = Field(50, ge=1, description="Steps between evaluations (validation loss, sample).")
-    batches: int = Field(8, ge=1, description="Validation batches per evaluation.")
+    batches: int = Field(
+        8, ge=1, description="Validation batches of train.micro_batch_size windows per evaluation, over all ranks "
+        "together: the same windows and the same loss at any world size."
+    )
     sample_prompt: str | None = Field(
         "And God said", min_length=1, description="Prompt for a sample at each eval (null: off)."
     )
