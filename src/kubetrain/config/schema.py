@@ -173,6 +173,10 @@ class EvalConfig(Section):
 
 class CheckpointConfig(Section):
     every_steps: int = Field(100, ge=1, description="Steps between checkpoints (one is also saved at the end).")
+    save_best: bool = Field(
+        False, description="Also save a checkpoint at every evaluation that improves the val loss (off: only "
+        "every_steps, the end and a stop; `best` then names the saved checkpoint with the lowest val loss)."
+    )
     keep_last: int = Field(3, ge=1, description="Periodic checkpoints kept (best is always kept).")
     grace_seconds: float = Field(60.0, gt=0, description="Time allowed to save after SIGTERM.")
     uri: str | None = Field(
