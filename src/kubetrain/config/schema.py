@@ -185,6 +185,13 @@ class CheckpointConfig(Section):
         "local folder is empty."
     )
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, Ceph...) for s3:// URIs.")
+    restore_attempts: int = Field(
+        5, ge=1, description="Tries to read the store when the local folder has no checkpoint; then the run stops "
+        "(exit 1) instead of starting again from step 0 (--resume never starts afresh on purpose)."
+    )
+    restore_backoff_seconds: float = Field(
+        2.0, ge=0, description="Wait before the second try to read the store; it doubles after each try."
+    )
     secret_name: str | None = Field(
         None, description="Kubernetes Secret with the store's credentials, for the pods; locally they come from the "
         "environment (AWS_ACCESS_KEY_ID...). Never put credentials in the config."
