@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kubetrain import checkpoint
-from kubetrain.checkpoint import remote
+from kubetrain.checkpoint import remote, verdict
 from kubetrain.config.schema import Config
 from kubetrain.errors import CheckpointError
 from tests.object_store import CREDENTIALS, Bucket, free_port, start_moto, stop
@@ -81,6 +81,7 @@ def test_restore_skips_unfinished_and_corrupt_uploads(bucket: Bucket, tmp_path: 
         f"restored step-000003 from {bucket.uri}/r/checkpoints",
     ]
     assert sorted(p.name for p in root.iterdir()) == ["best", "latest", "step-000003"]
+    assert verdict.recorded(root / "step-000003", restored.meta["files"]) == (True, None)  # hashed as it arrived
     assert checkpoint.find_resumable(root) is not None
     for f in ("model.safetensors", "trainer.pt", "trainer.safetensors", "meta.json"):
         assert (root / "step-000003" / f).read_bytes() == (source / "step-000003" / f).read_bytes()

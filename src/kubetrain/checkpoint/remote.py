@@ -15,7 +15,6 @@ store is the run's only record, and a store that cannot be read stops the run (e
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kubetrain import checkpoint
-from kubetrain.checkpoint import BEST, LATEST, META_FILE, Checkpoint
+from kubetrain.checkpoint import BEST, LATEST, META_FILE, Checkpoint, verdict
 from kubetrain.checkpoint.store import Store, check_reachable, describe, open_store
 from kubetrain.config.schema import Config
 from kubetrain.errors import CheckpointError
@@ -192,8 +191,12 @@ def download(store: Store, name: str, listing: dict[str, int], ckpt_root: Path) 
             checkpoint.verify(tmp, deep=False)  # sizes and the layout; the checksums were compared above
         except CheckpointError as e:
             raise CheckpointError(str(e).removeprefix(f"{tmp.name}: ")) from None
-        with contextlib.suppress(OSError):  # another process put the same checkpoint there first
+        try:
             os.rename(tmp, ckpt_root / name)
+        except OSError:  # another process put the same checkpoint there first
+            pass
+        else:  # hashed above as it arrived: the ranks that resume from it need not read it again
+            verdict.record(ckpt_root / name, files, None, written_here=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     write_atomic(ckpt_root / LATEST, name + "\n")
