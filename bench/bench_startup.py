@@ -124,7 +124,7 @@ def move_mtimes(work: Path, shift: int) -> None:
     """New mtimes (an hour back, so that they are trusted) for the checkpoint and shard files: nothing recorded
     about them holds any more, as after a new save or a new prepare."""
     stamp = time.time() - 3600 - shift
-    files = [f for f in (work / "checkpoints").rglob("*") if f.is_file() and not f.name.startswith(".")]
+    files = [f for f in (work / "checkpoints").glob("step-*/*") if f.is_file()]
     files += [f for f in (work / "cache").glob("*/*.bin")]
     for f in files:
         os.utime(f, (stamp, stamp))

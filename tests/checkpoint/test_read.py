@@ -123,4 +123,4 @@ def test_a_checkpoint_is_hashed_once_by_concurrent_ranks_and_later_starts(
 def test_files_too_new_to_trust_their_mtime_get_no_verdict(tmp_path: Path) -> None:
     ckpt = save_step(tmp_path, 1)
     checkpoint.verify(ckpt.path)
-    assert not (ckpt.path / verdict.VERDICT_FILE).exists()
+    assert not (tmp_path / verdict.VERDICTS / f"{ckpt.path.name}.json").exists()
