@@ -80,7 +80,7 @@ def test_restore_skips_unfinished_and_corrupt_uploads(bucket: Bucket, tmp_path: 
         f"warning: skipping {bucket.uri}/r/checkpoints/step-000009: its upload did not finish (no meta.json)",
         f"restored step-000003 from {bucket.uri}/r/checkpoints",
     ]
-    assert sorted(p.name for p in root.iterdir()) == ["best", "latest", "step-000003"]
+    assert sorted(p.name for p in root.iterdir()) == [".verified", "best", "latest", "step-000003"]
     assert verdict.recorded(root / "step-000003", restored.meta["files"]) == (True, None)  # hashed as it arrived
     assert checkpoint.find_resumable(root) is not None
     for f in ("model.safetensors", "trainer.pt", "trainer.safetensors", "meta.json"):
