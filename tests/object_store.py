@@ -38,9 +38,9 @@ def _answers(url: str) -> bool:
     return True
 
 
-def start_moto(**env: str) -> tuple[subprocess.Popen[bytes], str]:
-    """`python -m moto.server` on a free port; returns once it answers HTTP."""
-    port = free_port()
+def start_moto(port: int | None = None, **env: str) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m moto.server` on `port` (default: a free one); returns once it answers HTTP."""
+    port = port or free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

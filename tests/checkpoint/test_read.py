@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from kubetrain import checkpoint
-from kubetrain.errors import EXIT_BAD_INPUT, IncompatibleCheckpointError, UserInputError
+from kubetrain.checkpoint import read, verdict
+from kubetrain.errors import EXIT_BAD_INPUT, CheckpointError, IncompatibleCheckpointError, UserInputError
 from kubetrain.models.load import locate
 from tests.checkpoint.conftest import save_step, tiny_state
 
@@ -80,3 +83,55 @@ def test_incompatible_shapes_and_tokenizer_are_refused(tmp_path: Path) -> None:
     ck.meta["tokenizer"] = "byte"
     with pytest.raises(IncompatibleCheckpointError, match="tokenizer"):
         checkpoint.check_compatible(ck, shapes, "bpe:abc")
+
+
+def _aged(ckpt: checkpoint.Checkpoint) -> None:
+    """Its files as a later start finds them: older than the window in which an mtime cannot be trusted."""
+    old = time.time() - 60
+    for f in ckpt.path.iterdir():
+        os.utime(f, (old, old))
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    hashed: list[str] = []
+    digest = read.file_digest
+
+    def spy(path: Path) -> str:
+        hashed.append(path.name)
+        return digest(path)
+
+    monkeypatch.setattr(read, "file_digest", spy)
+    return hashed
+
+
+def test_a_checkpoint_is_hashed_once_by_concurrent_ranks_and_later_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = save_step(tmp_path, 1)
+    _aged(ckpt)
+    hashed = _counting(monkeypatch)
+    ranks = [threading.Thread(target=checkpoint.find_resumable, args=(tmp_path,)) for _ in range(4)]
+    for rank in ranks:  # each opens the lock on its own: they exclude each other as processes do
+        rank.start()
+    for rank in ranks:
+        rank.join()
+    assert sorted(hashed) == sorted(ckpt.meta["files"])  # every file once, not once per rank
+    assert checkpoint.find_resumable(tmp_path) is not None and len(hashed) == len(ckpt.meta["files"])
+    # a file written again (another mtime) is hashed again, and damage found that way is remembered too
+    weights = ckpt.path / checkpoint.MODEL_FILE
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    _aged(ckpt)
+    hashed.clear()
+    for _ in range(2):
+        with pytest.raises(CheckpointError, match=r"model\.safetensors fails its checksum"):
+            checkpoint.verify(ckpt.path)
+    assert len(hashed) == len(ckpt.meta["files"])
+    assert verdict.recorded(ckpt.path, ckpt.meta["files"]) == (True, "model.safetensors fails its checksum")
+
+
+def test_files_too_new_to_trust_their_mtime_get_no_verdict(tmp_path: Path) -> None:
+    ckpt = save_step(tmp_path, 1)
+    checkpoint.verify(ckpt.path)
+    assert not (tmp_path / verdict.VERDICTS / f"{ckpt.path.name}.json").exists()

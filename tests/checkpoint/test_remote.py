@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from kubetrain import checkpoint
-from kubetrain.checkpoint import remote
+from kubetrain.checkpoint import remote, verdict
 from kubetrain.config.schema import Config
+from kubetrain.errors import CheckpointError
 from tests.object_store import CREDENTIALS, Bucket, free_port, start_moto, stop
 
 
@@ -84,7 +85,8 @@ def test_restore_skips_unfinished_and_corrupt_uploads(bucket: Bucket, tmp_path: 
         f"warning: skipping {bucket.uri}/r/checkpoints/step-000009: its upload did not finish (no meta.json)",
         f"restored step-000003 from {bucket.uri}/r/checkpoints",
     ]
-    assert sorted(p.name for p in root.iterdir()) == ["best", "latest", "step-000003"]
+    assert sorted(p.name for p in root.iterdir()) == [".verified", "best", "latest", "step-000003"]
+    assert verdict.recorded(root / "step-000003", restored.meta["files"]) == (True, None)  # hashed as it arrived
     assert checkpoint.find_resumable(root) is not None
     for f in ("model.safetensors", "trainer.pt", "trainer.safetensors", "meta.json"):
         assert (root / "step-000003" / f).read_bytes() == (source / "step-000003" / f).read_bytes()
@@ -96,6 +98,53 @@ def test_an_empty_store_restores_nothing(bucket: Bucket, tmp_path: Path) -> None
     lines: list[str] = []
     assert remote.restore_newest(_cfg(bucket.uri, bucket.endpoint), None, tmp_path / "c", lines.append) is None
     assert lines == []
+
+
+def test_a_store_whose_every_checkpoint_is_damaged_stops_the_run(bucket: Bucket, tmp_path: Path) -> None:
+    cfg = _cfg(bucket.uri, bucket.endpoint)
+    store = remote.checkpoint_store(cfg)
+    assert store is not None
+    remote.upload(store, _save(tmp_path / "source", 4).path, "step-000004", is_best=False, keep_last=5)
+    bucket.fs.rm(bucket.path("r/checkpoints/step-000004/trainer.pt"))
+    with pytest.raises(CheckpointError, match=f"none of the 1 checkpoints in {bucket.uri}/r/checkpoints verifies"):
+        remote.restore_newest(cfg, None, tmp_path / "run" / "checkpoints", lambda m: None)
+
+
+def test_a_store_down_for_the_first_tries_is_read_when_it_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    port = free_port()
+    uri, endpoint = "s3://kt-late/store", f"http://127.0.0.1:{port}"
+    cfg = _cfg(uri, endpoint, restore_attempts=5, restore_backoff_seconds=0.1)
+    servers = []
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if "attempt 2 of 5" in line:  # the store comes up, with a checkpoint in it, after two failed tries
+            servers.append(start_moto(port)[0])
+            bucket = remote.checkpoint_store(cfg)
+            assert bucket is not None
+            bucket.fs.mkdir("kt-late")
+            remote.upload(bucket, _save(tmp_path / "source", 7).path, "step-000007", is_best=True, keep_last=5)
+
+    try:
+        restored = remote.restore_newest(cfg, None, tmp_path / "run" / "checkpoints", log)
+    finally:
+        for server in servers:
+            stop(server)
+    assert restored is not None and restored.step == 7
+    assert [line.split(":", 1)[0] for line in lines] == ["warning", "warning", "restored step-000007 from s3"]
+    assert f"cannot read checkpoints from {uri}/r/checkpoints (attempt 1 of 5)" in lines[0]
+    assert lines[1].endswith("trying again in 0.2 s")
+
+
+def test_a_missing_bucket_is_not_an_empty_store(bucket: Bucket, tmp_path: Path) -> None:
+    cfg = _cfg(f"s3://kt-{uuid.uuid4().hex[:12]}/store", bucket.endpoint, restore_attempts=1)
+    with pytest.raises(CheckpointError, match=r"\(1 attempts\): bucket kt-\w+ does not exist; the local folder"):
+        remote.restore_newest(cfg, None, tmp_path / "c", lambda m: None)
 
 
 @pytest.fixture(params=["unreachable", "wrong-credentials"])
@@ -115,8 +164,12 @@ def test_a_store_down_is_one_warning_and_a_list_of_what_is_not_uploaded(bad_stor
     uri, endpoint = bad_store
     root = tmp_path / "checkpoints"
     lines: list[str] = []
-    cfg = _cfg(uri, endpoint)
-    assert remote.restore_newest(cfg, None, root, lines.append) is None
+    cfg = _cfg(uri, endpoint, restore_attempts=2, restore_backoff_seconds=0.01)
+    # with no local checkpoint, a store that cannot be read stops the run instead of rewinding it
+    with pytest.raises(CheckpointError, match=f"cannot read checkpoints from {uri}/r/checkpoints \\(2 attempts\\)"):
+        remote.restore_newest(cfg, None, root, lines.append)
+    assert len(lines) == 1 and "(attempt 1 of 2)" in lines[0] and "trying again in 0.01 s" in lines[0]
+    lines.clear()
     uploader = remote.Uploader.from_config(cfg, None, root, lines.append)
     assert uploader is not None
     for step in (1, 2):

@@ -1,5 +1,6 @@
 """`kubetrain train` with `checkpoint.uri` on a real S3-compatible server: a run whose local folder is lost
-resumes from the bucket, bitwise equal to a run never interrupted (CPU); a store that is down never stops it."""
+resumes from the bucket, bitwise equal to a run never interrupted (CPU); a store that is down never stops a run
+that has its checkpoints, and stops one that would otherwise start again from step 0."""
 
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def test_sigkill_during_an_upload_never_leaves_latest_on_a_partial_checkpoint(
 
 
 @pytest.mark.parametrize("trouble", ["unreachable", "wrong-credentials"])
-def test_a_store_that_is_down_costs_one_warning_and_the_run_finishes(
+def test_a_store_that_is_down_stops_a_run_with_no_checkpoint_and_resume_never_starts_afresh(
     trouble: str, reference: tuple[Path, Path], bucket: Bucket, tmp_path: Path
 ) -> None:
     _, cache = reference
@@ -136,12 +137,18 @@ def test_a_store_that_is_down_costs_one_warning_and_the_run_finishes(
         endpoint = f"http://127.0.0.1:{free_port()}"
     else:
         server, endpoint = start_moto(INITIAL_NO_AUTH_ACTION_COUNT="0")  # checks credentials; ours are unknown
+    args = _args("down", cache, "train.max_steps=6", f"checkpoint.uri={uri}", f"checkpoint.endpoint_url={endpoint}",
+                 "checkpoint.restore_attempts=2", "checkpoint.restore_backoff_seconds=0.1")
     try:
-        done = kubetrain(*_args("down", cache, "train.max_steps=6", f"checkpoint.uri={uri}",
-                                f"checkpoint.endpoint_url={endpoint}"), cwd=tmp_path)
+        refused = kubetrain(*args, cwd=tmp_path, check=False)  # --resume auto: the store is the only record
+        done = kubetrain(*args, "--resume", "never", cwd=tmp_path)  # starting afresh on purpose
     finally:
         if server is not None:
             stop(server)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert refused.stderr.splitlines()[-1].startswith(
+        f"error: cannot read checkpoints from {uri}/down/checkpoints (2 attempts): ")
+    assert "Traceback" not in refused.stderr and "start afresh on purpose with --resume never" in refused.stderr
     lines = (done.stdout + done.stderr).splitlines()
     assert len([line for line in lines if "warning" in line.lower()]) == 1, done.stdout + done.stderr
     assert (f"checkpoints not uploaded to {uri}/down/checkpoints: step-000003, step-000006 "

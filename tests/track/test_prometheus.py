@@ -164,7 +164,8 @@ def test_live_scrape_and_health_during_training(train_tiny: TrainTiny, tmp_path:
     hook = LineHook(on_line)
     with contextlib.redirect_stdout(hook):
         result = train_tiny("track.prometheus.enabled=true", "track.prometheus.host=127.0.0.1",
-                            "track.prometheus.port=0", "track.prometheus.health_timeout_seconds=1")
+                            "track.prometheus.port=0", "track.prometheus.health_timeout_seconds=1",
+                            "checkpoint.save_best=true")
     assert seen["errors"] == []
     assert result.status == "finished"
     assert seen["healthz"] == 200
@@ -178,7 +179,7 @@ def test_live_scrape_and_health_during_training(train_tiny: TrainTiny, tmp_path:
     assert m["kubetrain_tokens_per_second"][labels] > 0
     assert m["kubetrain_memory_bytes"][labels] > 0
     assert m["kubetrain_val_loss"] == {labels: pytest.approx(eval5["val_loss"])}
-    assert m["kubetrain_last_checkpoint_step"] == {labels: 5}  # the first eval is the best so far: saved
+    assert m["kubetrain_last_checkpoint_step"] == {labels: 5}  # the first eval is the best so far: saved (save_best)
     assert m["kubetrain_max_steps"] == {labels: 20}
     assert seen["stale"]["status"] == "stale" and seen["stale"]["step"] == 10
     assert seen["healthz_after"] == 200  # steps finish again: healthy again

@@ -1,12 +1,30 @@
-"""The loss the loop trains on."""
+"""The loss the loop trains on, and evaluation: the same forwards on every rank, the same loss at any world size."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
 import torch
+import torch.distributed as td
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from kubetrain.data.loader import IGNORE_INDEX
-from kubetrain.train.evaluate import lm_loss, perplexity
+from kubetrain.config.schema import DistConfig, ModelConfig
+from kubetrain.data.loader import IGNORE_INDEX, TokenWindows
+from kubetrain.data.shards import MASK_FILE, TOKENS_FILE, Prepared
+from kubetrain.distributed.env import ProcessEnv
+from kubetrain.distributed.setup import wrap
+from kubetrain.models import build_model
+from kubetrain.train.evaluate import eval_batches, evaluate, lm_loss, perplexity
+
+BLOCK, VOCAB = 8, 64
+# (validation windows, micro-batch, eval batches): uneven splits, a short last batch, more ranks than windows
+CASES = [(7, 2, 8), (7, 3, 2), (2, 2, 8), (1, 4, 1)]
 
 
 def test_loss_is_the_mean_over_counted_positions() -> None:
@@ -23,5 +41,84 @@ def test_batch_without_counted_positions_gives_zero_not_nan() -> None:
     labels = torch.full((1, 4), IGNORE_INDEX)
     loss = lm_loss(logits, labels)
     loss.backward()
-    assert loss.item() == 0.0 and torch.isfinite(logits.grad).all()  # type: ignore[union-attr]
+    assert logits.grad is not None
+    assert loss.item() == 0.0 and torch.isfinite(logits.grad).all()
     assert perplexity(1000.0) > 0
+
+
+@pytest.mark.parametrize("n_windows, batch, n_batches", CASES)
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_every_rank_runs_the_same_forwards_and_all_windows_are_counted_once(
+    n_windows: int, batch: int, n_batches: int, world: int
+) -> None:
+    plans = [eval_batches(n_windows, batch, n_batches, rank, world) for rank in range(world)]
+    assert len({tuple(len(b) for b in plan) for plan in plans}) == 1  # same number and sizes of forwards
+    assert all(plan for plan in plans)  # even a rank without a window runs them
+    real = sorted(i for plan in plans for b in plan for i in b if i is not None)
+    assert real == list(range(min(n_windows, batch * n_batches)))
+
+
+def _write_windows(root: Path) -> None:
+    """For each case, n validation windows of random tokens, with a loss mask so windows count unequal tokens."""
+    for n_windows, _, _ in CASES:
+        folder = root / str(n_windows)
+        folder.mkdir(parents=True, exist_ok=True)
+        n = n_windows * BLOCK + 1
+        rng = np.random.default_rng(n_windows)
+        rng.integers(0, VOCAB, n, dtype=np.uint16).tofile(folder / TOKENS_FILE)
+        (rng.random(n) < 0.6).astype(np.uint8).tofile(folder / MASK_FILE)
+
+
+def _windows(folder: Path, n_windows: int) -> TokenWindows:
+    n = n_windows * BLOCK + 1
+    meta = {"dtype": "uint16", "tokens": n, "train_tokens": 0, "val_tokens": n, "masked": True}
+    return TokenWindows(Prepared(folder, meta), "val", BLOCK)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=BLOCK), VOCAB)
+
+
+def _losses(root: Path, rank: int, world: int, strategy: str) -> list[float]:
+    model = _model()
+    if world > 1:
+        model = wrap(model, DistConfig(strategy=strategy), ProcessEnv(rank, world), torch.device("cpu"))
+    cpu = torch.device("cpu")
+    return [evaluate(model, _windows(root / str(n), n), batch, n_batches, cpu, contextlib.nullcontext, rank, world)
+            for n, batch, n_batches in CASES]
+
+
+def test_one_process_loss_is_the_token_weighted_mean_over_the_windows(tmp_path: Path) -> None:
+    _write_windows(tmp_path)
+    model = _model().eval()
+    expected = []
+    for n, batch, n_batches in CASES:
+        windows = _windows(tmp_path / str(n), n)
+        every = windows.batch(list(range(min(n, batch * n_batches))))
+        with torch.no_grad():
+            expected.append(float(lm_loss(model(every.input_ids), every.labels)))
+    assert _losses(tmp_path, 0, 1, "ddp") == pytest.approx(expected, rel=1e-6)
+
+
+def _worker(rank: int, world: int, root: Path) -> None:
+    torch.set_num_threads(1)
+    td.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=world,
+                          timeout=datetime.timedelta(seconds=60))  # a hang fails the test instead of holding it
+    try:
+        found = {strategy: _losses(root, rank, world, strategy) for strategy in ("ddp", "fsdp")}
+    finally:
+        td.destroy_process_group()
+    (root / f"losses-{rank}.json").write_text(json.dumps(found))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_distributed_loss_equals_one_process_loss_under_ddp_and_fsdp(world: int, tmp_path: Path) -> None:
+    _write_windows(tmp_path)
+    alone = _losses(tmp_path, 0, 1, "ddp")
+    mp.start_processes(_worker, args=(world, tmp_path), nprocs=world, start_method="spawn")
+    for rank in range(world):
+        found = json.loads((tmp_path / f"losses-{rank}.json").read_text())
+        for strategy in ("ddp", "fsdp"):
+            assert found[strategy] == pytest.approx(alone, rel=1e-6), (strategy, rank)

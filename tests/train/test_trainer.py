@@ -134,6 +134,25 @@ def test_save_then_a_new_trainer_resumes_the_same_state(tmp_path: Path) -> None:
     assert again.run().steps == 3
 
 
+@pytest.mark.parametrize("save_best", [False, True])
+def test_checkpoints_follow_the_interval_and_best_moves_among_saved_ones(tmp_path: Path, save_best: bool) -> None:
+    cfg = tiny_config(tmp_path, max_steps=7)
+    cfg = cfg.model_copy(update={
+        "eval": cfg.eval.model_copy(update={"every_steps": 1, "sample_prompt": None}),
+        "checkpoint": cfg.checkpoint.model_copy(update={"every_steps": 3, "keep_last": 10, "save_best": save_best}),
+    })
+    Trainer(cfg, RunOptions(argv=[]), log=lambda m: None).run()
+    run = tmp_path / "parts"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    vals = {r["step"]: r["val_loss"] for r in records if r["kind"] == "eval"}
+    improving = {s for s in vals if vals[s] < min((v for t, v in vals.items() if t < s), default=math.inf)}
+    saved = {int(p.name.removeprefix("step-")) for p in (run / "checkpoints").glob("step-*")}
+    assert saved == ({3, 6, 7} | improving if save_best else {3, 6, 7})  # the interval, the end (+ improvements)
+    best = (run / "checkpoints" / "best").read_text().strip()
+    assert best == f"step-{min(saved, key=lambda s: vals[s]):06d}"
+    assert [r["best"] for r in records if r["kind"] == "checkpoint"].count(True) >= 1
+
+
 def test_max_tokens_ends_the_run_at_the_lr_floor(tmp_path: Path) -> None:
     # 3 steps of 64 tokens: the run ends at step 3 of max_steps 50, and the last step's lr is the floor
     result = Trainer(tiny_config(tmp_path, max_steps=50, max_tokens=3 * 64, warmup_steps=0, min_lr=1e-5),

@@ -1,5 +1,8 @@
 """Read checkpoints back: verify every file against its checksum, pick the newest that verifies, check fit.
 
+A checkpoint's files are hashed once, by the first process that verifies it, which records the verdict for the
+other ranks and later starts (checkpoint/verdict.py).
+
 Nothing here unpickles anything but plain data: weights come from safetensors, the trainer state through
 `torch.load(weights_only=True)`.
 """
@@ -17,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from kubetrain.checkpoint import tensorfile
+from kubetrain.checkpoint import tensorfile, verdict
 from kubetrain.checkpoint.layout import (
     CHECKSUM,
     META_FILE,
@@ -67,12 +70,27 @@ def verify(path: Path, deep: bool = True) -> Checkpoint:
         if f.stat().st_size != info["bytes"]:
             raise CheckpointError(f"{path.name}: {fname} has {f.stat().st_size} bytes, expected {info['bytes']}")
     if deep:
+        problem = _hashed_verdict(path, files)
+        if problem:
+            raise CheckpointError(f"{path.name}: {problem}")
+    return Checkpoint(path, meta)
+
+
+def _hashed_verdict(path: Path, files: dict[str, Any]) -> str | None:
+    """What is wrong with the files' bytes (None: nothing), hashed by one process and recorded for the others."""
+    held, problem = verdict.recorded(path, files)
+    if held:
+        return problem
+    with verdict.exclusive(path):  # another rank may be hashing it right now: wait for its verdict
+        held, problem = verdict.recorded(path, files)
+        if held:
+            return problem
         with ThreadPoolExecutor(max_workers=len(files)) as pool:
             digests = dict(zip(files, pool.map(file_digest, (path / f for f in files)), strict=True))
-        for fname, info in files.items():
-            if digests[fname] != info.get(CHECKSUM):
-                raise CheckpointError(f"{path.name}: {fname} fails its checksum")
-    return Checkpoint(path, meta)
+        problem = next((f"{f} fails its checksum" for f, info in files.items() if digests[f] != info.get(CHECKSUM)),
+                       None)
+        verdict.record(path, files, problem)
+    return problem
 
 
 def verify_named(path: Path) -> Checkpoint:

@@ -9,12 +9,12 @@ as the run directory, so `kubetrain runs sync URI/<run.name> DIR` pulls them wit
   latest, best  written only after every file of the checkpoint they name is there
 
 Every checkpoint is first written locally as before (atomic, checksummed); the store is a copy. A store
-that cannot be reached costs one warning line, never the run.
+that cannot be reached while training costs one warning line, never the run; but with an empty local folder the
+store is the run's only record, and a store that cannot be read stops the run (exit 1) instead of rewinding it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kubetrain import checkpoint
-from kubetrain.checkpoint import BEST, LATEST, META_FILE, Checkpoint
-from kubetrain.checkpoint.store import Store, describe, open_store
+from kubetrain.checkpoint import BEST, LATEST, META_FILE, Checkpoint, verdict
+from kubetrain.checkpoint.store import Store, check_reachable, describe, open_store
 from kubetrain.config.schema import Config
 from kubetrain.errors import CheckpointError
 from kubetrain.files import write_atomic
@@ -116,25 +116,57 @@ def restore_newest(cfg: Config, phase: str | None, ckpt_root: Path, log: Log) ->
     `--resume auto` then continues from it exactly as from a local checkpoint. The one the store's `latest`
     names is tried first: a run restarted from scratch under the same name may have left newer steps of
     its earlier life there. Then the others, newest first.
+
+    A store that cannot be read never rewinds the run to step 0: it is tried `checkpoint.restore_attempts`
+    times with a doubling wait, then this raises CheckpointError (exit 1) naming the store and the error.
+    So does a store whose complete checkpoints all fail to verify. An empty store starts the run afresh.
     """
     if not cfg.checkpoint.uri or checkpoint.complete_checkpoints(ckpt_root):
         return None
     store = checkpoint_store(cfg, phase)
     assert store is not None
-    try:
-        listing = store.sizes()
-        names = sorted({rel.split("/")[0] for rel in listing if _STEP.match(rel.split("/")[0])}, key=_step)
-        latest = _pointer(store, LATEST)
-        for name in sorted(names, key=lambda n: (n == latest, _step(n)), reverse=True):
-            try:
-                restored = download(store, name, listing, ckpt_root)
-            except CheckpointError as e:
-                log(f"warning: skipping {store.uri}/{name}: {e}")
-                continue
-            log(f"restored {name} from {store.uri}")
-            return restored
-    except Exception as e:  # any failure of the store (network, credentials) is a warning
-        warn_once(store, log, "cannot read checkpoints from", e)
+    attempts, wait = cfg.checkpoint.restore_attempts, cfg.checkpoint.restore_backoff_seconds
+    for attempt in range(1, attempts + 1):
+        try:
+            return _restore_from(store, ckpt_root, log)
+        except CheckpointError:
+            raise
+        except Exception as e:  # network, credentials, a missing bucket: the store cannot be read (yet)
+            if attempt == attempts:
+                raise CheckpointError(
+                    f"cannot read checkpoints from {store.uri} ({attempts} attempts): {describe(e)}; the local "
+                    f"folder has none, so the run would start again from step 0: fix the store, or start afresh on "
+                    f"purpose with --resume never"
+                ) from None
+            log(f"warning: cannot read checkpoints from {store.uri} (attempt {attempt} of {attempts}): "
+                f"{describe(e)}; trying again in {wait:g} s")
+            time.sleep(wait)
+            wait *= 2
+    return None
+
+
+def _restore_from(store: Store, ckpt_root: Path, log: Log) -> Checkpoint | None:
+    """One attempt of `restore_newest`: what the store raises, it raises."""
+    listing = store.sizes()
+    if not listing:
+        check_reachable(store)  # an empty folder in a bucket that exists, not a missing bucket
+    names = sorted({rel.split("/")[0] for rel in listing if _STEP.match(rel.split("/")[0])}, key=_step)
+    latest = _pointer(store, LATEST)
+    complete = 0
+    for name in sorted(names, key=lambda n: (n == latest, _step(n)), reverse=True):
+        complete += f"{name}/{META_FILE}" in listing
+        try:
+            restored = download(store, name, listing, ckpt_root)
+        except CheckpointError as e:
+            log(f"warning: skipping {store.uri}/{name}: {e}")
+            continue
+        log(f"restored {name} from {store.uri}")
+        return restored
+    if complete:
+        raise CheckpointError(
+            f"none of the {complete} checkpoints in {store.uri} verifies and the local folder has none: the run "
+            f"would start again from step 0; repair the store, or start afresh on purpose with --resume never"
+        )
     return None
 
 
@@ -163,8 +195,12 @@ def download(store: Store, name: str, listing: dict[str, int], ckpt_root: Path) 
             checkpoint.verify(tmp, deep=False)  # sizes and the layout; the checksums were compared above
         except CheckpointError as e:
             raise CheckpointError(str(e).removeprefix(f"{tmp.name}: ")) from None
-        with contextlib.suppress(OSError):  # another process put the same checkpoint there first
+        try:
             os.rename(tmp, ckpt_root / name)
+        except OSError:  # another process put the same checkpoint there first
+            pass
+        else:  # hashed above as it arrived: the ranks that resume from it need not read it again
+            verdict.record(ckpt_root / name, files, None, written_here=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     write_atomic(ckpt_root / LATEST, name + "\n")

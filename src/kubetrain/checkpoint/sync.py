@@ -18,6 +18,7 @@ from pathlib import Path, PurePosixPath
 
 from kubetrain.checkpoint import BEST, CHECKSUM, LATEST, META_FILE, file_digest
 from kubetrain.checkpoint.store import Store, is_remote, open_store
+from kubetrain.checkpoint.verdict import VERDICTS
 from kubetrain.errors import CheckpointError, UserInputError
 
 MANIFEST = ".kubetrain-sync.json"
@@ -53,7 +54,9 @@ def _local_path(text: str) -> str:
 
 
 def _wanted(rel: str) -> bool:
-    return rel != MANIFEST and not any(_IN_PROGRESS.search(part) for part in PurePosixPath(rel).parts)
+    """Not the manifest, nothing in progress, no verdict (it describes the inodes of this machine)."""
+    parts = PurePosixPath(rel).parts
+    return rel != MANIFEST and VERDICTS not in parts and not any(_IN_PROGRESS.search(part) for part in parts)
 
 
 def _stage(rel: str) -> int:

@@ -170,7 +170,10 @@ class TrainConfig(Section):
 
 class EvalConfig(Section):
     every_steps: int = Field(50, ge=1, description="Steps between evaluations (validation loss, sample).")
-    batches: int = Field(8, ge=1, description="Validation batches per evaluation.")
+    batches: int = Field(
+        8, ge=1, description="Validation batches of train.micro_batch_size windows per evaluation, over all ranks "
+        "together: the same windows and the same loss at any world size."
+    )
     sample_prompt: str | None = Field(
         "And God said", min_length=1,
         description="Prompt for a sample at each eval and at the end of the run (null: no samples).",
@@ -180,6 +183,10 @@ class EvalConfig(Section):
 
 class CheckpointConfig(Section):
     every_steps: int = Field(100, ge=1, description="Steps between checkpoints (one is also saved at the end).")
+    save_best: bool = Field(
+        False, description="Also save a checkpoint at every evaluation that improves the val loss (off: only "
+        "every_steps, the end and a stop; `best` then names the saved checkpoint with the lowest val loss)."
+    )
     keep_last: int = Field(3, ge=1, description="Periodic checkpoints kept (best is always kept).")
     grace_seconds: float = Field(60.0, gt=0, description="Time allowed to save after SIGTERM.")
     uri: str | None = Field(
@@ -188,6 +195,13 @@ class CheckpointConfig(Section):
         "local folder is empty."
     )
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, Ceph...) for s3:// URIs.")
+    restore_attempts: int = Field(
+        5, ge=1, description="Tries to read the store when the local folder has no checkpoint; then the run stops "
+        "(exit 1) instead of starting again from step 0 (--resume never starts afresh on purpose)."
+    )
+    restore_backoff_seconds: float = Field(
+        2.0, ge=0, description="Wait before the second try to read the store; it doubles after each try."
+    )
     secret_name: str | None = Field(
         None, description="Kubernetes Secret with the store's credentials, for the pods; locally they come from the "
         "environment (AWS_ACCESS_KEY_ID...). Never put credentials in the config."

@@ -170,12 +170,20 @@ def _cached(folder: Path) -> Prepared | None:
 
 
 def verify(prepared: Prepared) -> str | None:
-    """None when every file of the shard has the checksum its meta.json records, else what is wrong."""
-    for name, digest in prepared.meta.get("checksums", {}).items():
-        path = prepared.folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if file_digest(path) != digest:
+    """None when every file of the shard has the checksum its meta.json records, else what is wrong.
+
+    Not re-hashed on every start by every rank: a file whose path, size, mtime and inode match the digest the
+    cache recorded when a process last hashed it (<cache>/.index/fingerprints.json, the DigestCache of the
+    sources) is not read again; one process hashes a new or changed file while the others wait on its lock.
+    """
+    checksums: dict[str, str] = prepared.meta.get("checksums", {})
+    paths = [prepared.folder / name for name in checksums]
+    missing = next((name for name, path in zip(checksums, paths, strict=True) if not path.is_file()), None)
+    if missing:
+        return f"{missing} is missing"
+    found = DigestCache(prepared.folder.parent / INDEX_DIR).digests(paths)
+    for (name, digest), got in zip(checksums.items(), found, strict=True):
+        if got != digest:
             return f"{name} does not match its checksum"
     return None
 

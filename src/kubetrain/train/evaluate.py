@@ -1,17 +1,22 @@
-"""Validation loss and perplexity on a fixed set of windows, and text samples."""
+"""Validation loss and perplexity on a fixed set of windows, and text samples.
+
+Collective-safe: every rank runs the same number of forwards (under FSDP each forward is a collective), a rank
+with fewer windows pads with windows whose every label is ignored, and the loss is the token-weighted mean over
+all windows: the same number as one process gets on the same weights, whatever the world size.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
 import torch
+import torch.distributed as td
 import torch.nn.functional as F
 from torch import nn
 
-from kubetrain.data.loader import IGNORE_INDEX, TokenWindows, val_batches
-from kubetrain.distributed.setup import all_reduce_mean
+from kubetrain.data.loader import IGNORE_INDEX, Batch, TokenWindows
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -25,6 +30,28 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
+def eval_batches(n_windows: int, batch_size: int, n_batches: int, rank: int = 0, world: int = 1
+                 ) -> list[list[int | None]]:
+    """This rank's batches of validation window indices; None marks a padding window that counts for nothing.
+
+    The first `batch_size * n_batches` windows (all of them when there are fewer), whatever the world size,
+    dealt round-robin; every rank gets the same number of batches of the same sizes.
+    """
+    total = min(n_windows, batch_size * n_batches)
+    per_rank = -(-total // world)
+    mine: list[int | None] = list(range(rank, total, world))
+    mine += [None] * (per_rank - len(mine))
+    return [mine[i : i + batch_size] for i in range(0, per_rank, batch_size)]
+
+
+def _batches(windows: TokenWindows, plan: list[list[int | None]]) -> Iterator[Batch]:
+    for indices in plan:
+        batch = windows.batch([0 if i is None else i for i in indices])
+        pad = torch.tensor([i is None for i in indices])
+        batch.labels[pad] = IGNORE_INDEX  # a padding window runs the forward but adds no token
+        yield batch
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -36,21 +63,26 @@ def evaluate(
     rank: int = 0,
     world: int = 1,
 ) -> float:
-    """Mean validation loss over the same windows every time, averaged over ranks."""
+    """Token-weighted mean validation loss over the same windows every time (collective when distributed)."""
     was_training = model.training
     model.eval()
-    total, count = torch.zeros((), device=device), 0
-    for batch in val_batches(windows, batch_size, n_batches, rank, world):
+    # float64 sums: the total over ranks is the same as one process's to ~1e-12, whatever the order (MPS has none)
+    acc = torch.zeros(2, device=device, dtype=torch.float32 if device.type == "mps" else torch.float64)
+    for batch in _batches(windows, eval_batches(windows.n_windows, batch_size, n_batches, rank, world)):
         batch = batch.to(device)
         with autocast():
-            total += lm_loss(model(batch.input_ids), batch.labels)
-        count += 1
+            logits = model(batch.input_ids)
+        loss_sum = F.cross_entropy(logits.float().view(-1, logits.size(-1)), batch.labels.view(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        acc[0] += loss_sum.to(acc.dtype)
+        acc[1] += (batch.labels != IGNORE_INDEX).sum()
     model.train(was_training)
     reshard = getattr(model, "reshard", None)
     if reshard is not None:  # FSDP2 keeps the root's weights gathered after a forward with no backward
         reshard()
-    mean = total / max(count, 1)
-    return float(all_reduce_mean(mean))
+    if td.is_initialized() and world > 1:
+        td.all_reduce(acc, op=td.ReduceOp.SUM)
+    return float(acc[0] / acc[1].clamp(min=1))
 
 
 def perplexity(loss: float) -> float:

@@ -38,7 +38,8 @@ class TrainState:
 
     step: int = 0
     tokens: int = 0
-    best_val_loss: float | None = None
+    best_val_loss: float | None = None  # the lowest of every evaluation
+    best_saved_val_loss: float | None = None  # the val loss of the checkpoint `best` names
     last_train_loss: float | None = None
     last_val_loss: float | None = None
     # The running sum of the current logging window, so a resumed run logs the same averages.

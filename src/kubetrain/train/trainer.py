@@ -117,6 +117,7 @@ class Trainer:
         self.sharded = self.penv.distributed and cfg.dist.strategy == "fsdp"
         self.state = TrainState()
         self.last_checkpoint: checkpoint.Checkpoint | None = None
+        self.evaluated_step = -1  # the step of the last evaluation: only a checkpoint of that step can be `best`
 
     def run(self) -> TrainResult:
         """Set up, then step until max_steps: log, evaluate and checkpoint when due; stop cleanly on a signal."""
@@ -137,10 +138,11 @@ class Trainer:
                     if state.step % cfg.train.log_every_steps == 0 or final:
                         self.log_train()
                     t_side = time.perf_counter()
-                    best = self.evaluate() if state.step % cfg.eval.every_steps == 0 or final else False
+                    improved = self.evaluate() if state.step % cfg.eval.every_steps == 0 or final else False
                     stopping = dist.broadcast_flag(stop.requested, self.device)
-                    if best or final or stopping or state.step % cfg.checkpoint.every_steps == 0:
-                        self.save(is_best=best)
+                    if (final or stopping or state.step % cfg.checkpoint.every_steps == 0
+                            or (improved and cfg.checkpoint.save_best)):
+                        self.save()
                     self.side_seconds += time.perf_counter() - t_side
                     if stopping:
                         stop.done()
@@ -278,6 +280,8 @@ class Trainer:
         except ValueError as e:
             raise IncompatibleCheckpointError(f"cannot resume {ckpt.path}: {e}") from None
         self.state = TrainState(**trainer["state"])
+        if "best_saved_val_loss" not in trainer["state"]:  # saved when every improvement was saved, as `best`
+            self.state.best_saved_val_loss = self.state.best_val_loss
         if self.scaler.is_enabled() and trainer.get("scaler"):
             self.scaler.load_state_dict(trainer["scaler"])
         rngs = trainer["rng"]
@@ -371,7 +375,7 @@ class Trainer:
         cfg, state = self.cfg, self.state
         val = evaluate(self.model, self.val_windows, cfg.train.micro_batch_size, cfg.eval.batches, self.device,
                        self.amp, self.penv.rank, self.penv.world_size)
-        state.last_val_loss = val
+        state.last_val_loss, self.evaluated_step = val, state.step
         improved = state.best_val_loss is None or val < state.best_val_loss
         if improved:
             state.best_val_loss = val
@@ -381,9 +385,18 @@ class Trainer:
             self.write_sample()
         return improved
 
-    def save(self, is_best: bool = False) -> checkpoint.Checkpoint | None:
-        """A checkpoint of this step (collective: every rank calls it); rank 0 gets it back."""
+    def save(self, is_best: bool | None = None) -> checkpoint.Checkpoint | None:
+        """A checkpoint of this step (collective: every rank calls it); rank 0 gets it back.
+
+        `best` moves only among saved checkpoints: to this one when it was evaluated at this step with a lower
+        val loss than every saved one (`is_best` overrides that).
+        """
         state, cfg = self.state, self.cfg
+        if is_best is None:
+            is_best = self.evaluated_step == state.step and state.last_val_loss is not None and (
+                state.best_saved_val_loss is None or state.last_val_loss < state.best_saved_val_loss)
+        if is_best:
+            state.best_saved_val_loss = state.last_val_loss
         state.window_loss_sum, state.window_steps = float(self.loss_sum), self.loss_count
         rngs = gather_rng(self.penv.world_size)
         saved = None
