@@ -208,6 +208,8 @@ class Trainer:
         otherwise built whole on the device (DDP wraps it in open()). The weights are the same either way."""
         cfg = self.cfg
         vocab = self.tokenizer.vocab_size
+        if self.sharded and self.device.type == "cpu":
+            parallelize.return_freed_memory()
         if self.sharded and builds_on_meta(cfg.model):
             with parallelize.params_on_meta():
                 model = build_model(cfg.model, vocab, load_weights=False)
