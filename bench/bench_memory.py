@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=None, help="a JSON file, or 'auto': bench/results/memory-<shape>_<hw>_<date>.json")
     args = ap.parse_args()
