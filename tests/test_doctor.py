@@ -78,3 +78,30 @@ def test_a_hugging_face_model_is_measured_from_its_config(llama_dir: Path) -> No
 def test_a_hugging_face_model_that_is_not_here(missing: str) -> None:
     cfg = load_config(overrides=["model.kind=hf", f"model.name_or_path={missing}"])
     assert "no config.json" in doctor.model_shape(cfg)["error"]
+
+
+def test_the_estimate_knows_fsdp_and_the_world_size() -> None:
+    cfg = load_config(overrides=["model.n_layer=12", "model.n_embd=768", "model.n_head=12", "dist.strategy=fsdp"])
+    shape = doctor.model_shape(cfg)
+
+    def parts(world: int, config: object = cfg, precision: str = "fp32") -> dict[str, int]:
+        return doctor.estimate_memory(config, shape, world, precision=precision, attention="flash")  # type: ignore[arg-type]
+
+    one, four, eight = parts(1), parts(4), parts(8)
+    assert "gathered" not in one and "ddp_buckets" not in one  # one process: the strategy plays no part
+    assert four["weights"] == -(-one["weights"] // 4) and four["optimizer"] == -(-one["optimizer"] // 4)
+    block = (shape["params"] - shape["vocab"] * shape["hidden"]) // 12  # the tied head is the embedding
+    assert four["gathered"] == (shape["vocab"] * shape["hidden"] + 2 * block) * 4 + block * 4
+    assert four["activations"] == one["activations"]  # a micro-batch is per process whatever the world
+    assert sum(eight.values()) < sum(four.values()) < sum(one.values())
+    ddp = parts(4, load_config(overrides=["model.n_layer=12", "model.n_embd=768", "model.n_head=12"]))
+    assert ddp["ddp_buckets"] == ddp["gradients"] and sum(ddp.values()) > sum(one.values())
+    assert parts(4, precision="bf16")["gathered"] < four["gathered"]  # bf16 all-gathers move half the bytes
+
+    checkpointed = load_config(overrides=["model.n_layer=12", "model.n_embd=768", "model.n_head=12",
+                                          "dist.strategy=fsdp", "model.gradient_checkpointing=true"])
+    assert parts(4, checkpointed)["activations"] < four["activations"] / 4
+
+    fit = doctor.fit_estimate(cfg, shape, "fp32", "flash", 2**40, world_size=4)
+    assert (fit["world_size"], fit["strategy"], fit["estimate"]) == (4, "fsdp", sum(four.values()))
+    assert "each of 4 processes (fsdp)" in doctor._fit_line(fit)

@@ -22,8 +22,8 @@ from kubetrain.config.schema import Config
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def doctor(cfg: Config | None) -> dict[str, Any]:
-    """The whole report as plain data (what --json prints)."""
+def doctor(cfg: Config | None, world_size: int = 1) -> dict[str, Any]:
+    """The whole report as plain data (what --json prints); the memory estimate is per process of `world_size`."""
     from kubetrain.distributed.setup import local_device
     from kubetrain.train.device import resolve_precision
 
@@ -44,7 +44,7 @@ def doctor(cfg: Config | None) -> dict[str, Any]:
     if cfg is not None:
         attention = next((name for name in hardware.SDPA_BACKENDS if backends[name] == "ok"), None)
         report["settings"] = settings(cfg, device, precision, attention)
-        report["fit"] = fit_estimate(cfg, shape, precision, attention, info.memory_free)
+        report["fit"] = fit_estimate(cfg, shape, precision, attention, info.memory_free, world_size)
     return report
 
 
@@ -91,7 +91,7 @@ def model_shape(cfg: Config) -> dict[str, Any]:
     with torch.device("meta"):
         params = sum(p.numel() for p in GPT(gc).parameters())
     return {"params": params, "n_layer": gc.n_layer, "hidden": gc.n_embd, "n_head": gc.n_head,
-            "head_dim": gc.head_dim, "vocab": gc.vocab_size, "weight_bytes": 4}
+            "head_dim": gc.head_dim, "vocab": gc.vocab_size, "weight_bytes": 4, "tied": gc.tie_embeddings}
 
 
 def _tokenizer_vocab(cfg: Config) -> int | None:
@@ -122,32 +122,56 @@ def _hf_shape(cfg: Config) -> dict[str, Any]:
     weight_bytes = 2 if cfg.model.dtype in ("bfloat16", "float16") else 4
     return {"params": params, "n_layer": hf.num_hidden_layers, "hidden": hf.hidden_size, "n_head": n_head,
             "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // n_head, "vocab": hf.vocab_size,
-            "weight_bytes": weight_bytes}
+            "weight_bytes": weight_bytes, "tied": bool(getattr(hf, "tie_word_embeddings", False))}
 
 
-def fit_estimate(
-    cfg: Config, shape: dict[str, Any] | None, precision: str, attention: str | None, free: int | None
-) -> dict[str, Any]:
-    """Training memory of one process (weights, grads, AdamW, activations of a micro-batch) against `free`.
+def estimate_memory(cfg: Config, shape: dict[str, Any], world_size: int = 1, *, precision: str,
+                    attention: str | None) -> dict[str, int]:
+    """Peak training memory of one process in bytes, by part: a pure function of the config, the model's shape
+    (`model_shape`), the number of processes, the precision and the attention kernel.
 
-    An estimate: activations follow Korthikanti et al. 2022 (34·s·b·h bytes per layer in 16 bit, plus
-    5·a·s²·b without a fused attention kernel), logits are counted in fp32 with their gradient.
+    Weights, gradients (fp32) and AdamW's two moments are whole in every process under DDP, which also keeps its
+    gradient buckets (a second copy of the gradients); under FSDP they are divided by the world size, plus the
+    weights gathered at a time (the root's embedding and head, two blocks: the running one and the prefetched
+    one, in the compute dtype, and one block's unsharded gradient). Activations follow Korthikanti et al. 2022
+    (34·s·b·h bytes per layer in 16 bit, plus 5·a·s²·b without a fused attention kernel); with gradient
+    checkpointing only each block's input is kept, and one block is recomputed at a time. Logits are counted in
+    fp32 with their gradient.
     """
-    if not shape or "error" in shape:
-        return {"estimate": None, "reason": (shape or {}).get("error", "unknown model")}
     b, s, layers, h, vocab = (cfg.train.micro_batch_size, cfg.model.block_size, shape["n_layer"],
                               shape["hidden"], shape["vocab"])
-    trainable = 0 if cfg.model.lora is not None else shape["params"]  # LoRA: the adapters are a rounding error
+    params, weight_bytes = shape["params"], shape["weight_bytes"]
+    trainable = 0 if cfg.model.lora is not None else params  # LoRA: the adapters are a rounding error
     act = 2 if precision in ("bf16", "fp16") else 4
     per_layer = 34 * s * b * h * act // 2
     if attention not in ("flash", "memory-efficient", "cudnn"):
         per_layer += 5 * shape["n_head"] * s * s * b * act // 2
     checkpointed = cfg.model.gradient_checkpointing
     activations = (layers * s * b * h * act + per_layer) if checkpointed else layers * per_layer
-    parts = {"weights": shape["params"] * shape["weight_bytes"], "gradients": trainable * 4,
-             "optimizer": trainable * 8, "activations": activations, "logits": b * s * vocab * (act + 8)}
+    parts = {"weights": params * weight_bytes, "gradients": trainable * 4, "optimizer": trainable * 8}
+    if world_size > 1 and cfg.dist.strategy == "fsdp":
+        root = vocab * h * (1 if shape.get("tied", True) else 2)
+        block = max(0, params - root) // max(1, layers)
+        compute = 2 if precision == "bf16" else weight_bytes
+        parts = {k: -(-v // world_size) for k, v in parts.items()}
+        parts["gathered"] = (root + 2 * block) * compute + (block * 4 if trainable else 0)
+    elif world_size > 1:
+        parts["ddp_buckets"] = trainable * 4
+    parts |= {"activations": activations, "logits": b * s * vocab * (act + 8)}
+    return parts
+
+
+def fit_estimate(
+    cfg: Config, shape: dict[str, Any] | None, precision: str, attention: str | None, free: int | None,
+    world_size: int = 1,
+) -> dict[str, Any]:
+    """Training memory of one process (`estimate_memory`) against `free`, or why it cannot be estimated."""
+    if not shape or "error" in shape:
+        return {"estimate": None, "reason": (shape or {}).get("error", "unknown model")}
+    parts = estimate_memory(cfg, shape, world_size, precision=precision, attention=attention)
     total = sum(parts.values())
-    return {"estimate": total, "parts": parts, "params": shape["params"], "free": free,
+    return {"estimate": total, "parts": parts, "params": shape["params"], "free": free, "world_size": world_size,
+            "strategy": cfg.dist.strategy if world_size > 1 else "single",
             "fits": None if free is None else total <= free}
 
 
@@ -190,7 +214,8 @@ def _fit_line(fit: dict[str, Any]) -> str:
         return f"memory: not estimated ({fit['reason']})"
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in fit["parts"].items())
     verdict = "unknown free memory" if fit["fits"] is None else "fits" if fit["fits"] else "does NOT fit"
-    return (f"memory (an estimate): {_gib(fit['estimate'])} for {fit['params']:,} parameters and one "
+    per = f"each of {fit['world_size']} processes ({fit['strategy']})" if fit["world_size"] > 1 else "one process"
+    return (f"memory (an estimate): {_gib(fit['estimate'])} in {per} for {fit['params']:,} parameters and one "
             f"micro-batch ({parts}) - {verdict} in {_gib(fit['free'])} free")
 
 

@@ -24,3 +24,12 @@ def test_doctor_with_a_bad_config_is_one_error_line(run_main: RunMain) -> None:
     code, out, err = run_main("doctor", "--set", "train.lrr=1")
     assert (code, out) == (2, "")
     assert err.startswith("error: --set: unknown key 'train.lrr'") and err.count("\n") == 1
+
+
+def test_doctor_estimates_per_process_of_a_sharded_world(run_main: RunMain) -> None:
+    args = ("doctor", "--preset", "tiny", "--set", "run.device=cpu", "--set", "dist.strategy=fsdp", "--json")
+    one = json.loads(run_main(*args)[1].strip().splitlines()[-1])["fit"]
+    code, out, _ = run_main(*args, "--nproc", "4")
+    four = json.loads(out.strip().splitlines()[-1])["fit"]
+    assert code == 0 and (four["world_size"], four["strategy"]) == (4, "fsdp")
+    assert four["parts"]["optimizer"] < one["parts"]["optimizer"]

@@ -105,6 +105,28 @@ def test_train_step_moves_weights_counters_and_the_loss_window(tmp_path: Path) -
     assert [r["step"] for r in records if r["kind"] == "train"] == [1]
 
 
+def test_gradient_checkpointing_of_our_gpt_trains_the_same_weights(tmp_path: Path) -> None:
+    """model.gradient_checkpointing is applied to each block of kind gpt (it used to be ignored), same numbers."""
+    trainers = []
+    for checkpointed in (False, True):
+        raw = tiny_config(tmp_path / str(checkpointed)).model_dump()
+        # with dropout: a recomputed block must draw the same masks
+        raw["model"].update(n_layer=2, dropout=0.1, gradient_checkpointing=checkpointed)
+        cfg = validate(raw)
+        trainer = Trainer(cfg, RunOptions(argv=[]), log=lambda m: None)
+        trainer.setup()
+        trainer.open()
+        trainer.train_step()
+        trainers.append(trainer)
+    plain, checkpointed_run = trainers
+    assert float(plain.loss_sum) == float(checkpointed_run.loss_sum)
+    for name, weight in plain.base.state_dict().items():
+        torch.testing.assert_close(checkpointed_run.base.state_dict()[name], weight, rtol=0, atol=1e-6)
+    from torch.distributed._composable import checkpoint
+
+    assert all(checkpoint.state(block) is not None for block in checkpointed_run.base.blocks)
+
+
 def test_evaluate_reports_only_improvements(tmp_path: Path) -> None:
     trainer = opened(tmp_path)
     assert trainer.evaluate() is True

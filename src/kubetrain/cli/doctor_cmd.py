@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
 import typer
 
 from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
 
 
-def doctor(config: ConfigArg = None, preset: PresetOpt = None, set_: SetOpt = None, json_: JsonOpt = False) -> None:
+def doctor(
+    config: ConfigArg = None, preset: PresetOpt = None, set_: SetOpt = None, json_: JsonOpt = False,
+    nproc: Annotated[int, typer.Option("--nproc", min=1, help="Processes the run will have (all nodes): the "
+                                       "memory estimate is per process, sharded under dist.strategy fsdp.")] = 1,
+) -> None:
     """Check this machine: device, memory, bf16, attention kernels, versions, disk, extras; with a CONFIG,
     whether the model and a micro-batch fit (an estimate) and the settings a run here would pick."""
     from kubetrain.doctor import doctor as check
     from kubetrain.doctor import render
 
     cfg = load(config, preset, set_) if (config or preset or set_) else None
-    report = check(cfg)
+    report = check(cfg, world_size=nproc)
     typer.echo(json.dumps(report) if json_ else render(report))
 
 

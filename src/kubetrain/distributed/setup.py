@@ -79,17 +79,18 @@ def broadcast_flag(flag: bool, device: torch.device) -> bool:
     return bool(t.item() > 0)
 
 
-def wrap(model: nn.Module, cfg: DistConfig, penv: ProcessEnv, device: torch.device) -> nn.Module:
-    """DDP or FSDP2 around the model when there are several processes; the model itself otherwise."""
-    if not penv.distributed:
+def wrap(model: nn.Module, cfg: DistConfig, penv: ProcessEnv, device: torch.device, precision: str = "fp32"
+         ) -> nn.Module:
+    """DDP or FSDP2 around the model when there are several processes; the model itself otherwise.
+
+    A model already sharded (built on the meta device and sharded before it was materialised) stays as it is.
+    """
+    from kubetrain.distributed import parallelize
+
+    if not penv.distributed or parallelize.is_sharded(model):
         return model
     if cfg.strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for block in getattr(model, "blocks", []):
-            fully_shard(block)
-        fully_shard(model)
-        return model
+        return parallelize.shard(model, precision)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [device.index] if device.type == "cuda" else None

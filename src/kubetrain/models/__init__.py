@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
+import torch
 from torch import nn
 
 from kubetrain.config.schema import ModelConfig
@@ -31,10 +34,40 @@ def gpt_config(cfg: ModelConfig, tokenizer_vocab: int) -> GPTConfig:
     )
 
 
-def build_model(cfg: ModelConfig, tokenizer_vocab: int) -> nn.Module:
-    """The model a config asks for, on the CPU in fp32; its forward maps token ids to logits."""
-    if cfg.kind == "hf":
-        from kubetrain.models.hf import load_hf_model
+def build_model(cfg: ModelConfig, tokenizer_vocab: int, load_weights: bool = True) -> nn.Module:
+    """The model a config asks for, on the CPU in fp32; its forward maps token ids to logits.
 
-        return load_hf_model(cfg, tokenizer_vocab)
+    load_weights=False (building with meta parameters, to shard first): a Hugging Face model is built from its
+    config.json alone, in its configured dtype; `fill_weights` loads its shards later.
+    """
+    if cfg.kind == "hf":
+        from kubetrain.models.hf import build_hf_model, load_hf_model
+
+        return load_hf_model(cfg, tokenizer_vocab) if load_weights else build_hf_model(cfg, tokenizer_vocab)
     return GPT(gpt_config(cfg, tokenizer_vocab))
+
+
+def builds_on_meta(cfg: ModelConfig) -> bool:
+    """Whether the model can be built with meta parameters and filled shard by shard (FSDP): our GPT, and a
+    Hugging Face model from a local folder of safetensors files. Not under LoRA: PEFT adds its adapters to
+    real weights."""
+    if cfg.lora is not None:
+        return False
+    if cfg.kind == "hf":
+        from kubetrain.models.hf import safetensors_files
+
+        return bool(safetensors_files(cfg))
+    return True
+
+
+def fill_weights(model: nn.Module, cfg: ModelConfig, keep: Callable[[torch.Tensor, Any], None]) -> None:
+    """Give a model built with meta parameters (then sharded and materialised) its weights: our GPT's init
+    (the weights one process draws for the same seed), or a Hugging Face model's files (only the shards' bytes)."""
+    if cfg.kind == "hf":
+        from kubetrain.models.hf import HFCausalLM, load_hf_weights
+
+        assert isinstance(model, HFCausalLM)
+        load_hf_weights(model, cfg)
+        return
+    assert isinstance(model, GPT)
+    model.init_weights(keep)

@@ -6,6 +6,7 @@ for gated models is read from the environment or from a mounted Secret file, and
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,11 @@ def load_hf_model(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> HFCau
     except (OSError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserInputError(f"model '{cfg.name_or_path}' did not load: {redact_text(first)}") from None
+    return _ready(lm, cfg, tokenizer_vocab)
+
+
+def _ready(lm: Any, cfg: ModelConfig, tokenizer_vocab: int | None) -> HFCausalLM:
+    """Checks against the config and tokenizer, gradient checkpointing, training mode: for loaded and built models."""
     lm.config.use_cache = False
     n_pos = getattr(lm.config, "max_position_embeddings", None)
     if n_pos is not None and cfg.block_size > n_pos:
@@ -117,3 +123,40 @@ def load_hf_model(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> HFCau
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     lm.train()
     return HFCausalLM(lm, cfg.block_size)
+
+
+def safetensors_files(cfg: ModelConfig) -> list[Path]:
+    """The weight files of a local model folder (the index's shards, or the single file); [] if it has none."""
+    folder = Path(cfg.name_or_path or "").expanduser()
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / name for name in shards]
+    single = folder / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+def build_hf_model(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> HFCausalLM:
+    """The model of a local folder built from its config.json in the configured dtype, weights not loaded:
+    built with meta parameters, sharded, then `load_hf_weights` reads each process's part of the files."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = str(Path(cfg.name_or_path or "").expanduser())
+    try:
+        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserInputError(f"model '{cfg.name_or_path}' did not load: {redact_text(first)}") from None
+    lm = AutoModelForCausalLM.from_config(hf_config, dtype=_DTYPES[cfg.dtype], trust_remote_code=cfg.trust_remote_code)
+    return _ready(lm, cfg, tokenizer_vocab)
+
+
+def load_hf_weights(model: HFCausalLM, cfg: ModelConfig) -> None:
+    """Each process reads its shard of every weight from the folder's safetensors files, cast to the model's dtype."""
+    from kubetrain.distributed.parallelize import load_safetensors
+
+    found = load_safetensors(model.lm, safetensors_files(cfg))
+    missing = sorted({name for name, _ in model.lm.named_parameters()} - found)
+    if missing:
+        raise UserInputError(f"model '{cfg.name_or_path}': its files hold no weight {missing[0]} "
+                             f"({len(missing)} missing)")

@@ -85,6 +85,17 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: t for n, t in model.state_dict().items() if n in trainable}
 
 
+def weight_shapes(model: nn.Module) -> dict[str, list[int]]:
+    """Name -> shape of each weight a checkpoint stores (tied weights once, under their first name), the whole
+    shape also when the model is sharded."""
+    from kubetrain.distributed.parallelize import is_sharded, tied_aliases
+
+    if not is_sharded(model):
+        return {k: list(v.shape) for k, v in checkpoint.unique_tensors(model_state(model)).items()}
+    aliases = tied_aliases(model)
+    return {k: list(v.shape) for k, v in model_state(model).items() if k not in aliases}
+
+
 def load_optimizer(
     model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: checkpoint.Checkpoint, trainer: dict[str, Any],
     sharded: bool,

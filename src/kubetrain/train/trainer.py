@@ -24,9 +24,10 @@ from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import Prepared, prepare
 from kubetrain.data.tokenizers import prompt_ids
+from kubetrain.distributed import parallelize
 from kubetrain.distributed import setup as dist
 from kubetrain.errors import IncompatibleCheckpointError, TrainingFailed, TrainingStopped, UserInputError
-from kubetrain.models import build_model
+from kubetrain.models import build_model, builds_on_meta, fill_weights
 from kubetrain.models.lora import apply_lora
 from kubetrain.models.sampling import generate
 from kubetrain.secrets import redact_text
@@ -47,6 +48,7 @@ from kubetrain.train.state import (
     model_state,
     set_rng_state,
     unwrap,
+    weight_shapes,
 )
 from kubetrain.train.stop import GracefulStop
 
@@ -178,9 +180,8 @@ class Trainer:
         self.train_windows = TokenWindows(prepared, "train", cfg.model.block_size)
         self.val_windows = TokenWindows(prepared, "val", cfg.model.block_size) if prepared.n_val > need else None
 
-        self.model = build_model(cfg.model, self.tokenizer.vocab_size).to(self.device)
-        if cfg.model.lora is not None:
-            self.model = apply_lora(self.model, cfg.model.lora)
+        self.precision = resolve_precision(cfg.train.precision, self.device)
+        self.model = self.build_model()
         self.base = unwrap(self.model)
         n_params = sum(p.numel() for p in self.model.parameters())
         n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -190,7 +191,6 @@ class Trainer:
         self.max_steps = t.max_steps
         if t.max_tokens:
             self.max_steps = min(self.max_steps, math.ceil(t.max_tokens / self.tokens_per_step))
-        self.precision = resolve_precision(t.precision, self.device)
         self.amp = autocast(self.precision, self.device)
         self.flops_per_token = getattr(self.base, "flops_per_token", lambda: 6.0 * n_trainable)()
         self.peak = peak_flops(self.device)
@@ -203,6 +203,33 @@ class Trainer:
             f"{t.grad_accum_steps} accum x {penv.world_size} ranks) | steps {self.max_steps} | "
             f"data {prepared.n_train:,} train / {prepared.n_val:,} val tokens ({self.tokenizer.kind} tokenizer)"
         )
+
+    def build_model(self) -> nn.Module:
+        """The model for this world. Under FSDP (torchtitan's order): built with meta parameters, activation
+        checkpointing and FSDP applied per block, then each process materialises and fills only its shards;
+        otherwise built whole on the device (DDP wraps it in open()). The weights are the same either way."""
+        cfg = self.cfg
+        vocab = self.tokenizer.vocab_size
+        if self.sharded and self.device.type == "cpu":
+            parallelize.return_freed_memory()
+        if self.sharded and builds_on_meta(cfg.model):
+            with parallelize.params_on_meta():
+                model = build_model(cfg.model, vocab, load_weights=False)
+            self.checkpoint_activations(model)
+            parallelize.shard(model, self.precision)
+            parallelize.materialise(model, self.device)
+            fill_weights(model, cfg.model, parallelize.keep_part)
+            return model
+        model = build_model(cfg.model, vocab).to(self.device)
+        if cfg.model.lora is not None:
+            model = apply_lora(model, cfg.model.lora)
+        self.checkpoint_activations(model)
+        return model
+
+    def checkpoint_activations(self, model: nn.Module) -> None:
+        """model.gradient_checkpointing for our GPT, per block from outside (an HF model does its own)."""
+        if self.cfg.model.gradient_checkpointing and self.cfg.model.kind == "gpt":
+            parallelize.checkpoint_blocks(model)
 
     def dry_run(self) -> TrainResult:
         """One forward pass on the first batch; nothing is written."""
@@ -223,9 +250,9 @@ class Trainer:
         self.ckpt_root = self.path / runs.CHECKPOINTS
         self.loader = TrainLoader(self.train_windows, cfg.train.micro_batch_size, cfg.run.seed, penv.rank,
                                   penv.world_size)
-        self.shapes = {k: list(v.shape) for k, v in checkpoint.unique_tensors(model_state(self.base)).items()}
+        self.shapes = weight_shapes(self.base)
         source = self.restore_weights()
-        self.model = dist.wrap(self.model, cfg.dist, penv, self.device)
+        self.model = dist.wrap(self.model, cfg.dist, penv, self.device, self.precision)
         # Built on the wrapped model's parameters (FSDP replaces them with shards), its state loaded after.
         self.optimizer = build_optimizer(self.model, cfg.train, self.device)
         # fp16 gradients underflow without loss scaling; bf16 and fp32 need none (the scaler is then a no-op)
@@ -268,7 +295,10 @@ class Trainer:
         source = self.resumed or (checkpoint.resolve(init) if init is not None else None)
         if source is not None:
             checkpoint.check_compatible(source, self.shapes, tokenizer_fingerprint(self.prepared))
-            load_model_state(self.base, source.model_state())
+            if parallelize.is_sharded(self.base):  # each rank reads only the bytes of its shards
+                parallelize.load_safetensors(self.base, [source.path / checkpoint.MODEL_FILE])
+            else:
+                load_model_state(self.base, source.model_state())
         return source
 
     def restore_trainer(self, ckpt: checkpoint.Checkpoint) -> None:
@@ -316,14 +346,13 @@ class Trainer:
         """One optimizer step over grad_accum_steps micro-batches; gradients all-reduced on the last one."""
         accum = self.cfg.train.grad_accum_steps
         model, optimizer, scaler = self.model, self.optimizer, self.scaler
+        # DDP all-reduces only the last micro-batch. FSDP reduce-scatters every one (torchtitan does too): skipping
+        # it would keep unsharded gradients, the whole model's, between micro-batches.
         ddp_sync = getattr(model, "no_sync", None)
-        fsdp_sync = getattr(model, "set_requires_gradient_sync", None)
         set_lr(optimizer, lr_at(self.state.step, self.cfg.train, self.max_steps))
         for micro in range(accum):
             batch = self.loader.next_batch().to(self.device)
             last = micro == accum - 1
-            if fsdp_sync is not None:
-                fsdp_sync(last)
             sync = ddp_sync() if ddp_sync is not None and not last else contextlib.nullcontext()
             with sync, self.amp():
                 loss = lm_loss(model(batch.input_ids), batch.labels) / accum

@@ -1,0 +1,47 @@
+"""Memory per process as ranks grow: under FSDP each process holds a shard of the weights, gradients and AdamW state,
+so the largest process of a 4-rank run grows by well under half of what it grows by under DDP."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cli_env
+
+pytestmark = pytest.mark.slow
+
+# Runs a command and prints the peak RSS (KiB) of its largest descendant that was waited for (the ranks).
+PEAK = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], capture_output=True); "
+        "sys.stderr.write(r.stderr.decode()[-2000:]); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+# What every training process holds before it builds a model: the interpreter, torch, kubetrain, FSDP and DCP.
+IMPORTS = ("import resource, kubetrain.train.trainer, torch.distributed.fsdp, torch.distributed.checkpoint, "
+           "torch.distributed.tensor; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+# 6 blocks of 512: 19M parameters, 77 MB in fp32; a short context and one sequence keep activations small.
+MODEL = ["model.n_layer=6", "model.n_head=8", "model.n_embd=512", "model.block_size=64", "train.micro_batch_size=1",
+         "train.max_steps=2", "train.warmup_steps=0", "eval.every_steps=1000", "eval.batches=1",
+         "eval.sample_prompt=null", "checkpoint.every_steps=1000", "run.threads=1", "track.console=false"]
+
+
+def _peak_mib(tmp_path: Path, *sets: str) -> float:
+    args = [x for s in (*MODEL, f"data.cache_dir={tmp_path / 'cache'}", *sets) for x in ("--set", s)]
+    proc = subprocess.run([sys.executable, "-c", PEAK, sys.executable, "-m", "kubetrain", "train", *args,
+                           "--nproc", "4"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.split()[-1]) / 1024
+
+
+def test_fsdp_grows_by_under_half_of_ddp_at_four_ranks(tmp_path: Path) -> None:
+    ddp = _peak_mib(tmp_path, "run.name=ddp")
+    fsdp = _peak_mib(tmp_path, "run.name=fsdp", "dist.strategy=fsdp")
+    imports = subprocess.run([sys.executable, "-c", IMPORTS], env=cli_env(), capture_output=True, text=True,
+                             check=True)
+    base = int(imports.stdout.split()[-1]) / 1024
+    # DDP holds 19M x 4 bytes x 5 (weights, gradients, its buckets, AdamW's two moments) and more
+    assert ddp - base > 5 * 77, (ddp, base)
+    # FSDP: a quarter of those, two gathered blocks, and on rank 0 the whole weights gathered for the checkpoint;
+    # what both hold besides the model (the data, gloo) weighs more at this size than at 85M (bench_memory.py)
+    assert (fsdp - base) / (ddp - base) < 0.7, (fsdp, ddp, base)
