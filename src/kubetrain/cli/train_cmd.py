@@ -55,7 +55,8 @@ def train(
                       *(["--dry-run"] if dry_run else [])]
         opts = LaunchOptions(nproc_per_node=nproc or 1, nnodes=nnodes, node_rank=node_rank,
                              rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
-                             shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30)
+                             shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30,
+                             hang_timeout=cfg.dist.hang_timeout_seconds)
         raise typer.Exit(launch(opts, forwarded, runs.run_dir(cfg)))
 
     from kubetrain.secrets import redact, redact_text

@@ -208,6 +208,11 @@ class DistConfig(Section):
         "ddp", description="ddp: a full copy per process; fsdp: FSDP2 shards weights and optimizer state."
     )
     timeout_seconds: int = Field(600, ge=10, description="Collective timeout; a hung rank fails the job.")
+    hang_timeout_seconds: float | None = Field(
+        900.0, gt=0, description="Under the launcher (--nproc, pods): when no rank finishes a step for this long, "
+        "the job is hung: every rank's Python stacks go to <run>/incidents/, the workers are ended and restarted "
+        "(--max-restarts) to resume. Must exceed the longest evaluation or checkpoint save; null: off."
+    )
 
 
 class PhaseConfig(Section):

@@ -36,6 +36,7 @@ from kubetrain.track.console import Throughput, console_log
 from kubetrain.track.jsonl import truncate_after
 from kubetrain.train.device import autocast, device_name, memory_gib, peak_flops, resolve_precision
 from kubetrain.train.evaluate import evaluate, lm_loss, perplexity
+from kubetrain.train.heartbeat import Heartbeat
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
 from kubetrain.train.state import (
     TrainResult,
@@ -115,6 +116,7 @@ class Trainer:
         self.sharded = self.penv.distributed and cfg.dist.strategy == "fsdp"
         self.state = TrainState()
         self.last_checkpoint: checkpoint.Checkpoint | None = None
+        self.heartbeat = Heartbeat.from_env(self.penv.rank)  # under the launcher: what its hang watch reads
 
     def run(self) -> TrainResult:
         """Set up, then step until max_steps: log, evaluate and checkpoint when due; stop cleanly on a signal."""
@@ -341,6 +343,8 @@ class Trainer:
         self.loss_count += 1
         if self.sinks:
             self.sinks.heartbeat(self.state.step)
+        if self.heartbeat:
+            self.heartbeat.beat(self.state.step)
 
     def log_train(self) -> None:
         """The mean loss of the window since the last log (over every rank), throughput, MFU, memory, ETA."""
@@ -434,6 +438,8 @@ class Trainer:
                 self.say(f"warning: could not record the end of the run ({status}) in meta.json: {e}")
         if self.sinks:
             self.sinks.finish(status)
+        if self.heartbeat:
+            self.heartbeat.close(clean=status in ("finished", "stopped"))
 
     def result(self, status: str, sample: str | None = None) -> TrainResult:
         state = self.state
