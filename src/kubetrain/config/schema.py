@@ -172,6 +172,11 @@ class CheckpointConfig(Section):
     every_steps: int = Field(100, ge=1, description="Steps between checkpoints (one is also saved at the end).")
     keep_last: int = Field(3, ge=1, description="Periodic checkpoints kept (best is always kept).")
     grace_seconds: float = Field(60.0, gt=0, description="Time allowed to save after SIGTERM.")
+    async_save: bool = Field(
+        True, description="Copy the state to host memory at the step boundary and write, hash, fsync, rename and "
+        "upload it in a background thread (one save in flight); training stops only for the copy. Same atomic "
+        "layout and resume guarantees. FSDP runs save synchronously."
+    )
     uri: str | None = Field(
         None, description="Object storage that keeps a copy of every checkpoint (s3://bucket/prefix, gs://, az://, "
         "or a path), under <uri>/<run.name>/checkpoints/; uploaded in the background, resumed from when the "

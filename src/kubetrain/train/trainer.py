@@ -49,6 +49,7 @@ from kubetrain.train.state import (
     unwrap,
 )
 from kubetrain.train.stop import GracefulStop
+from kubetrain.train.straggler import ComputeTimer
 
 Log = Callable[[str], None]
 
@@ -103,6 +104,7 @@ class Trainer:
     resumed: checkpoint.Checkpoint | None = None
     sinks: Fanout | None = None
     uploader: remote.Uploader | None = None  # rank 0, with checkpoint.uri: copies checkpoints to object storage
+    saver: checkpoint.BackgroundSaver | None = None  # rank 0, checkpoint.async_save: writes in the background
 
     def __init__(self, cfg: Config, opts: RunOptions | None = None, log: Log | None = None) -> None:
         self.cfg, self.opts = cfg, opts or RunOptions()
@@ -126,11 +128,12 @@ class Trainer:
         self.open()
         cfg, state = self.cfg, self.state
         status, sample = "failed", None
-        stop = GracefulStop(cfg.checkpoint.grace_seconds)
+        stop = GracefulStop(cfg.checkpoint.grace_seconds, self.ckpt_root)
         try:
             with stop:
                 while state.step < self.max_steps:
                     self.train_step()
+                    self.collect_saves()  # a background save that finished: its bookkeeping, or its error
                     final = state.step >= self.max_steps
                     if state.step % cfg.train.log_every_steps == 0 or final:
                         self.log_train()
@@ -141,12 +144,14 @@ class Trainer:
                         self.save(is_best=best)
                     self.side_seconds += time.perf_counter() - t_side
                     if stopping:
+                        self.collect_saves(wait=True)  # within the grace period (its watchdog still runs)
                         stop.done()
                         status = "stopped"
                         raise TrainingStopped(
                             f"stopped by {stop.signal_name or 'a signal on another rank'} at step {state.step}; "
                             f"checkpoint saved, resume with the same command"
                         )
+                self.collect_saves(wait=True)
                 self.t_end = time.perf_counter()
                 if self.main and cfg.dist.strategy != "fsdp":
                     sample = self.sample(cfg.eval.sample_prompt or "\n", cfg.eval.sample_tokens * 3)
@@ -155,6 +160,8 @@ class Trainer:
             where = f": {e.filename}" if e.filename else ""
             raise TrainingFailed(f"failed while running at step {state.step}: {e.strerror or e}{where}") from e
         finally:
+            if self.saver is not None and self.saver.in_flight:  # a failure elsewhere: keep what is being written
+                self.saver.wait(stop.time_left())
             if self.uploader:  # wait for the uploads; after a stop, only within what is left of the grace period
                 self.uploader.close(stop.time_left())
             self.finish(status)
@@ -244,6 +251,10 @@ class Trainer:
         self.t_start, self.side_seconds = time.perf_counter(), 0.0  # side: evaluation and checkpoints
         self.start_step = self.state.step
         self.meter = Throughput()
+        self.compute_timer = ComputeTimer(self.device, self.base)  # stragglers: data wait + forward per rank
+        # FSDP saves synchronously: its optimizer shards are written by every rank through DCP inside save()
+        if self.main and cfg.checkpoint.async_save and not self.sharded:
+            self.saver = checkpoint.BackgroundSaver()
         self.meter.tokens0 = self.state.tokens
         self.loss_sum = torch.tensor(self.state.window_loss_sum, device=self.device)
         self.loss_count = self.state.window_steps
@@ -318,13 +329,16 @@ class Trainer:
         fsdp_sync = getattr(model, "set_requires_gradient_sync", None)
         set_lr(optimizer, lr_at(self.state.step, self.cfg.train, self.max_steps))
         for micro in range(accum):
+            self.compute_timer.start()
             batch = self.loader.next_batch().to(self.device)
+            self.compute_timer.batch_ready()
             last = micro == accum - 1
             if fsdp_sync is not None:
                 fsdp_sync(last)
             sync = ddp_sync() if ddp_sync is not None and not last else contextlib.nullcontext()
             with sync, self.amp():
                 loss = lm_loss(model(batch.input_ids), batch.labels) / accum
+            self.compute_timer.stop()
             scaler.scale(loss).backward()
             self.loss_sum += loss.detach()
         if self.cfg.train.grad_clip > 0:
@@ -353,6 +367,7 @@ class Trainer:
         self.loss_sum.zero_()
         self.loss_count = 0
         rate, _ = self.meter.window(state.tokens)
+        stragglers = self.compute_timer.gather()  # one all_gather, at log steps only
         if not self.sinks:
             return
         done = state.step - self.start_step
@@ -366,6 +381,7 @@ class Trainer:
             "epoch": self.loader.epoch, "phase": self.opts.phase, "time": time.time(),
             **({"skipped_steps": state.skipped_steps, "loss_scale": self.scaler.get_scale()}
                if self.scaler.is_enabled() else {}),
+            **(stragglers.record() if stragglers else {}),
         })
 
     def evaluate(self) -> bool:
@@ -388,6 +404,7 @@ class Trainer:
     def save(self, is_best: bool = False) -> checkpoint.Checkpoint | None:
         """A checkpoint of this step (collective: every rank calls it); rank 0 gets it back."""
         state, cfg = self.state, self.cfg
+        t0 = time.perf_counter()
         state.window_loss_sum, state.window_steps = float(self.loss_sum), self.loss_count
         rngs = gather_rng(self.penv.world_size)
         saved = None
@@ -401,30 +418,45 @@ class Trainer:
         else:
             weights = model_state(self.base) if self.main else {}
         if self.main:
-            saved = checkpoint.save(
-                self.ckpt_root,
-                state.step,
-                weights,
-                {"optimizer": None if self.sharded else self.optimizer.state_dict(),
-                 "loader": self.loader.state_dict(), "state": asdict(state), "rng": rngs,
-                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None},
-                {"tokens": state.tokens, "train_loss": state.last_train_loss, "val_loss": state.last_val_loss,
-                 "best_val_loss": state.best_val_loss, "config_hash": config_hash(cfg), "phase": self.opts.phase,
-                 "tokenizer": tokenizer_fingerprint(self.prepared), "world_size": self.penv.world_size},
-                keep_last=cfg.checkpoint.keep_last,
-                is_best=is_best,
-                prepared=self.sharded,
-            )
-            runs.update_meta(self.path, step=state.step, tokens=state.tokens, last_checkpoint=saved.path.name,
-                             best_val_loss=state.best_val_loss)
-            if self.uploader:  # in the background: training goes on while it uploads
-                self.uploader.submit(saved, is_best)
-            if self.sinks:
-                self.sinks.log({"kind": "checkpoint", "step": state.step, "path": str(saved.path), "best": is_best,
-                                "phase": self.opts.phase, "time": time.time()})
-            self.last_checkpoint = saved
+            trainer = {"optimizer": None if self.sharded else self.optimizer.state_dict(),
+                       "loader": self.loader.state_dict(), "state": asdict(state), "rng": rngs,
+                       "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
+            meta = {"tokens": state.tokens, "train_loss": state.last_train_loss, "val_loss": state.last_val_loss,
+                    "best_val_loss": state.best_val_loss, "config_hash": config_hash(cfg), "phase": self.opts.phase,
+                    "tokenizer": tokenizer_fingerprint(self.prepared), "world_size": self.penv.world_size}
+            if self.saver is not None:  # staged to host memory here, written in the background
+                self.saver.save(self.ckpt_root, state.step, weights, trainer, meta,
+                                keep_last=cfg.checkpoint.keep_last, is_best=is_best, waited=time.perf_counter() - t0)
+            else:
+                saved = checkpoint.save(self.ckpt_root, state.step, weights, trainer, meta,
+                                        keep_last=cfg.checkpoint.keep_last, is_best=is_best, prepared=self.sharded)
+                seconds = time.perf_counter() - t0
+                self.saved(checkpoint.Saved(saved, is_best, seconds, seconds))
         dist.barrier()
         return saved
+
+    def collect_saves(self, wait: bool = False) -> None:
+        """Rank 0: record the background saves that finished (waiting for the one in flight when asked)."""
+        if self.saver is None:
+            return
+        if wait:
+            self.saver.wait()
+        for done in self.saver.collect():
+            self.saved(done)
+
+    def saved(self, done: checkpoint.Saved) -> None:
+        """A checkpoint is complete: meta.json, the upload, its line in metrics.jsonl."""
+        saved = done.checkpoint
+        runs.update_meta(self.path, step=saved.meta["step"], tokens=saved.meta["tokens"],
+                         last_checkpoint=saved.path.name, best_val_loss=saved.meta["best_val_loss"])
+        if self.uploader:  # in the background: training goes on while it uploads
+            self.uploader.submit(saved, done.is_best)
+        if self.sinks:
+            self.sinks.log({"kind": "checkpoint", "step": saved.meta["step"], "path": str(saved.path),
+                            "best": done.is_best, "blocked_seconds": round(done.blocked_seconds, 4),
+                            "write_seconds": round(done.write_seconds, 4), "phase": self.opts.phase,
+                            "time": time.time()})
+        self.last_checkpoint = saved
 
     def finish(self, status: str) -> None:
         """Record how the run ended: meta.json first (sinks such as MLflow keep it as an artifact), then sinks."""
