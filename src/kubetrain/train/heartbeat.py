@@ -9,6 +9,7 @@ Without the variable (one process, a bare torchrun) none of this happens.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import json
@@ -23,6 +24,7 @@ HEARTBEAT_DIR_ENV = "KUBETRAIN_HEARTBEAT_DIR"
 LAUNCHER_PID_ENV = "KUBETRAIN_LAUNCHER_PID"
 STACKS_SIGNAL = signal.SIGUSR1
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+RECORD_BYTES = 1024  # every record padded to this size, so a shorter one never leaves a tail of the last
 
 
 def beat_file(folder: Path, rank: int) -> Path:
@@ -56,7 +58,7 @@ class Heartbeat:
     def __init__(self, folder: Path, rank: int) -> None:
         self.folder, self.rank = folder, rank
         self.path = beat_file(folder, rank)
-        self._tmp = self.path.with_suffix(".tmp")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         self.step = -1
@@ -75,14 +77,17 @@ class Heartbeat:
         return cls(Path(folder), rank)
 
     def beat(self, step: int, **extra: Any) -> None:
+        """Overwrite this rank's record in place: one pwrite of a fixed-size record, no rename, no fsync (the
+        reader is a process on this node; a record caught half-written fails to parse and is read next poll)."""
         self.step = step
-        record = {"rank": self.rank, "pid": os.getpid(), "step": step, "time": time.time(),
+        fields = {"rank": self.rank, "pid": os.getpid(), "step": step, "time": time.time(),
                   "restart": self.restart, "error_file": self.error_file, **extra}
-        try:
-            self._tmp.write_text(json.dumps(record))
-            os.replace(self._tmp, self.path)
-        except OSError:
-            pass  # a heartbeat that cannot be written must not stop training; the launcher sees it as silence
+        record = json.dumps(fields)
+        if len(record) > RECORD_BYTES:  # an absurdly long error-file path: the launcher does without it
+            record = json.dumps({**fields, "error_file": None})
+        # a heartbeat that cannot be written must not stop training; the launcher sees it as silence
+        with contextlib.suppress(OSError):
+            os.pwrite(self._fd, record.ljust(RECORD_BYTES).encode(), 0)
 
     def close(self, clean: bool) -> None:
         """A run that finished or stopped cleanly says so; one that failed leaves its last beat for the launcher."""
@@ -90,3 +95,4 @@ class Heartbeat:
             self.beat(self.step, done=True)
         faulthandler.unregister(STACKS_SIGNAL)
         self._stacks.close()
+        os.close(self._fd)
