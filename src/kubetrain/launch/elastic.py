@@ -101,11 +101,14 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         run(args)
     except SignalException as e:
         watch.stop()
-        status = _run_status(run_dir)
+        status, latest = _run_status(run_dir)
         if e.sigval == signal.SIGTERM:
-            step = watch.last_step()
-            incidents.record(run_dir, "preempted", rank=None, step=step,
-                             message=f"SIGTERM to the launcher; run status {status}")
+            incidents.record(run_dir, "preempted", rank=None, step=watch.last_step(),
+                             message=f"SIGTERM to the launcher; run status {status}; latest checkpoint {latest}")
+        if status != "stopped" and latest is not None:  # the stop save did not finish in the grace period
+            _say(f"launcher: {e.sigval.name}: workers stopped before their stop checkpoint; the run resumes from "
+                 f"{latest}")
+            return EXIT_STOPPED_RESUMABLE
         _say(f"launcher: {e.sigval.name}: workers stopped (run status: {status})")
         return EXIT_STOPPED_RESUMABLE if status == "stopped" else EXIT_FAILURE
     except ChildFailedError as e:
@@ -184,10 +187,14 @@ def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     return min(failures.items(), key=order)
 
 
-def _run_status(run_dir: Path) -> str:
+def _run_status(run_dir: Path) -> tuple[str, str | None]:
+    """The run's status and its newest complete checkpoint (of its newest phase)."""
     from kubetrain.runs.reader import describe_run
 
-    return str(describe_run(run_dir)["status"]) if run_dir.is_dir() else "unknown"
+    if not run_dir.is_dir():
+        return "unknown", None
+    info = describe_run(run_dir)
+    return str(info["status"]), info["latest"]
 
 
 def record_worker_error(e: BaseException) -> None:
