@@ -171,6 +171,20 @@ def test_fp16_counts_skipped_steps_and_resumes_the_scaler(tmp_path: Path) -> Non
     assert again.state.skipped_steps == 1 and again.scaler.get_scale() == 2.0**39
 
 
+def test_a_background_save_is_recorded_once_written_with_its_timings(tmp_path: Path) -> None:
+    trainer = opened(tmp_path)
+    trainer.train_step()
+    assert trainer.save(background=True) is None  # written by a thread from a host copy
+    trainer.train_step()  # training goes on; the copy does not change
+    trainer.collect_saves(wait=True)
+    assert trainer.last_checkpoint is not None and trainer.last_checkpoint.path.name == "step-000001"
+    lines = [json.loads(line) for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()]
+    [ckpt] = [r for r in lines if r["kind"] == "checkpoint"]
+    assert ckpt["step"] == 1 and ckpt["write_seconds"] >= ckpt["blocked_seconds"] > 0
+    again = opened(tmp_path)
+    assert again.state.step == 1  # the checkpoint holds step 1, not what the loop did after
+
+
 class MetaLostAfterStep1(Trainer):
     """meta.json cannot be written after the first step (here: a folder took its place; a lost mount or
     permission looks the same to the writer)."""

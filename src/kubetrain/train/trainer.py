@@ -141,17 +141,15 @@ class Trainer:
                     best = self.evaluate() if state.step % cfg.eval.every_steps == 0 or final else False
                     stopping = dist.broadcast_flag(stop.requested, self.device)
                     if best or final or stopping or state.step % cfg.checkpoint.every_steps == 0:
-                        self.save(is_best=best)
+                        self.save(is_best=best, background=not (final or stopping))
                     self.side_seconds += time.perf_counter() - t_side
                     if stopping:
-                        self.collect_saves(wait=True)  # within the grace period (its watchdog still runs)
                         stop.done()
                         status = "stopped"
                         raise TrainingStopped(
                             f"stopped by {stop.signal_name or 'a signal on another rank'} at step {state.step}; "
                             f"checkpoint saved, resume with the same command"
                         )
-                self.collect_saves(wait=True)
                 self.t_end = time.perf_counter()
                 if self.main and cfg.dist.strategy != "fsdp":
                     sample = self.sample(cfg.eval.sample_prompt or "\n", cfg.eval.sample_tokens * 3)
@@ -401,8 +399,12 @@ class Trainer:
             self.write_sample()
         return improved
 
-    def save(self, is_best: bool = False) -> checkpoint.Checkpoint | None:
-        """A checkpoint of this step (collective: every rank calls it); rank 0 gets it back."""
+    def save(self, is_best: bool = False, background: bool = False) -> checkpoint.Checkpoint | None:
+        """A checkpoint of this step (collective: every rank calls it); rank 0 gets it back.
+
+        `background` (with checkpoint.async_save): staged to host memory and written by a thread; None comes
+        back and `collect_saves` records it once written. Otherwise the save in flight is waited for first.
+        """
         state, cfg = self.state, self.cfg
         t0 = time.perf_counter()
         state.window_loss_sum, state.window_steps = float(self.loss_sum), self.loss_count
@@ -424,10 +426,11 @@ class Trainer:
             meta = {"tokens": state.tokens, "train_loss": state.last_train_loss, "val_loss": state.last_val_loss,
                     "best_val_loss": state.best_val_loss, "config_hash": config_hash(cfg), "phase": self.opts.phase,
                     "tokenizer": tokenizer_fingerprint(self.prepared), "world_size": self.penv.world_size}
-            if self.saver is not None:  # staged to host memory here, written in the background
+            if self.saver is not None and background:  # staged to host memory here, written in the background
                 self.saver.save(self.ckpt_root, state.step, weights, trainer, meta,
                                 keep_last=cfg.checkpoint.keep_last, is_best=is_best, waited=time.perf_counter() - t0)
             else:
+                self.collect_saves(wait=True)  # the one in flight first: `latest` moves in step order
                 saved = checkpoint.save(self.ckpt_root, state.step, weights, trainer, meta,
                                         keep_last=cfg.checkpoint.keep_last, is_best=is_best, prepared=self.sharded)
                 seconds = time.perf_counter() - t0
