@@ -176,37 +176,48 @@ class Saved:
 
     checkpoint: Checkpoint
     is_best: bool
-    blocked_seconds: float  # the caller waited this long (the previous save, then staging)
+    blocked_seconds: float  # the loop waited this long (gathering, the previous save, the rest of the copy)
     write_seconds: float  # staging to the last fsync: the whole save
 
 
 class BackgroundSaver:
-    """One checkpoint save in flight at a time, written by `save` in a thread from staged host copies.
+    """One checkpoint save in flight at a time, copied to host memory and written by `save` in a thread.
 
-    Every guarantee of `save` holds (temporary folder, checksums, fsync, rename, `latest` moved last): the
-    thread runs that same function. The thread is not a daemon, so a process that ends normally finishes the
-    save first; a SIGKILL at any point leaves the previous checkpoint and `latest` as they were.
+    The copy overlaps the next step: a step's data loading, forward and backward read the weights and the
+    optimizer state but do not change them; only the optimizer step does, so the loop calls `wait_staged()`
+    just before it, and training stops only for whatever of the copy is left by then. Every guarantee of
+    `save` holds (temporary folder, checksums, fsync, rename, `latest` moved last): the thread runs that same
+    function on the copies. The thread is not a daemon, so a process that ends normally finishes the save;
+    a SIGKILL at any point leaves the previous checkpoint and `latest` as they were.
     """
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
+        self._staged: threading.Event | None = None
         self._done: list[Saved] = []
         self._error: BaseException | None = None
+        self._waited_for_copy: dict[int, float] = {}  # step -> seconds the loop waited in wait_staged
+        self._step = -1  # the step of the save in flight
         self._lock = threading.Lock()
 
     def save(self, root: Path, step: int, model_state: dict[str, torch.Tensor], trainer_state: dict[str, Any],
              meta: dict[str, Any], *, keep_last: int, is_best: bool = False, waited: float = 0.0) -> float:
-        """Wait for the save in flight, stage copies, start writing; the seconds the caller was blocked.
+        """Wait for the save in flight, then copy and write this one in a thread; the seconds blocked so far.
 
-        `waited`: seconds the caller already spent for this save (gathering state), counted as blocked.
+        `waited`: seconds the caller already spent for this save (gathering state), counted as blocked. The
+        caller must not change the state before `wait_staged()` returns.
         """
         t0 = time.perf_counter()
         self.wait()
-        staged_model, staged_trainer = stage(model_state), stage(trainer_state)
         blocked = waited + time.perf_counter() - t0
+        staged = self._staged = threading.Event()
 
         def write() -> None:
             try:
+                try:
+                    staged_model, staged_trainer = stage(model_state), stage(trainer_state)
+                finally:
+                    staged.set()
                 saved = save(root, step, staged_model, staged_trainer, meta, keep_last=keep_last, is_best=is_best)
             except BaseException as e:  # handed to the loop's thread, which raises it at its next step
                 with self._lock:
@@ -217,7 +228,18 @@ class BackgroundSaver:
 
         self._thread = threading.Thread(target=write, name=f"kubetrain-save-{step}", daemon=False)
         self._thread.start()
+        self._step = step
         return blocked
+
+    def wait_staged(self) -> None:
+        """Before the optimizer changes the weights: wait until the save in flight has its copy."""
+        if self._staged is None:
+            return
+        t0 = time.perf_counter()
+        self._staged.wait()
+        self._staged = None
+        with self._lock:
+            self._waited_for_copy[self._step] = time.perf_counter() - t0
 
     @property
     def in_flight(self) -> bool:
@@ -227,13 +249,19 @@ class BackgroundSaver:
         """Wait for the save in flight (at most `timeout` seconds); True when none is left."""
         if self._thread is not None:
             self._thread.join(timeout)
+        if not self.in_flight:
+            self._staged = None
         return not self.in_flight
 
     def collect(self) -> list[Saved]:
-        """The saves finished since the last call; the error of a failed one is raised here, in the caller."""
+        """The saves finished since the last call; the error of a failed one is raised here, in the caller.
+
+        Each one's blocked time includes the wait for its copy before the next optimizer step."""
         with self._lock:
             done, self._done = self._done, []
             error, self._error = self._error, None
+            for d in done:
+                d.blocked_seconds += self._waited_for_copy.pop(d.checkpoint.step, 0.0)
         if error is not None:
             raise error
         return done

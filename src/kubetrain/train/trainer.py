@@ -339,6 +339,8 @@ class Trainer:
             self.compute_timer.stop()
             scaler.scale(loss).backward()
             self.loss_sum += loss.detach()
+        if self.saver is not None:  # a background save copies the weights until here; the optimizer changes them
+            self.saver.wait_staged()
         if self.cfg.train.grad_clip > 0:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.train.grad_clip)
