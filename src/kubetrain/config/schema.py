@@ -173,9 +173,9 @@ class CheckpointConfig(Section):
     keep_last: int = Field(3, ge=1, description="Periodic checkpoints kept (best is always kept).")
     grace_seconds: float = Field(60.0, gt=0, description="Time allowed to save after SIGTERM.")
     async_save: bool = Field(
-        True, description="Copy the state to host memory at the step boundary and write, hash, fsync, rename and "
-        "upload it in a background thread (one save in flight); training stops only for the copy. Same atomic "
-        "layout and resume guarantees. FSDP runs save synchronously."
+        True, description="Copy the state to host memory in a background thread while the next step's forward and "
+        "backward run (the optimizer step waits for the copy), then write, hash, fsync, rename and upload it there "
+        "(one save in flight). Same atomic layout and resume guarantees. FSDP runs save synchronously."
     )
     uri: str | None = Field(
         None, description="Object storage that keeps a copy of every checkpoint (s3://bucket/prefix, gs://, az://, "
