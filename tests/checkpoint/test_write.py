@@ -107,3 +107,49 @@ def test_write_failure_midway_keeps_the_previous_checkpoint(tmp_path: Path, monk
     assert checkpoint.pointer(tmp_path, "latest") == "step-000001"
     assert not (tmp_path / "step-000002.tmp").exists()
     assert not (tmp_path / "step-000002").exists()
+
+
+def test_staged_copies_do_not_change_when_training_does_and_ties_stay_tied() -> None:
+    model = tiny_state(1)
+    exp_avg = torch.zeros(4)
+    trainer = {"optimizer": {"state": {0: {"exp_avg": exp_avg}}, "param_groups": [{"lr": 0.1, "params": [0]}]}}
+    staged_model, staged_trainer = write.stage(model), write.stage(trainer)
+    before = model["embed.weight"].clone()
+    model["embed.weight"].add_(1.0)  # the next optimizer steps change the live tensors in place
+    exp_avg.add_(1.0)
+    trainer["optimizer"]["param_groups"][0]["lr"] = 0.2  # type: ignore[index]
+    assert torch.equal(staged_model["embed.weight"], before)
+    assert staged_model["embed.weight"] is staged_model["lm_head.weight"]  # saved once, as before
+    assert torch.equal(staged_trainer["optimizer"]["state"][0]["exp_avg"], torch.zeros(4))
+    assert staged_trainer["optimizer"]["param_groups"][0]["lr"] == 0.1
+
+
+def test_background_saves_one_at_a_time_with_their_timings(tmp_path: Path) -> None:
+    saver = write.BackgroundSaver()
+    trainer = {"optimizer": {"state": {}, "param_groups": []}, "rng": [torch.get_rng_state()]}
+    for step in (1, 2):  # the second waits for the first: one save in flight
+        blocked = saver.save(tmp_path, step, tiny_state(step), trainer, {"tokens": step}, keep_last=5)
+        assert blocked >= 0.0
+    assert saver.wait() and not saver.in_flight
+    done = saver.collect()
+    assert [d.checkpoint.path.name for d in done] == ["step-000001", "step-000002"]
+    assert all(d.write_seconds >= d.blocked_seconds > 0 for d in done)
+    assert checkpoint.pointer(tmp_path, "latest") == "step-000002"
+    assert torch.equal(checkpoint.verify(done[1].checkpoint.path).model_state()["embed.weight"],
+                       tiny_state(2)["embed.weight"])
+    assert saver.collect() == []
+
+
+def test_a_failed_background_save_is_raised_in_the_caller_and_keeps_the_previous(tmp_path: Path) -> None:
+    saver = write.BackgroundSaver()
+    trainer: dict[str, object] = {"optimizer": {"state": {}, "param_groups": []}}
+    saver.save(tmp_path, 1, tiny_state(1), trainer, {}, keep_last=5)
+    saver.wait()
+    saver.collect()
+    (tmp_path / "step-000002.tmp").write_text("in the way")  # a file where the save needs its folder
+    saver.save(tmp_path, 2, tiny_state(2), trainer, {}, keep_last=5)
+    saver.wait()
+    with pytest.raises(CheckpointError, match=r"could not save checkpoint step-000002.*previous checkpoint is intact"):
+        saver.collect()
+    assert checkpoint.pointer(tmp_path, "latest") == "step-000001"
+    assert saver.collect() == []  # raised once

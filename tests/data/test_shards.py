@@ -190,7 +190,7 @@ def test_a_source_given_only_as_a_path_trains_on_that_file(tmp_path: Path) -> No
 def test_a_cache_hit_reads_no_corpus_file_and_verifies_the_shard(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kubetrain.data import fingerprints, shards
+    from kubetrain.data import fingerprints
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -209,7 +209,6 @@ def test_a_cache_hit_reads_no_corpus_file_and_verifies_the_shard(
 
     file_digest = fingerprints.file_digest
     monkeypatch.setattr(fingerprints, "file_digest", spy)
-    monkeypatch.setattr(shards, "file_digest", spy)
     assert prepare(cfg).folder == first.folder
     assert sorted(read) == sorted(shards_files)  # the corpus is known by its fingerprints; the shard is checked
     # a shard older than the racy window is hashed once more, then known by the cache's record at each start

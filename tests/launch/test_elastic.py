@@ -138,6 +138,7 @@ def test_sigterm_to_the_launcher_saves_and_exits_resumable(tmp_path: Path) -> No
     assert proc.returncode == EXIT_STOPPED_RESUMABLE, err
     meta = json.loads((tmp_path / "runs" / "term" / "meta.json").read_text())
     assert meta["status"] == "stopped"
+    assert [e["kind"] for e in meta["incidents"]] == ["preempted"]
     step = meta["step"]
     assert (tmp_path / "runs" / "term" / "checkpoints" / f"step-{step:06d}" / "meta.json").is_file()
 

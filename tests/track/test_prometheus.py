@@ -101,6 +101,20 @@ def test_gauges_carry_values_and_labels(tmp_path: Path) -> None:
     assert set(GAUGES) <= set(m)  # every documented gauge is exported
 
 
+def test_a_gauge_per_rank_names_the_straggler(tmp_path: Path) -> None:
+    sink = PrometheusSink(0, "127.0.0.1", stream=io.StringIO())
+    sink.start({"run": "unit", "run_dir": str(tmp_path)})
+    try:
+        sink.log({"kind": "train", "step": 5, "slowest_rank": 2, "straggler_ratio": 3.0,
+                  "rank_compute_seconds": [1.0, 1.5, 4.5]})
+        m = scrape(sink.port)
+    finally:
+        sink.finish("finished")
+    ratio = {dict(k)["rank"]: v for k, v in m["kubetrain_rank_straggler_ratio"].items()}
+    assert ratio == {"0": pytest.approx(1 / 1.5), "1": 1.0, "2": pytest.approx(3.0)}
+    assert {dict(k)["rank"]: v for k, v in m["kubetrain_rank_compute_seconds"].items()}["2"] == 4.5
+
+
 @pytest.mark.slow
 def test_port_taken_warns_once_and_training_goes_on(train_tiny: TrainTiny, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:

@@ -220,6 +220,18 @@ def test_sample_prompt_null_turns_every_sample_off(tmp_path: Path) -> None:
     assert result.status == "finished" and result.final_val_loss is not None
     assert result.sample is None
     assert not (tmp_path / "parts" / "samples.txt").exists()
+def test_a_background_save_is_recorded_once_written_with_its_timings(tmp_path: Path) -> None:
+    trainer = opened(tmp_path)
+    trainer.train_step()
+    assert trainer.save(background=True) is None  # written by a thread from a host copy
+    trainer.train_step()  # training goes on; the copy does not change
+    trainer.collect_saves(wait=True)
+    assert trainer.last_checkpoint is not None and trainer.last_checkpoint.path.name == "step-000001"
+    lines = [json.loads(line) for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()]
+    [ckpt] = [r for r in lines if r["kind"] == "checkpoint"]
+    assert ckpt["step"] == 1 and ckpt["write_seconds"] >= ckpt["blocked_seconds"] > 0
+    again = opened(tmp_path)
+    assert again.state.step == 1  # the checkpoint holds step 1, not what the loop did after
 
 
 class MetaLostAfterStep1(Trainer):

@@ -21,7 +21,7 @@ from kubetrain.checkpoint.layout import (
 )
 from kubetrain.checkpoint.read import Checkpoint, check_compatible, find_resumable, resolve, verify
 from kubetrain.checkpoint.sharded import OPTIMIZER_DIR, full_model_state, load_optimizer, save_optimizer
-from kubetrain.checkpoint.write import begin, prune, save, unique_tensors
+from kubetrain.checkpoint.write import BackgroundSaver, Saved, begin, prune, save, stage, unique_tensors
 
 __all__ = [
     "BEST",
@@ -32,7 +32,9 @@ __all__ = [
     "OPTIMIZER_DIR",
     "TRAINER_FILE",
     "TRAINER_TENSORS",
+    "BackgroundSaver",
     "Checkpoint",
+    "Saved",
     "begin",
     "check_compatible",
     "complete_checkpoints",
@@ -45,6 +47,7 @@ __all__ = [
     "resolve",
     "save",
     "save_optimizer",
+    "stage",
     "step_name",
     "tmp_dir",
     "unique_tensors",

@@ -2,6 +2,7 @@
 
 The model weights and the optimizer tensors go out through our safetensors writer (tensorfile); meta.json
 lists the xxh3-128 digest and size of every file, which is what `read.verify` checks before anything loads.
+`BackgroundSaver` does the same `save` in a thread, from host copies staged at the step boundary.
 """
 
 from __future__ import annotations
@@ -9,7 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +145,123 @@ def prune(root: Path, keep_last: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
     for p in root.glob("*.tmp"):  # leftovers of a save that was killed
         shutil.rmtree(p, ignore_errors=True)
+
+
+def stage(obj: Any) -> Any:
+    """A host copy of a (nested) state that training can no longer change: tensors copied, containers rebuilt.
+
+    Tied weights stay tied (one copy per storage), so `unique_tensors` still saves them once.
+    """
+    copies: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            key = (value.untyped_storage().data_ptr(), int(value.storage_offset()), value.shape, value.dtype)
+            if key not in copies or not value.numel():
+                t = value.detach()
+                copies[key] = t.clone() if t.device.type == "cpu" else t.to("cpu")
+            return copies[key]
+        if isinstance(value, dict):
+            return {k: copy(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(copy(v) for v in value)
+        return value
+
+    return copy(obj)
+
+
+@dataclass
+class Saved:
+    """A finished background save: the checkpoint, and how long it took."""
+
+    checkpoint: Checkpoint
+    is_best: bool
+    blocked_seconds: float  # the loop waited this long (gathering, the previous save, the rest of the copy)
+    write_seconds: float  # staging to the last fsync: the whole save
+
+
+class BackgroundSaver:
+    """One checkpoint save in flight at a time, copied to host memory and written by `save` in a thread.
+
+    The copy overlaps the next step: a step's data loading, forward and backward read the weights and the
+    optimizer state but do not change them; only the optimizer step does, so the loop calls `wait_staged()`
+    just before it, and training stops only for whatever of the copy is left by then. Every guarantee of
+    `save` holds (temporary folder, checksums, fsync, rename, `latest` moved last): the thread runs that same
+    function on the copies. The thread is not a daemon, so a process that ends normally finishes the save;
+    a SIGKILL at any point leaves the previous checkpoint and `latest` as they were.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._staged: threading.Event | None = None
+        self._done: list[Saved] = []
+        self._error: BaseException | None = None
+        self._waited_for_copy: dict[int, float] = {}  # step -> seconds the loop waited in wait_staged
+        self._step = -1  # the step of the save in flight
+        self._lock = threading.Lock()
+
+    def save(self, root: Path, step: int, model_state: dict[str, torch.Tensor], trainer_state: dict[str, Any],
+             meta: dict[str, Any], *, keep_last: int, is_best: bool = False, waited: float = 0.0) -> float:
+        """Wait for the save in flight, then copy and write this one in a thread; the seconds blocked so far.
+
+        `waited`: seconds the caller already spent for this save (gathering state), counted as blocked. The
+        caller must not change the state before `wait_staged()` returns.
+        """
+        t0 = time.perf_counter()
+        self.wait()
+        blocked = waited + time.perf_counter() - t0
+        staged = self._staged = threading.Event()
+
+        def write() -> None:
+            try:
+                try:
+                    staged_model, staged_trainer = stage(model_state), stage(trainer_state)
+                finally:
+                    staged.set()
+                saved = save(root, step, staged_model, staged_trainer, meta, keep_last=keep_last, is_best=is_best)
+            except BaseException as e:  # handed to the loop's thread, which raises it at its next step
+                with self._lock:
+                    self._error = e
+                return
+            with self._lock:
+                self._done.append(Saved(saved, is_best, blocked, waited + time.perf_counter() - t0))
+
+        self._thread = threading.Thread(target=write, name=f"kubetrain-save-{step}", daemon=False)
+        self._thread.start()
+        self._step = step
+        return blocked
+
+    def wait_staged(self) -> None:
+        """Before the optimizer changes the weights: wait until the save in flight has its copy."""
+        if self._staged is None:
+            return
+        t0 = time.perf_counter()
+        self._staged.wait()
+        self._staged = None
+        with self._lock:
+            self._waited_for_copy[self._step] = time.perf_counter() - t0
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the save in flight (at most `timeout` seconds); True when none is left."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if not self.in_flight:
+            self._staged = None
+        return not self.in_flight
+
+    def collect(self) -> list[Saved]:
+        """The saves finished since the last call; the error of a failed one is raised here, in the caller.
+
+        Each one's blocked time includes the wait for its copy before the next optimizer step."""
+        with self._lock:
+            done, self._done = self._done, []
+            error, self._error = self._error, None
+            for d in done:
+                d.blocked_seconds += self._waited_for_copy.pop(d.checkpoint.step, 0.0)
+        if error is not None:
+            raise error
+        return done

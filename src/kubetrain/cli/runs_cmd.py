@@ -54,8 +54,15 @@ def show(run_dir: Annotated[Path, typer.Argument(help="A run directory.")], json
     if json_:
         typer.echo(json.dumps(info))
         return
+    from kubetrain.runs.incidents import describe
+
     for key, value in info.items():
-        typer.echo(f"{key:>16}: {_shown(key, value)}")
+        if key not in ("checkpoints", "incidents"):
+            typer.echo(f"{key:>16}: {_shown(key, value)}")
+    typer.echo(f"{'checkpoints':>16}: {', '.join(info['checkpoints']) or '-'}")
+    typer.echo(f"{'incidents':>16}: {len(info['incidents']) or '-'}")
+    for entry in info["incidents"]:
+        typer.echo(f"{'':>18}{describe(entry)}")
 
 
 def _shown(key: str, value: Any) -> str:

@@ -62,7 +62,8 @@ def train(
                       *(["--dry-run"] if dry_run else [])]
         opts = LaunchOptions(nproc_per_node=nproc or 1, nnodes=nnodes, node_rank=node_rank,
                              rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
-                             shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30)
+                             shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30,
+                             hang_timeout=cfg.dist.hang_timeout_seconds)
         torchrun_args(opts, forwarded)  # bad launch options are refused before the run directory is held
         check_memory(cfg, local_processes=opts.nproc_per_node, launcher=True)  # before any worker starts
         one_node = nnodes == "1" and rdzv_endpoint is None  # several nodes: rank 0 holds it, wherever it runs

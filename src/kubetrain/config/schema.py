@@ -189,6 +189,11 @@ class CheckpointConfig(Section):
     )
     keep_last: int = Field(3, ge=1, description="Periodic checkpoints kept (best is always kept).")
     grace_seconds: float = Field(60.0, gt=0, description="Time allowed to save after SIGTERM.")
+    async_save: bool = Field(
+        True, description="Copy the state to host memory in a background thread while the next step's forward and "
+        "backward run (the optimizer step waits for the copy), then write, hash, fsync, rename and upload it there "
+        "(one save in flight). Same atomic layout and resume guarantees. FSDP runs save synchronously."
+    )
     uri: str | None = Field(
         None, description="Object storage that keeps a copy of every checkpoint (s3://bucket/prefix, gs://, az://, "
         "or a path), under <uri>/<run.name>/checkpoints/; uploaded in the background, resumed from when the "
@@ -238,6 +243,11 @@ class DistConfig(Section):
         1800, ge=1,
         description="Collective timeout until the first step is done (start-up: loading, restoring, the first "
         "collectives of slow ranks); then timeout_seconds applies.",
+    )
+    hang_timeout_seconds: float | None = Field(
+        900.0, gt=0, description="Under the launcher (--nproc, pods): when no rank finishes a step for this long, "
+        "the job is hung: every rank's Python stacks go to <run>/incidents/, the workers are ended and restarted "
+        "(--max-restarts) to resume. Must exceed the longest evaluation or checkpoint save; null: off."
     )
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from kubetrain.config.schema import Config
 from kubetrain.data import sources
 from kubetrain.data.claims import Claims, process_tag, share
-from kubetrain.data.fingerprints import DigestCache, file_digest
+from kubetrain.data.fingerprints import DigestCache
 from kubetrain.data.index import Segment, TokenSequence, join, length
 from kubetrain.data.parts import PARTS_DIR, Part, plan, write_part
 from kubetrain.data.pieces import PIECE_BYTES, text_pieces

@@ -2,14 +2,19 @@
 
 The agent restarts the workers when one dies (up to --max-restarts); each restart resumes from the latest
 checkpoint (`--resume auto`). SIGTERM/SIGINT to the launcher reach the workers, which finish their step,
-save a checkpoint and exit; the launcher then exits with EXIT_STOPPED_RESUMABLE.
+save a checkpoint and exit; the launcher then exits with EXIT_STOPPED_RESUMABLE. While the agent runs, a thread
+watches the workers' heartbeats (launch/watch.py): a hang is dumped, ended and restarted; every incident is
+recorded in `<run>/incidents/` and meta.json.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +37,7 @@ class LaunchOptions:
     monitor_interval: float = 0.5
     rdzv_conf: str | None = None  # e.g. "is_host=true": which node hosts the c10d store (set by k8s pods)
     local_addr: str | None = None  # the address this node advertises to the others (a pod's IP)
+    hang_timeout: float | None = None  # dist.hang_timeout_seconds: no rank advancing this long is a hang
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -77,28 +83,93 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from kubetrain.launch.watch import HangWatch
+    from kubetrain.runs import incidents
+    from kubetrain.train.heartbeat import HEARTBEAT_DIR_ENV, LAUNCHER_PID_ENV
+
     args = parse_args(torchrun_args(opts, train_args))
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per worker unless told otherwise
     # Workers get a fresh store (hosted by rank 0 on a new port) each rendezvous round instead of sharing the
     # agent's: a node joining a later round deadlocks on the shared one (pytorch#135712), and restarted gloo
     # workers were seen reading a stale peer address from it.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    flight_recorder_env(run_dir)
+    beats = Path(tempfile.mkdtemp(prefix="kubetrain-heartbeat-"))  # node-local: never the shared run folder
+    os.environ[HEARTBEAT_DIR_ENV], os.environ[LAUNCHER_PID_ENV] = str(beats), str(os.getpid())
+    watch = HangWatch(beats, run_dir, opts.hang_timeout, say=_say).start()
     try:
         run(args)
     except SignalException as e:
-        status = _run_status(run_dir)
-        print(f"launcher: {e.sigval.name}: workers stopped (run status: {status})", file=sys.stderr, flush=True)
+        watch.stop()
+        status, latest = _run_status(run_dir)
+        if e.sigval == signal.SIGTERM:
+            incidents.record(run_dir, "preempted", rank=None, step=watch.last_step(),
+                             message=f"SIGTERM to the launcher; run status {status}; latest checkpoint {latest}")
+        if status != "stopped" and latest is not None:  # the stop save did not finish in the grace period
+            _say(f"launcher: {e.sigval.name}: workers stopped before their stop checkpoint; the run resumes from "
+                 f"{latest}")
+            return EXIT_STOPPED_RESUMABLE
+        _say(f"launcher: {e.sigval.name}: workers stopped (run status: {status})")
         return EXIT_STOPPED_RESUMABLE if status == "stopped" else EXIT_FAILURE
     except ChildFailedError as e:
         rank, failure = root_failure(e.failures)
-        if failure.exitcode == EXIT_STOPPED_RESUMABLE:
-            return EXIT_STOPPED_RESUMABLE
         message = failure.message
         if isinstance(message, dict):
             message = message.get("message", json.dumps(message))
-        print(f"error: rank {rank} failed with exit code {failure.exitcode}: {message}", file=sys.stderr, flush=True)
+        if failure.exitcode == EXIT_STOPPED_RESUMABLE:
+            watch.stop()
+            return EXIT_STOPPED_RESUMABLE
+        watch.finish(rank, str(message))
+        if watch.hang_rounds and watch.last_incident and watch.last_incident["kind"] == "hang":
+            hang = watch.last_incident
+            _say(f"error: hang at step {hang['step']}: {hang['message']}; stacks in {run_dir / hang['stacks']}")
+            return EXIT_FAILURE
+        _say(f"error: rank {rank} failed with exit code {failure.exitcode}: {message}")
         return EXIT_BAD_INPUT if failure.exitcode == EXIT_BAD_INPUT else EXIT_FAILURE
+    finally:
+        watch.stop()
+        shutil.rmtree(beats, ignore_errors=True)
+        _sync_incidents(run_dir)
     return 0
+
+
+def flight_recorder_env(run_dir: Path) -> None:
+    """On NCCL, keep the flight recorder's ring buffer and dump it into incidents/ when a collective times out.
+
+    Environment only (https://docs.pytorch.org/docs/stable/torch_nccl_environment_variables.html; torchtitan
+    sets the same): TORCH_NCCL_TRACE_BUFFER_SIZE (TORCH_FR_BUFFER_SIZE in newer torch) > 0 records,
+    TORCH_NCCL_DUMP_ON_TIMEOUT=1 dumps on a watchdog timeout, TORCH_FR_DUMP_TEMP_FILE (formerly
+    TORCH_NCCL_DEBUG_INFO_TEMP_FILE) is the file prefix, one file per rank. Gloo ignores all of them.
+    """
+    from kubetrain.runs.incidents import incidents_dir
+
+    folder = incidents_dir(run_dir).resolve()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)  # the dump does not create it
+    except OSError:
+        return
+    prefix = str(folder / "nccl_trace_rank_")
+    for name, value in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), ("TORCH_FR_BUFFER_SIZE", "2000"),
+                        ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"), ("TORCH_FR_DUMP_TEMP_FILE", prefix),
+                        ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix)):
+        os.environ.setdefault(name, value)
+
+
+def _sync_incidents(run_dir: Path) -> None:
+    """The workers are gone: meta.json's `incidents` can be written without racing rank 0."""
+    from kubetrain import runs
+    from kubetrain.runs.incidents import read_all
+
+    found = read_all(run_dir)
+    if found and (run_dir / runs.META_FILE).is_file():
+        try:
+            runs.update_meta(run_dir, incidents=found)
+        except OSError as e:
+            _say(f"launcher: warning: could not record the incidents in meta.json: {e}")
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
@@ -112,10 +183,14 @@ def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     return min(failures.items(), key=order)
 
 
-def _run_status(run_dir: Path) -> str:
+def _run_status(run_dir: Path) -> tuple[str, str | None]:
+    """The run's status and its newest complete checkpoint (of its newest phase)."""
     from kubetrain.runs.reader import describe_run
 
-    return str(describe_run(run_dir)["status"]) if run_dir.is_dir() else "unknown"
+    if not run_dir.is_dir():
+        return "unknown", None
+    info = describe_run(run_dir)
+    return str(info["status"]), info["latest"]
 
 
 def record_worker_error(e: BaseException) -> None:

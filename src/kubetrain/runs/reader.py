@@ -16,6 +16,7 @@ import yaml
 
 from kubetrain import checkpoint
 from kubetrain.errors import UserInputError
+from kubetrain.runs.incidents import read_all as read_incidents
 from kubetrain.runs.layout import CHECKPOINTS, CONFIG_FILE, META_FILE, METRICS_FILE, PHASES
 
 
@@ -141,6 +142,7 @@ def describe_run(path: Path) -> dict[str, Any]:
         "checkpoints": [p.name for p in checkpoint.complete_checkpoints(root)],
         "world_size": meta.get("world_size"),
         "started_at": meta.get("started_at"),
+        "incidents": read_incidents(path),
     }
 
 

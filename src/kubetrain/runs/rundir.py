@@ -21,6 +21,7 @@ import kubetrain
 from kubetrain.config.loading import config_hash, flatten
 from kubetrain.config.schema import Config
 from kubetrain.files import write_atomic
+from kubetrain.runs.incidents import read_all as read_incidents
 from kubetrain.runs.layout import CONFIG_FILE, META_FILE
 from kubetrain.runs.reader import read_meta
 from kubetrain.secrets import redact
@@ -85,6 +86,7 @@ def start(path: Path, cfg: Config, argv: list[str], world_size: int, phase: str 
         "pid": os.getpid(),
         "config_changes": changes,
         "history": [*previous.get("history", []), *([{"at": time.time(), "changes": changes}] if changes else [])],
+        "incidents": read_incidents(path),  # what ended the previous attempts, recorded by the launcher
     }
     write_atomic(path / META_FILE, json.dumps(redact(meta), indent=2))
     return meta

@@ -7,6 +7,7 @@ advanced for `health_timeout_seconds`: a hung collective or a stuck data loader 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import threading
 import time
@@ -41,6 +42,13 @@ GAUGES = {
     "kubetrain_starts": "Times this run was started; above 1 the run resumed (pod restart, preemption).",
     "kubetrain_world_size": "Training processes.",
     "kubetrain_heartbeat_timestamp_seconds": "Unix time the last training step finished.",
+}
+
+# name -> help; labelled with the rank as well (distributed runs, filled at log steps)
+RANK_GAUGES = {
+    "kubetrain_rank_compute_seconds": "Data wait + forward over the last logging window, per rank (the time "
+    "before the gradient collective).",
+    "kubetrain_rank_straggler_ratio": "A rank's compute seconds over the median rank's (above 1: slower).",
 }
 
 Clock = Callable[[], float]
@@ -83,6 +91,8 @@ class PrometheusSink(Sink):
             raise missing_package("prometheus-client") from None
         self.registry = CollectorRegistry(auto_describe=True)
         self.gauges = {name: Gauge(name, doc, LABELS, registry=self.registry) for name, doc in GAUGES.items()}
+        self.gauges.update({name: Gauge(name, doc, (*LABELS, "rank"), registry=self.registry)
+                            for name, doc in RANK_GAUGES.items()})
         self.labels = {"run": redact_text(str(info.get("run") or "")), "phase": str(info.get("phase") or NO_PHASE)}
         self.step = int(info.get("start_step", 0))
         self._set("kubetrain_step", self.step)
@@ -123,6 +133,7 @@ class PrometheusSink(Sink):
             gib = record.get("memory_gib")
             self._set("kubetrain_memory_bytes", None if gib is None else gib * 2**30)
             self._set("kubetrain_eta_seconds", record.get("eta_seconds"))
+            self._set_ranks(record.get("rank_compute_seconds"))
         elif kind == "eval":
             self._set("kubetrain_val_loss", record.get("val_loss"))
             self._set("kubetrain_val_perplexity", record.get("val_ppl"))
@@ -141,6 +152,15 @@ class PrometheusSink(Sink):
             self.server.shutdown()
             self.server.server_close()
             self.server = None
+
+    def _set_ranks(self, seconds: list[float] | None) -> None:
+        if not seconds:
+            return
+        median = statistics.median(seconds)
+        for rank, value in enumerate(seconds):
+            labels = {**self.labels, "rank": str(rank)}
+            self.gauges["kubetrain_rank_compute_seconds"].labels(**labels).set(value)
+            self.gauges["kubetrain_rank_straggler_ratio"].labels(**labels).set(value / median if median else 1.0)
 
     def _set(self, name: str, value: Any) -> None:
         if value is not None:

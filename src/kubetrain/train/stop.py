@@ -1,7 +1,8 @@
 """Graceful stop: the first SIGTERM/SIGINT asks the loop to finish its step and checkpoint; a second exits at once.
 
 Exiting at once is safe because every file a checkpoint writes is renamed into place: `latest` always names
-a complete checkpoint.
+a complete checkpoint. When the grace period ends before the stop checkpoint is written, the process exits
+75 (resumable) if an earlier checkpoint is complete, naming the step the run will resume from, else 1.
 """
 
 from __future__ import annotations
@@ -11,14 +12,17 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from types import FrameType
 
-from kubetrain.errors import EXIT_FAILURE
+from kubetrain.checkpoint.layout import LATEST, pointer
+from kubetrain.errors import EXIT_FAILURE, EXIT_STOPPED_RESUMABLE
 
 
 class GracefulStop:
-    def __init__(self, grace_seconds: float) -> None:
+    def __init__(self, grace_seconds: float, checkpoints: Path | None = None) -> None:
         self.grace_seconds = grace_seconds
+        self.checkpoints = checkpoints  # where an earlier complete checkpoint makes a late stop resumable
         self.requested = False
         self.signal_name: str | None = None
         self.requested_at: float | None = None
@@ -44,8 +48,13 @@ class GracefulStop:
         self._watchdog.start()
 
     def _expire(self) -> None:
-        print(f"grace period of {self.grace_seconds:.0f}s passed before the checkpoint was saved; exiting",
-              file=sys.stderr, flush=True)
+        latest = pointer(self.checkpoints, LATEST) if self.checkpoints is not None else None
+        if latest is not None:
+            print(f"grace period of {self.grace_seconds:.0f}s passed before the stop checkpoint was saved; exiting: "
+                  f"the run resumes from {latest} (its newest complete checkpoint)", file=sys.stderr, flush=True)
+            os._exit(EXIT_STOPPED_RESUMABLE)
+        print(f"grace period of {self.grace_seconds:.0f}s passed before the checkpoint was saved and there is no "
+              "earlier one; exiting", file=sys.stderr, flush=True)
         os._exit(EXIT_FAILURE)
 
     def time_left(self) -> float | None:

@@ -37,6 +37,7 @@ from kubetrain.track.console import Throughput, console_log, count
 from kubetrain.track.jsonl import truncate_after
 from kubetrain.train.device import autocast, device_name, memory_gib, peak_flops, resolve_precision
 from kubetrain.train.evaluate import evaluate, lm_loss, perplexity
+from kubetrain.train.heartbeat import Heartbeat
 from kubetrain.train.memory_check import check_memory
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
 from kubetrain.train.state import (
@@ -51,6 +52,7 @@ from kubetrain.train.state import (
     weight_shapes,
 )
 from kubetrain.train.stop import GracefulStop
+from kubetrain.train.straggler import ComputeTimer
 
 Log = Callable[[str], None]
 
@@ -106,6 +108,7 @@ class Trainer:
     resumed: checkpoint.Checkpoint | None = None
     sinks: Fanout | None = None
     uploader: remote.Uploader | None = None  # rank 0, with checkpoint.uri: copies checkpoints to object storage
+    saver: checkpoint.BackgroundSaver | None = None  # rank 0, checkpoint.async_save: writes in the background
 
     def __init__(self, cfg: Config, opts: RunOptions | None = None, log: Log | None = None) -> None:
         self.cfg, self.opts = cfg, opts or RunOptions()
@@ -120,6 +123,7 @@ class Trainer:
         self.state = TrainState()
         self.last_checkpoint: checkpoint.Checkpoint | None = None
         self.evaluated_step = -1  # the step of the last evaluation: only a checkpoint of that step can be `best`
+        self.heartbeat = Heartbeat.from_env(self.penv.rank)  # under the launcher: what its hang watch reads
 
     def run(self) -> TrainResult:
         """Set up, then step until max_steps: log, evaluate and checkpoint when due; stop cleanly on a signal."""
@@ -129,13 +133,14 @@ class Trainer:
         self.open()
         cfg, state = self.cfg, self.state
         status, sample = "failed", None
-        stop = GracefulStop(cfg.checkpoint.grace_seconds)
+        stop = GracefulStop(cfg.checkpoint.grace_seconds, self.ckpt_root)
         try:
             with stop:
                 while state.step < self.max_steps:
                     self.train_step()
                     if state.step == self.start_step + 1:  # start-up is behind us: the short timeout from now on
                         dist.use_step_timeout(cfg.dist, self.device)
+                    self.collect_saves()  # a background save that finished: its bookkeeping, or its error
                     final = state.step >= self.max_steps
                     if state.step % cfg.train.log_every_steps == 0 or final:
                         self.log_train()
@@ -144,7 +149,7 @@ class Trainer:
                     stopping = dist.broadcast_flag(stop.requested, self.device)
                     if (final or stopping or state.step % cfg.checkpoint.every_steps == 0
                             or (improved and cfg.checkpoint.save_best)):
-                        self.save()
+                        self.save(background=not (final or stopping))
                     self.side_seconds += time.perf_counter() - t_side
                     if stopping:
                         stop.done()
@@ -161,6 +166,8 @@ class Trainer:
             where = f": {e.filename}" if e.filename else ""
             raise TrainingFailed(f"failed while running at step {state.step}: {e.strerror or e}{where}") from e
         finally:
+            if self.saver is not None and self.saver.in_flight:  # a failure elsewhere: keep what is being written
+                self.saver.wait(stop.time_left())
             if self.uploader:  # wait for the uploads; after a stop, only within what is left of the grace period
                 self.uploader.close(stop.time_left())
             self.finish(status)
@@ -271,6 +278,10 @@ class Trainer:
         self.t_start, self.side_seconds = time.perf_counter(), 0.0  # side: evaluation and checkpoints
         self.start_step = self.state.step
         self.meter = Throughput()
+        self.compute_timer = ComputeTimer(self.device, self.base)  # stragglers: data wait + forward per rank
+        # FSDP saves synchronously: its optimizer shards are written by every rank through DCP inside save()
+        if self.main and cfg.checkpoint.async_save and not self.sharded:
+            self.saver = checkpoint.BackgroundSaver()
         self.meter.tokens0 = self.state.tokens
         self.loss_sum = torch.tensor(self.state.window_loss_sum, device=self.device)
         self.loss_count = self.state.window_steps
@@ -351,13 +362,18 @@ class Trainer:
         ddp_sync = getattr(model, "no_sync", None)
         set_lr(optimizer, lr_at(self.state.step, self.cfg.train, self.max_steps))
         for micro in range(accum):
+            self.compute_timer.start()
             batch = self.loader.next_batch().to(self.device)
+            self.compute_timer.batch_ready()
             last = micro == accum - 1
             sync = ddp_sync() if ddp_sync is not None and not last else contextlib.nullcontext()
             with sync, self.amp():
                 loss = lm_loss(model(batch.input_ids), batch.labels) / accum
+            self.compute_timer.stop()
             scaler.scale(loss).backward()
             self.loss_sum += loss.detach()
+        if self.saver is not None:  # a background save copies the weights until here; the optimizer changes them
+            self.saver.wait_staged()
         if self.cfg.train.grad_clip > 0:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.train.grad_clip)
@@ -374,6 +390,8 @@ class Trainer:
         self.loss_count += 1
         if self.sinks:
             self.sinks.heartbeat(self.state.step)
+        if self.heartbeat:
+            self.heartbeat.beat(self.state.step)
 
     def log_train(self) -> None:
         """The mean loss of the window since the last log (over every rank), throughput, MFU, memory, ETA."""
@@ -382,6 +400,7 @@ class Trainer:
         self.loss_sum.zero_()
         self.loss_count = 0
         rate, _ = self.meter.window(state.tokens)
+        stragglers = self.compute_timer.gather()  # one all_gather, at log steps only
         if not self.sinks:
             return
         done = state.step - self.start_step
@@ -395,6 +414,7 @@ class Trainer:
             "epoch": self.loader.epoch, "phase": self.opts.phase, "time": time.time(),
             **({"skipped_steps": state.skipped_steps, "loss_scale": self.scaler.get_scale()}
                if self.scaler.is_enabled() else {}),
+            **(stragglers.record() if stragglers else {}),
         })
 
     def evaluate(self) -> bool:
@@ -414,13 +434,16 @@ class Trainer:
             self.write_sample()
         return improved
 
-    def save(self, is_best: bool | None = None) -> checkpoint.Checkpoint | None:
+    def save(self, is_best: bool | None = None, background: bool = False) -> checkpoint.Checkpoint | None:
         """A checkpoint of this step (collective: every rank calls it); rank 0 gets it back.
 
         `best` moves only among saved checkpoints: to this one when it was evaluated at this step with a lower
-        val loss than every saved one (`is_best` overrides that).
+        val loss than every saved one (`is_best` overrides that). `background` (with checkpoint.async_save):
+        staged to host memory and written by a thread; None comes back and `collect_saves` records it once
+        written. Otherwise the save in flight is waited for first.
         """
         state, cfg = self.state, self.cfg
+        t0 = time.perf_counter()
         if is_best is None:
             is_best = self.evaluated_step == state.step and state.last_val_loss is not None and (
                 state.best_saved_val_loss is None or state.last_val_loss < state.best_saved_val_loss)
@@ -439,30 +462,46 @@ class Trainer:
         else:
             weights = model_state(self.base) if self.main else {}
         if self.main:
-            saved = checkpoint.save(
-                self.ckpt_root,
-                state.step,
-                weights,
-                {"optimizer": None if self.sharded else self.optimizer.state_dict(),
-                 "loader": self.loader.state_dict(), "state": asdict(state), "rng": rngs,
-                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None},
-                {"tokens": state.tokens, "train_loss": state.last_train_loss, "val_loss": state.last_val_loss,
-                 "best_val_loss": state.best_val_loss, "config_hash": config_hash(cfg), "phase": self.opts.phase,
-                 "tokenizer": tokenizer_fingerprint(self.prepared), "world_size": self.penv.world_size},
-                keep_last=cfg.checkpoint.keep_last,
-                is_best=is_best,
-                prepared=self.sharded,
-            )
-            runs.update_meta(self.path, step=state.step, tokens=state.tokens, last_checkpoint=saved.path.name,
-                             best_val_loss=state.best_val_loss)
-            if self.uploader:  # in the background: training goes on while it uploads
-                self.uploader.submit(saved, is_best)
-            if self.sinks:
-                self.sinks.log({"kind": "checkpoint", "step": state.step, "path": str(saved.path), "best": is_best,
-                                "phase": self.opts.phase, "time": time.time()})
-            self.last_checkpoint = saved
+            trainer = {"optimizer": None if self.sharded else self.optimizer.state_dict(),
+                       "loader": self.loader.state_dict(), "state": asdict(state), "rng": rngs,
+                       "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
+            meta = {"tokens": state.tokens, "train_loss": state.last_train_loss, "val_loss": state.last_val_loss,
+                    "best_val_loss": state.best_val_loss, "config_hash": config_hash(cfg), "phase": self.opts.phase,
+                    "tokenizer": tokenizer_fingerprint(self.prepared), "world_size": self.penv.world_size}
+            if self.saver is not None and background:  # staged to host memory here, written in the background
+                self.saver.save(self.ckpt_root, state.step, weights, trainer, meta,
+                                keep_last=cfg.checkpoint.keep_last, is_best=is_best, waited=time.perf_counter() - t0)
+            else:
+                self.collect_saves(wait=True)  # the one in flight first: `latest` moves in step order
+                saved = checkpoint.save(self.ckpt_root, state.step, weights, trainer, meta,
+                                        keep_last=cfg.checkpoint.keep_last, is_best=is_best, prepared=self.sharded)
+                seconds = time.perf_counter() - t0
+                self.saved(checkpoint.Saved(saved, is_best, seconds, seconds))
         dist.barrier()
         return saved
+
+    def collect_saves(self, wait: bool = False) -> None:
+        """Rank 0: record the background saves that finished (waiting for the one in flight when asked)."""
+        if self.saver is None:
+            return
+        if wait:
+            self.saver.wait()
+        for done in self.saver.collect():
+            self.saved(done)
+
+    def saved(self, done: checkpoint.Saved) -> None:
+        """A checkpoint is complete: meta.json, the upload, its line in metrics.jsonl."""
+        saved = done.checkpoint
+        runs.update_meta(self.path, step=saved.meta["step"], tokens=saved.meta["tokens"],
+                         last_checkpoint=saved.path.name, best_val_loss=saved.meta["best_val_loss"])
+        if self.uploader:  # in the background: training goes on while it uploads
+            self.uploader.submit(saved, done.is_best)
+        if self.sinks:
+            self.sinks.log({"kind": "checkpoint", "step": saved.meta["step"], "path": str(saved.path),
+                            "best": done.is_best, "blocked_seconds": round(done.blocked_seconds, 4),
+                            "write_seconds": round(done.write_seconds, 4), "phase": self.opts.phase,
+                            "time": time.time()})
+        self.last_checkpoint = saved
 
     def finish(self, status: str) -> None:
         """Record how the run ended: meta.json first (sinks such as MLflow keep it as an artifact), then sinks."""
@@ -476,6 +515,8 @@ class Trainer:
                 self.say(f"warning: could not record the end of the run ({status}) in meta.json: {e}")
         if self.sinks:
             self.sinks.finish(status)
+        if self.heartbeat:
+            self.heartbeat.close(clean=status in ("finished", "stopped"))
 
     def result(self, status: str, sample: str | None = None) -> TrainResult:
         state = self.state

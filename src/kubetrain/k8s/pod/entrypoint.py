@@ -9,6 +9,7 @@ nothing else: c10d assigns global ranks by the order nodes join (torchrun ignore
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -98,6 +99,7 @@ def run(config: Path, *, rdzv_id: str, max_restarts: int, wait_timeout: float, s
         wait_for_endpoint(node.master_addr, node.master_port, wait_timeout, say)
     opts = launch_options(node, rdzv_id=rdzv_id, max_restarts=max_restarts, shutdown_timeout=shutdown_timeout,
                           local_addr=os.environ.get(POD_IP_ENV) or None)
+    opts = dataclasses.replace(opts, hang_timeout=cfg.dist.hang_timeout_seconds)
     train_args = [str(config), "--resume", "auto", *(a for item in overrides for a in ("--set", item))]
     say(f"starting the elastic agent: kubetrain train {' '.join(train_args)}")
     code = run_agent(opts, train_args, runs.run_dir(cfg), say)

@@ -1,0 +1,226 @@
+"""The launcher's watch over its workers: hangs (no rank advances), worker exits, and what to record of them.
+
+A thread in the launcher reads the heartbeat files the workers write (train/heartbeat.py). When no rank of
+this node has finished a step for `dist.hang_timeout_seconds`, it asks every worker for its Python stacks
+(SIGUSR1: faulthandler), gives them a moment, writes them to `<run>/incidents/`, and SIGKILLs the workers;
+torch's elastic agent sees them fail and restarts them (they resume from the latest checkpoint) while
+restarts are left. A SIGSTOPped worker cannot answer: it is named as the suspect, with its process state.
+A worker that exits on its own is recorded too (worker-exit, oom, timeout), once per restart round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubetrain.runs import incidents
+from kubetrain.train.heartbeat import STACKS_SIGNAL, stacks_file
+
+STACKS_WAIT_SECONDS = 3.0  # how long a worker gets to write its stacks after SIGUSR1
+_TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
+_OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
+
+
+@dataclass
+class Beat:
+    rank: int
+    pid: int
+    step: int
+    time: float
+    restart: int
+    error_file: str | None = None
+    done: bool = False
+
+    @classmethod
+    def read(cls, path: Path) -> Beat | None:
+        try:
+            d = json.loads(path.read_text())
+            return cls(int(d["rank"]), int(d["pid"]), int(d["step"]), float(d["time"]), int(d["restart"]),
+                       d.get("error_file"), bool(d.get("done", False)))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # being replaced right now, or not ours: the next poll reads it
+
+
+def process_state(pid: int) -> tuple[str, int | None]:
+    """(state letter from /proc: R running, S sleeping, T stopped, Z zombie, X gone; the wait status of a zombie)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return "X", None
+    state = fields[0]
+    status = int(fields[49]) if state == "Z" and len(fields) > 49 else None  # field 52: exit_code (Linux 3.5+)
+    return state, status
+
+
+def describe_exit(status: int | None) -> str:
+    if status is None:
+        return "exited (status unknown: already reaped)"
+    if status & 0x7F:
+        return f"killed by {signal.Signals(status & 0x7F).name}"
+    return f"exited with code {(status >> 8) & 0xFF}"
+
+
+def oom_kills() -> int | None:
+    """The OOM kills counted in this process's cgroup (v2), so a SIGKILL can be told apart from the OOM killer."""
+    try:
+        rel = Path("/proc/self/cgroup").read_text().splitlines()[0].split("::", 1)[1]
+        for line in Path(f"/sys/fs/cgroup{rel}/memory.events").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
+@dataclass
+class HangWatch:
+    """Polls the heartbeat folder from a thread of the launcher; `stop()` ends it."""
+
+    folder: Path
+    run_dir: Path
+    hang_timeout: float | None
+    poll_seconds: float = 0.25
+    say: Any = print
+    handled_round: int = -1  # the restart round whose end was already recorded (and, for a hang, caused)
+    last_incident: dict[str, Any] | None = None
+    hang_rounds: set[int] = field(default_factory=set)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _oom_at_start: int | None = None
+
+    def start(self) -> HangWatch:
+        self._oom_at_start = oom_kills()
+        self._thread = threading.Thread(target=self._loop, name="kubetrain-hang-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            try:
+                self.check()
+            except OSError as e:  # the watch must never take the launcher down
+                self.say(f"launcher: warning: hang watch: {e}")
+
+    def beats(self) -> list[Beat]:
+        """The heartbeats of the newest restart round (older rounds' files are being replaced)."""
+        found = [b for p in sorted(self.folder.glob("rank-*.json")) if (b := Beat.read(p)) is not None]
+        newest = max((b.restart for b in found), default=-1)
+        return [b for b in found if b.restart == newest]
+
+    def check(self, now: float | None = None) -> None:
+        """One look: a worker gone on its own is recorded; a job where no rank advanced for too long is a hang."""
+        beats = self.beats()
+        if not beats or beats[0].restart <= self.handled_round:
+            return
+        live = [b for b in beats if not b.done]
+        dead = [(b, *process_state(b.pid)) for b in live]
+        gone = [(b, status) for b, state, status in dead if state in ("Z", "X")]
+        if gone:
+            self.record_exit(*min(gone, key=lambda g: g[0].time))
+            return
+        now = time.time() if now is None else now
+        newest = max(b.time for b in beats)
+        if self.hang_timeout is not None and live and now - newest > self.hang_timeout:
+            self.heal_hang(live, now - newest)
+
+    def record_exit(self, beat: Beat, status: int | None, failure_message: str | None = None) -> None:
+        """A worker ended on its own: its kind (oom, timeout, worker-exit), rank and last step."""
+        self.handled_round = beat.restart
+        message = failure_message or _error_message(beat.error_file) or describe_exit(status)
+        oom_now = oom_kills()
+        kind: incidents.Kind = "worker-exit"
+        if _OOM.search(message) or (status is not None and status & 0x7F == signal.SIGKILL
+                                    and oom_now is not None and oom_now > (self._oom_at_start or 0)):
+            kind = "oom"
+        elif _TIMEOUT.search(message):
+            kind = "timeout"
+        self._oom_at_start = oom_now
+        self.last_incident = incidents.record(self.run_dir, kind, rank=beat.rank, step=beat.step,
+                                              message=message.splitlines()[0][:500] if message else "")
+        self.say(f"launcher: {kind}: rank {beat.rank} {message.splitlines()[0][:200]} after step {beat.step}")
+
+    def heal_hang(self, live: list[Beat], silent_for: float) -> None:
+        """Dump every rank's stacks into incidents/, name the rank that did not answer (or advanced least), kill."""
+        self.handled_round = live[0].restart
+        self.hang_rounds.add(live[0].restart)
+        stacks = {b.rank: stacks_file(self.folder, b.rank) for b in live}
+        offsets = {rank: p.stat().st_size if p.exists() else 0 for rank, p in stacks.items()}
+        states = {b.rank: process_state(b.pid)[0] for b in live}
+        for b in live:
+            _signal(b.pid, STACKS_SIGNAL)
+        deadline = time.monotonic() + STACKS_WAIT_SECONDS
+        answered: set[int] = set()
+        while time.monotonic() < deadline and len(answered) < len(live):
+            time.sleep(0.1)
+            answered = {r for r, p in stacks.items() if p.exists() and p.stat().st_size > offsets[r]}
+        time.sleep(0.2)  # let the last writer finish its frames
+        silent = [b for b in live if b.rank not in answered]
+        suspect = min(silent or live, key=lambda b: (b.step, b.time))
+        at = time.time()
+        out = incidents.incidents_dir(self.run_dir) / f"{incidents.stamp(at)}-hang-stacks.txt"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(f"hang: no rank advanced for {silent_for:.0f}s; suspect: rank {suspect.rank}\n")
+            for b in sorted(live, key=lambda b: b.rank):
+                age = at - b.time
+                f.write(f"\n=== rank {b.rank} (pid {b.pid}, process state {states[b.rank]}, last step {b.step}, "
+                        f"heartbeat {age:.1f}s old) ===\n")
+                if b.rank in answered:
+                    with open(stacks[b.rank], encoding="utf-8", errors="replace") as s:
+                        s.seek(offsets[b.rank])
+                        f.write(s.read())
+                else:
+                    why = "it is stopped (SIGSTOP/T state)" if states[b.rank] == "T" else "it did not answer"
+                    f.write(f"(no stacks: {why})\n")
+        for b in live:
+            _signal(b.pid, signal.SIGKILL)  # a stopped process dies of SIGKILL too; the agent then restarts
+        who = "did not answer" if silent else "advanced least"
+        message = (f"no rank advanced for {silent_for:.0f}s; rank {suspect.rank} {who} "
+                   f"(process state {states[suspect.rank]}); workers ended")
+        self.last_incident = incidents.record(self.run_dir, "hang", rank=suspect.rank, step=suspect.step,
+                                              message=message, stacks=out)
+        self.say(f"launcher: hang: {message}; stacks in {out}")
+
+    def finish(self, failure_rank: int | None, failure_message: str | None) -> None:
+        """After the agent gave up: record the failure that ended the last round, unless it was already."""
+        self.stop()
+        beats = self.beats()
+        if beats and beats[0].restart > self.handled_round and failure_rank is not None:
+            beat = next((b for b in beats if b.rank == failure_rank), beats[0])
+            self.record_exit(beat, None, failure_message)
+
+    def last_step(self) -> int | None:
+        return max((b.step for b in self.beats()), default=None)
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _error_message(path: str | None) -> str | None:
+    """What the worker wrote to torch elastic's error file before it died (record_worker_error, @record)."""
+    if not path:
+        return None
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    message = data.get("message")
+    if isinstance(message, dict):
+        message = message.get("message")
+    return str(message) if message else None

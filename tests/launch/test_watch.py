@@ -1,0 +1,152 @@
+"""The launcher's hang watch: real processes (one stopped with SIGSTOP), real heartbeat files, real stacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kubetrain.launch.watch import HangWatch, describe_exit, process_state
+from kubetrain.runs.incidents import read_all
+from kubetrain.train.heartbeat import HEARTBEAT_DIR_ENV, Heartbeat, beat_file
+from tests.train.conftest import STARTED, kubetrain, sets, start, wait_until
+
+# A worker stand-in: the real Heartbeat (faulthandler on SIGUSR1), one beat, then a wait in a named function.
+WORKER = """
+import os, sys, time
+from pathlib import Path
+from kubetrain.train.heartbeat import Heartbeat
+beat = Heartbeat(Path(sys.argv[1]), int(sys.argv[2]))
+beat.beat(int(sys.argv[3]))
+def waiting_in_a_collective():
+    while True:
+        time.sleep(0.05)
+print("ready", flush=True)
+waiting_in_a_collective()
+"""
+
+
+def _worker(folder: Path, rank: int, step: int) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, str(folder), str(rank), str(step)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    STARTED.append(proc)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def test_a_hang_dumps_the_stacks_of_the_ranks_that_answer_names_the_stopped_one_and_ends_them(tmp_path: Path) -> None:
+    beats, run = tmp_path / "beats", tmp_path / "run"
+    beats.mkdir()
+    workers = [_worker(beats, 0, 7), _worker(beats, 1, 6)]
+    os.kill(workers[1].pid, signal.SIGSTOP)
+    while process_state(workers[1].pid)[0] != "T":  # delivered a moment later
+        time.sleep(0.01)
+    watch = HangWatch(beats, run, hang_timeout=30.0, say=lambda m: None)
+    watch.check(now=time.time())  # fresh beats: nothing happens
+    assert not read_all(run) and all(w.poll() is None for w in workers)
+    watch.check(now=time.time() + 60)
+    for w in workers:
+        assert w.wait(timeout=30) == -signal.SIGKILL
+    [hang] = read_all(run)
+    assert hang["kind"] == "hang" and hang["rank"] == 1 and hang["step"] == 6
+    assert "did not answer" in hang["message"]
+    stacks = (run / hang["stacks"]).read_text()
+    assert "suspect: rank 1" in stacks
+    rank0, rank1 = stacks.split("=== rank 1")
+    assert "waiting_in_a_collective" in rank0  # faulthandler's dump from the rank that answered
+    assert "no stacks: it is stopped" in rank1
+    watch.check(now=time.time() + 120)  # the same round is not handled twice
+    assert len(read_all(run)) == 1
+
+
+def test_a_worker_that_dies_on_its_own_is_recorded_once_with_its_rank_and_step(tmp_path: Path) -> None:
+    beats, run = tmp_path / "beats", tmp_path / "run"
+    beats.mkdir()
+    worker = _worker(beats, 3, 11)
+    proc = subprocess.Popen(["sleep", "60"])  # our child: it stays a zombie (with its status) until reaped
+    record = json.loads(beat_file(beats, 3).read_text())
+    beat_file(beats, 3).write_text(json.dumps({**record, "pid": proc.pid}))
+    proc.kill()
+    while process_state(proc.pid)[0] != "Z":
+        time.sleep(0.01)
+    watch = HangWatch(beats, run, hang_timeout=None, say=lambda m: None)
+    watch.check()
+    watch.check()
+    proc.wait()
+    [entry] = read_all(run)
+    assert entry["kind"] in ("worker-exit", "oom") and entry["rank"] == 3 and entry["step"] == 11
+    assert "SIGKILL" in entry["message"]
+    assert worker.poll() is None  # only the hang path ends workers
+
+
+def test_exit_statuses_read_like_the_shell() -> None:
+    assert describe_exit(9) == "killed by SIGKILL"
+    assert describe_exit(1 << 8) == "exited with code 1"
+    assert "unknown" in describe_exit(None)
+
+
+def test_no_heartbeat_without_a_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(HEARTBEAT_DIR_ENV, raising=False)
+    assert Heartbeat.from_env(0) is None
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_is_detected_dumped_restarted_and_the_run_completes(tmp_path: Path) -> None:
+    proc = start("train", *sets("run.name=hang", "train.max_steps=40", "checkpoint.every_steps=5",
+                                "eval.every_steps=100", "dist.hang_timeout_seconds=8"),
+                 "--nproc", "3", "--max-restarts", "1", cwd=tmp_path)
+    run = tmp_path / "runs" / "hang"
+    wait_until((run / "checkpoints" / "latest").exists, proc)
+    workers = _children(proc.pid)
+    assert len(workers) == 3
+    os.kill(max(workers), signal.SIGSTOP)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "launcher: hang: no rank advanced" in err and "resuming from" in out
+    [hang] = [e for e in read_all(run) if e["kind"] == "hang"]
+    stacks = (run / hang["stacks"]).read_text()
+    assert stacks.count("=== rank") == 3 and "no stacks: it is stopped" in stacks
+    assert stacks.count("File ") >= 2  # two ranks answered with their Python frames
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["status"] == "finished" and meta["step"] == 40
+    assert [e["kind"] for e in meta["incidents"]] == [e["kind"] for e in read_all(run)]
+    shown = kubetrain("runs", "show", str(run), cwd=tmp_path).stdout
+    assert "hang at step" in shown and f"(rank {hang['rank']})" in shown
+
+
+@pytest.mark.slow
+def test_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    proc = start("train", *sets("run.name=orphan", "train.max_steps=100000", "checkpoint.every_steps=100000"),
+                 "--nproc", "2", cwd=tmp_path)
+    wait_until(lambda: (tmp_path / "runs" / "orphan" / "metrics.jsonl").exists(), proc)
+    workers = _children(proc.pid)
+    assert len(workers) == 2
+    proc.kill()
+    proc.communicate()
+    deadline = time.monotonic() + 60
+    while any(process_state(pid)[0] not in ("X", "Z") for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    orphans = [pid for pid in workers if process_state(pid)[0] not in ("X", "Z")]
+    for pid in orphans:
+        os.kill(pid, signal.SIGKILL)
+    assert not orphans

@@ -1,0 +1,97 @@
+"""Stragglers named at log steps: the arithmetic, the timer, and a worker slowed by a stop/continue loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kubetrain.errors import EXIT_STOPPED_RESUMABLE
+from kubetrain.train.straggler import ComputeTimer, Stragglers
+from tests.train.conftest import lines_in, sets, start, wait_until
+
+
+def test_the_slowest_rank_is_compared_with_the_median_rank() -> None:
+    s = Stragglers.of([1.0, 3.0, 1.2, 0.9])
+    assert s.slowest_rank == 1 and s.ratio == pytest.approx(3.0 / 1.1)
+    assert Stragglers.of([0.0, 0.0]).ratio == 1.0
+    assert s.record()["rank_compute_seconds"] == [1.0, 3.0, 1.2, 0.9]
+
+
+def test_the_timer_counts_data_wait_and_forward_not_the_rest() -> None:
+    model = nn.Linear(4, 4)
+    timer = ComputeTimer(torch.device("cpu"), model)
+    timer.start()
+    time.sleep(0.05)  # waiting for data
+    timer.batch_ready()
+    time.sleep(0.2)  # e.g. DDP's buffer broadcast, before the module's own forward: not counted
+    model(torch.zeros(1, 4))
+    timer.stop()
+    time.sleep(0.1)  # backward and the collective: not counted
+    seconds = timer.window()
+    assert 0.05 <= seconds < 0.2
+    assert timer.window() == 0.0  # a fresh window
+    assert timer.gather() is None  # one process: nothing to compare
+
+
+def _rank_of(pid: int) -> int:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in env if v.startswith(b"RANK=")).split(b"=", 1)[1])
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == pid]
+
+
+def _ppid(entry: Path) -> int:
+    try:
+        return int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
+
+
+@pytest.mark.slow
+def test_a_worker_stopped_and_continued_in_a_loop_is_named_the_slowest_rank(tmp_path: Path) -> None:
+    proc = start("train", *sets("run.name=slow", "train.max_steps=100000", "checkpoint.every_steps=100000",
+                                "eval.every_steps=100000", "train.log_every_steps=5", "train.grad_accum_steps=4"),
+                 "--nproc", "3", cwd=tmp_path)
+    metrics = tmp_path / "runs" / "slow" / "metrics.jsonl"
+    wait_until(lambda: lines_in(metrics) >= 2, proc)
+    target = next(pid for pid in _children(proc.pid) if _rank_of(pid) == 1)
+    done = threading.Event()
+
+    def stop_and_continue() -> None:
+        pace = random.Random(0)  # random lengths: a fixed period can lock onto the step and hit only the backward
+        while not done.is_set():
+            os.kill(target, signal.SIGSTOP)
+            time.sleep(pace.uniform(0.02, 0.05))
+            os.kill(target, signal.SIGCONT)
+            time.sleep(pace.uniform(0.005, 0.02))
+
+    slowed_from = lines_in(metrics)
+    loop = threading.Thread(target=stop_and_continue)
+    loop.start()
+    try:
+        wait_until(lambda: lines_in(metrics) >= slowed_from + 6, proc)
+    finally:
+        done.set()
+        loop.join()
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED_RESUMABLE
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert all({"slowest_rank", "straggler_ratio", "rank_compute_seconds"} <= set(r) for r in train)
+    # the first slowed window may straddle the start of the loop
+    slowed = [r for r in records[slowed_from + 1:slowed_from + 6] if r["kind"] == "train"]
+    named = [r["slowest_rank"] for r in slowed]
+    assert named.count(1) >= len(named) - 1, slowed
+    assert max(r["straggler_ratio"] for r in slowed) > 1.5, slowed
