@@ -47,7 +47,9 @@ def train(
     if nproc is not None or nnodes != "1" or rdzv_endpoint is not None:
         from kubetrain import runs
         from kubetrain.launch.elastic import LaunchOptions, launch
+        from kubetrain.train.device import check_process_count
 
+        check_process_count(cfg.run.device, nproc or 1)  # one GPU per process, or NCCL fails later
         forwarded = [str(config)] if config else (["--preset", preset] if preset else [])
         for item in set_ or []:
             forwarded += ["--set", item]

@@ -152,11 +152,17 @@ class TrainConfig(Section):
     beta2: float = Field(0.95, description="AdamW beta2.")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global grad norm (0 = off).")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="auto: bf16 autocast on GPUs that support it, fp32 on CPU."
+        "auto", description="auto: bf16 autocast on GPUs with native bf16 (sm80+, ROCm), fp16 with loss scaling "
+        "on older GPUs, fp32 on CPU and MPS (`kubetrain doctor` shows the choice)."
     )
     compile: bool = Field(False, description="torch.compile the model.")
     log_every_steps: int = Field(10, ge=1, description="Steps between metric lines.")
-    deterministic: bool = Field(True, description="Deterministic kernels (bitwise-repeatable runs on CPU).")
+    deterministic: bool | None = Field(
+        None, description="Deterministic kernels (null: on for CPU, where runs and resumes are bitwise "
+        "repeatable; off on CUDA, where it costs speed: true sets the cuBLAS workspace and names the kernels "
+        "that have no deterministic version)."
+    )
+    tf32: bool = Field(True, description="TF32 tensor cores for fp32 matmuls on CUDA (Ampere+); false: full fp32.")
 
 
 class EvalConfig(Section):

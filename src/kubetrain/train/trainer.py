@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kubetrain import checkpoint, runs
+from kubetrain import checkpoint, hardware, runs
 from kubetrain.checkpoint import remote
 from kubetrain.checkpoint.sharded import full_model_state
 from kubetrain.checkpoint.sharded import save_optimizer as save_sharded_optimizer
@@ -34,7 +34,15 @@ from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
 from kubetrain.track.console import Throughput, console_log
 from kubetrain.track.jsonl import truncate_after
-from kubetrain.train.device import autocast, device_name, memory_gib, peak_flops, resolve_precision
+from kubetrain.train.device import (
+    MemoryPeak,
+    apply_torch_settings,
+    autocast,
+    device_name,
+    model_flops_per_token,
+    peak_flops,
+    select_device,
+)
 from kubetrain.train.evaluate import evaluate, lm_loss, perplexity
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
 from kubetrain.train.state import (
@@ -73,15 +81,6 @@ def train(cfg: Config, *, log: Log | None = None, **options: Any) -> TrainResult
     return Trainer(cfg, RunOptions(**options), log=log).run()
 
 
-def configure_torch(cfg: Config) -> None:
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    if cfg.train.deterministic:
-        # warn_only: a few CUDA kernels have no deterministic version; on the CPU everything does.
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.manual_seed(cfg.run.seed)
-
-
 class Trainer:
     """One run of a config. `run` is the spine; each other method is one part of it, usable on its own."""
 
@@ -105,8 +104,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, opts: RunOptions | None = None, log: Log | None = None) -> None:
         self.cfg, self.opts = cfg, opts or RunOptions()
-        configure_torch(cfg)
-        self.device = dist.local_device(cfg.run.device)
+        self.device = select_device(cfg.run.device)
+        self.torch_settings = apply_torch_settings(cfg, self.device)  # before the first CUDA kernel
         self.penv = dist.init(cfg.dist, self.device)
         self.main = self.penv.is_main
         self.prefix = f"[rank {self.penv.rank}] " if self.penv.distributed else ""
@@ -188,10 +187,14 @@ class Trainer:
         self.max_steps = t.max_steps
         if t.max_tokens:
             self.max_steps = min(self.max_steps, math.ceil(t.max_tokens / self.tokens_per_step))
-        self.precision = resolve_precision(t.precision, self.device)
+        choice = hardware.choose_precision(t.precision, hardware.accelerator(self.device))
+        if choice.warning:
+            self.say(f"warning: {choice.warning}")
+        self.precision = choice.name
         self.amp = autocast(self.precision, self.device)
-        self.flops_per_token = getattr(self.base, "flops_per_token", lambda: 6.0 * n_trainable)()
-        self.peak = peak_flops(self.device)
+        # frozen weights (LoRA's base) get no weight gradient: counted, not assumed (device.py)
+        self.flops_per_token = model_flops_per_token(self.base, cfg.model.block_size)
+        self.peak = peak_flops(self.device, self.precision, self.torch_settings.tf32)
         self.say(
             f"model: {n_params / 1e6:.2f}M parameters ({n_trainable / 1e6:.2f}M trainable) | "
             f"device {self.device.type} x{penv.world_size} | precision {self.precision}"
@@ -242,6 +245,7 @@ class Trainer:
         self.t_start, self.side_seconds = time.perf_counter(), 0.0  # side: evaluation and checkpoints
         self.start_step = self.state.step
         self.meter = Throughput()
+        self.memory_peak = MemoryPeak(self.device)
         self.meter.tokens0 = self.state.tokens
         self.loss_sum = torch.tensor(self.state.window_loss_sum, device=self.device)
         self.loss_count = self.state.window_steps
@@ -357,7 +361,7 @@ class Trainer:
             "kind": "train", "step": state.step, "loss": state.last_train_loss,
             "lr": self.optimizer.param_groups[0]["lr"], "tokens": state.tokens, "tokens_per_second": rate,
             "mfu": rate * self.flops_per_token / (self.peak * self.penv.world_size) if self.peak else None,
-            "memory_gib": memory_gib(self.device),
+            "memory_gib": self.memory_peak.read_and_reset(),  # the peak since the previous log line
             "eta_seconds": elapsed / done * (self.max_steps - state.step) if done else None,
             "epoch": self.loader.epoch, "phase": self.opts.phase, "time": time.time(),
             **({"skipped_steps": state.skipped_steps, "loss_scale": self.scaler.get_scale()}
