@@ -194,6 +194,42 @@ def test_an_io_error_while_running_is_a_failure_not_bad_input(
     assert (tmp_path / "parts" / "checkpoints" / "step-000002").is_dir()  # what was written stays
 
 
+class OutOfMemoryAtStep3(Trainer):
+    """Step 3 asks the allocator for a petabyte: a real allocation failure (the CPU's; CUDA's is another class)."""
+
+    def train_step(self) -> None:
+        if self.state.step == 2:
+            torch.empty(2**50, dtype=torch.uint8)
+        super().train_step()
+
+
+def test_out_of_memory_is_one_line_naming_what_to_change_and_keeps_the_checkpoint(tmp_path: Path) -> None:
+    trainer = OutOfMemoryAtStep3(tiny_config(tmp_path, max_steps=4), RunOptions(argv=[]), log=lambda m: None)
+    trainer.cfg.checkpoint.every_steps = 2
+    with pytest.raises(TrainingFailed) as e:
+        trainer.run()
+    message = str(e.value)
+    assert e.value.exit_code == 1 and "\n" not in message
+    assert message.startswith("out of memory after step 2: lower train.micro_batch_size (2; ")
+    assert "model.gradient_checkpointing: true" in message and "dist.strategy: fsdp" in message
+    assert (tmp_path / "parts" / "checkpoints" / "step-000002").is_dir()
+    assert json.loads((tmp_path / "parts" / "meta.json").read_text())["status"] == "failed"
+
+
+def test_out_of_memory_advice_follows_the_config() -> None:
+    from kubetrain.config import load_config
+    from kubetrain.train.device import is_out_of_memory, out_of_memory_advice
+
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+    lean = load_config(overrides=["train.micro_batch_size=1", "model.gradient_checkpointing=true",
+                                  "dist.strategy=fsdp"])
+    assert out_of_memory_advice(lean, "cuda", 7, 8).startswith(
+        "CUDA out of memory after step 7: use a smaller model.block_size or more GPUs")
+    fp32 = out_of_memory_advice(load_config(overrides=["train.precision=fp32"]), "cuda", 0, 1)
+    assert "over more GPUs" in fp32 and "precision auto" in fp32
+
+
 def test_samples_and_the_default_log_hide_secret_looking_text(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -254,6 +254,38 @@ def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
     return training_flops_per_token(total, trainable, layers, width, seq_len)
 
 
+# --- out of memory ------------------------------------------------------------------------------------------
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or the CPU allocator's refusal (a RuntimeError that says so)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error))
+
+
+def out_of_memory_advice(cfg: Config, device_type: str, step: int, world_size: int) -> str:
+    """One line for a run that ran out of memory: where, and the settings that need less of it."""
+    t, what = cfg.train, "CUDA out of memory" if device_type == "cuda" else "out of memory"
+    fixes = []
+    if t.micro_batch_size > 1:
+        fixes.append(f"lower train.micro_batch_size ({t.micro_batch_size}; raise train.grad_accum_steps to keep "
+                     "the batch)")
+    if not cfg.model.gradient_checkpointing:
+        fixes.append("set model.gradient_checkpointing: true")
+    if cfg.dist.strategy != "fsdp":
+        fixes.append("shard weights and optimizer state with dist.strategy: fsdp" +
+                     (" over more GPUs" if world_size == 1 else ""))
+    if t.precision == "fp32" and device_type == "cuda":
+        fixes.append("train in precision auto (bf16/fp16)")
+    if cfg.model.lora is None and cfg.model.kind == "hf":
+        fixes.append("fine-tune with model.lora")
+    if not fixes:
+        fixes.append("use a smaller model.block_size or more GPUs")
+    advice = ", or ".join([", ".join(fixes[:-1]), fixes[-1]] if len(fixes) > 1 else fixes)
+    return (f"{what} after step {step}: {advice} (`kubetrain doctor CONFIG` estimates the need); "
+            "the checkpoints written so far are kept")
+
+
 # --- memory ---------------------------------------------------------------------------------------------------
 
 

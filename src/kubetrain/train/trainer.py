@@ -39,7 +39,9 @@ from kubetrain.train.device import (
     apply_torch_settings,
     autocast,
     device_name,
+    is_out_of_memory,
     model_flops_per_token,
+    out_of_memory_advice,
     peak_flops,
     select_device,
 )
@@ -148,6 +150,10 @@ class Trainer:
                 if self.main and cfg.dist.strategy != "fsdp":
                     sample = self.sample(cfg.eval.sample_prompt or "\n", cfg.eval.sample_tokens * 3)
                 status = "finished"
+        except (torch.OutOfMemoryError, RuntimeError) as e:  # one line naming what to change; exit 1
+            if not is_out_of_memory(e):
+                raise
+            raise TrainingFailed(out_of_memory_advice(cfg, self.device.type, state.step, self.penv.world_size)) from e
         except OSError as e:  # bad input was refused before the first step: this is the machine, not the config
             where = f": {e.filename}" if e.filename else ""
             raise TrainingFailed(f"failed while running at step {state.step}: {e.strerror or e}{where}") from e
