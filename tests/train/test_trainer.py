@@ -160,15 +160,20 @@ def test_fp16_counts_skipped_steps_and_resumes_the_scaler(tmp_path: Path) -> Non
     trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=1000)
     before = {k: v.clone() for k, v in trainer.base.state_dict().items()}
     trainer.train_step()
-    assert trainer.state.skipped_steps == 1 and trainer.state.step == 1
-    assert trainer.scaler.get_scale() == 2.0**39
+    assert trainer.state.step == 1 and trainer.scaler.get_scale() == 2.0**39
     assert all(torch.equal(before[k], v) for k, v in trainer.base.state_dict().items())
-    trainer.log_train()
-    train = [json.loads(line) for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()][-1]
-    assert train["skipped_steps"] == 1 and train["loss_scale"] == 2.0**39
+    trainer.log_train()  # skipped steps are counted at log time: no host sync per step
+    assert trainer.state.skipped_steps == 1
+    trainer.train_step()  # the scale (2**39) still overflows: skipped again, counted by save
+    trainer.scaler.update(2.0**4)
+    trainer.train_step()  # within range: a real step
     trainer.save()
+    assert trainer.state.skipped_steps == 2 and trainer.state.step == 3
+    records = [json.loads(line) for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()]
+    train = next(r for r in records if r["kind"] == "train")
+    assert train["skipped_steps"] == 1 and train["loss_scale"] == 2.0**39
     again = opened(tmp_path, precision="fp16")
-    assert again.state.skipped_steps == 1 and again.scaler.get_scale() == 2.0**39
+    assert again.state.skipped_steps == 2 and again.scaler.get_scale() == trainer.scaler.get_scale()
 
 
 class MetaLostAfterStep1(Trainer):
@@ -192,6 +197,22 @@ def test_an_io_error_while_running_is_a_failure_not_bad_input(
     assert e.value.exit_code == 1
     assert "warning: could not record the end of the run (failed)" in capsys.readouterr().out
     assert (tmp_path / "parts" / "checkpoints" / "step-000002").is_dir()  # what was written stays
+
+
+def test_the_logged_loss_is_the_mean_of_the_steps_it_covers(tmp_path: Path) -> None:
+    """The loss is read from the device only at log steps: a window of 4 steps logs the mean of the 4 losses
+    that a run logging every step shows (same machine, same process: the runs are identical up to logging)."""
+
+    def losses(name: str, every: int) -> dict[int, float]:
+        cfg = tiny_config(tmp_path / name, max_steps=8, log_every_steps=every)
+        Trainer(cfg, RunOptions(argv=[]), log=lambda m: None).run()
+        lines = (tmp_path / name / "parts" / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+
+    each, windows = losses("each", 1), losses("windows", 4)
+    assert sorted(each) == list(range(1, 9)) and sorted(windows) == [4, 8]
+    for end in (4, 8):
+        assert windows[end] == pytest.approx(sum(each[s] for s in range(end - 3, end + 1)) / 4, rel=1e-6)
 
 
 class OutOfMemoryAtStep3(Trainer):

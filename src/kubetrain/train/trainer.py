@@ -54,10 +54,11 @@ from kubetrain.train.state import (
     load_model_state,
     load_optimizer,
     model_state,
+    optimizer_steps,
     set_rng_state,
     unwrap,
 )
-from kubetrain.train.stop import GracefulStop
+from kubetrain.train.stop import GracefulStop, StopVote
 
 Log = Callable[[str], None]
 
@@ -126,6 +127,7 @@ class Trainer:
         cfg, state = self.cfg, self.state
         status, sample = "failed", None
         stop = GracefulStop(cfg.checkpoint.grace_seconds)
+        vote = StopVote.for_world()  # every rank stops at the same step, with no GPU sync per step
         try:
             with stop:
                 while state.step < self.max_steps:
@@ -135,17 +137,19 @@ class Trainer:
                         self.log_train()
                     t_side = time.perf_counter()
                     best = self.evaluate() if state.step % cfg.eval.every_steps == 0 or final else False
-                    stopping = dist.broadcast_flag(stop.requested, self.device)
+                    stopping = vote.poll(stop.requested)
                     if best or final or stopping or state.step % cfg.checkpoint.every_steps == 0:
                         self.save(is_best=best)
                     self.side_seconds += time.perf_counter() - t_side
                     if stopping:
+                        vote.close()
                         stop.done()
                         status = "stopped"
                         raise TrainingStopped(
                             f"stopped by {stop.signal_name or 'a signal on another rank'} at step {state.step}; "
                             f"checkpoint saved, resume with the same command"
                         )
+                vote.close()
                 self.t_end = time.perf_counter()
                 if self.main and cfg.dist.strategy != "fsdp":
                     sample = self.sample(cfg.eval.sample_prompt or "\n", cfg.eval.sample_tokens * 3)
@@ -252,6 +256,7 @@ class Trainer:
         self.start_step = self.state.step
         self.meter = Throughput()
         self.memory_peak = MemoryPeak(self.device)
+        self.counted_at = (self.state.step, optimizer_steps(self.optimizer))  # (step, optimizer steps) last counted
         self.meter.tokens0 = self.state.tokens
         self.loss_sum = torch.tensor(self.state.window_loss_sum, device=self.device)
         self.loss_count = self.state.window_steps
@@ -339,10 +344,8 @@ class Trainer:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.train.grad_clip)
         if scaler.is_enabled():
-            scale = scaler.get_scale()
-            scaler.step(optimizer)  # skipped when a gradient is inf/nan; the scale then shrinks
+            scaler.step(optimizer)  # skipped when a gradient is inf/nan (counted in count_skipped_steps)
             scaler.update()
-            self.state.skipped_steps += int(scaler.get_scale() < scale)
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -355,6 +358,7 @@ class Trainer:
     def log_train(self) -> None:
         """The mean loss of the window since the last log (over every rank), throughput, MFU, memory, ETA."""
         state = self.state
+        self.count_skipped_steps()
         state.last_train_loss = float(dist.all_reduce_mean(self.loss_sum / self.loss_count))
         self.loss_sum.zero_()
         self.loss_count = 0
@@ -373,6 +377,19 @@ class Trainer:
             **({"skipped_steps": state.skipped_steps, "loss_scale": self.scaler.get_scale()}
                if self.scaler.is_enabled() else {}),
         })
+
+    def count_skipped_steps(self) -> None:
+        """fp16: add the steps since the last count that the scaler skipped (inf/nan gradients).
+
+        Read from the optimizer's own step counter at log and save time only: comparing the loss scale before
+        and after every step (scaler.get_scale) synchronised the host with the GPU twice per step.
+        """
+        if not self.scaler.is_enabled():
+            return
+        taken = optimizer_steps(self.optimizer)
+        steps, last_taken = self.state.step - self.counted_at[0], taken - self.counted_at[1]
+        self.state.skipped_steps += steps - last_taken
+        self.counted_at = (self.state.step, taken)
 
     def evaluate(self) -> bool:
         """Validation loss on every rank (and a sample on rank 0); True when it is the best so far."""
@@ -394,6 +411,7 @@ class Trainer:
     def save(self, is_best: bool = False) -> checkpoint.Checkpoint | None:
         """A checkpoint of this step (collective: every rank calls it); rank 0 gets it back."""
         state, cfg = self.state, self.cfg
+        self.count_skipped_steps()
         state.window_loss_sum, state.window_steps = float(self.loss_sum), self.loss_count
         rngs = gather_rng(self.penv.world_size)
         saved = None
