@@ -34,6 +34,7 @@ from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
 from kubetrain.track.console import Throughput, console_log
 from kubetrain.track.jsonl import truncate_after
+from kubetrain.train.compile import compile_blocks
 from kubetrain.train.device import (
     MemoryPeak,
     apply_torch_settings,
@@ -236,6 +237,8 @@ class Trainer:
                                   penv.world_size)
         self.shapes = {k: list(v.shape) for k, v in checkpoint.unique_tensors(model_state(self.base)).items()}
         source = self.restore_weights()
+        if cfg.train.compile and self.sharded:  # torchtitan: each block before fully_shard, not the FSDP model
+            compile_blocks(self.model)
         self.model = dist.wrap(self.model, cfg.dist, penv, self.device)
         # Built on the wrapped model's parameters (FSDP replaces them with shards), its state loaded after.
         self.optimizer = build_optimizer(self.model, cfg.train, self.device)
@@ -248,7 +251,7 @@ class Trainer:
                 load_optimizer(self.model, self.optimizer, source, source.trainer_state(), self.sharded)
             self.say(f"starting from the weights{' and optimizer state' if self.opts.init_optimizer else ''} "
                      f"of {source.path}")
-        if cfg.train.compile:
+        if cfg.train.compile and not self.sharded:  # DDP: the wrapped model, so Dynamo splits at its buckets
             self.model = torch.compile(self.model)  # type: ignore[assignment]
         self.start_run_files()
         self.model.train()
