@@ -103,3 +103,18 @@ def test_no_gradients_are_kept(model: GPT) -> None:
 def test_an_empty_prompt_is_refused(model: GPT) -> None:
     with pytest.raises(ValueError, match="at least one token"):
         generate(model, [], 3, 8)
+
+
+def test_samples_run_in_the_training_dtype(model: GPT) -> None:
+    from kubetrain.train.device import autocast
+
+    seen: list[torch.dtype] = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    try:
+        generate(model, [1, 2], 3, 8, temperature=0, autocast_ctx=autocast("bf16", torch.device("cpu")))
+        assert seen and set(seen) == {torch.bfloat16}  # the training loop's autocast, as on a GPU
+        seen.clear()
+        generate(model, [1, 2], 3, 8, temperature=0)
+        assert set(seen) == {torch.float32}
+    finally:
+        hook.remove()

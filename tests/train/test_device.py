@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -157,3 +158,34 @@ def test_memory_peak_is_the_peak_since_the_last_reading() -> None:
     with_big = peak.read_and_reset()
     without = peak.read_and_reset()
     assert with_big - without > 0.1  # GiB: the 128 MiB no longer counts once read
+
+
+def test_a_frozen_hugging_face_base_loads_in_the_training_precision() -> None:
+    hf = ["model.kind=hf", "model.name_or_path=/models/x"]
+    lora = load_config(overrides=[*hf, "model.lora.r=4"])
+    assert device.hf_weight_dtype(lora, "bf16", sharded=False) == "bfloat16"
+    assert device.hf_weight_dtype(lora, "fp16", sharded=False) == "float16"
+    assert device.hf_weight_dtype(lora, "fp32", sharded=False) == "float32"
+    assert device.hf_weight_dtype(lora, "bf16", sharded=True) == "float32"  # FSDP: one dtype per shard
+    full = load_config(overrides=hf)
+    assert device.hf_weight_dtype(full, "bf16", sharded=False) == "float32"  # AdamW wants fp32 weights
+    head = load_config(overrides=[*hf, "model.lora.r=4", 'model.lora.modules_to_save=["lm_head"]'])
+    assert device.hf_weight_dtype(head, "bf16", sharded=False) == "float32"
+    asked = load_config(overrides=[*hf, "model.dtype=float16"])
+    assert device.hf_weight_dtype(asked, "fp32", sharded=False) == "float16"
+    assert device.hf_weight_dtype(load_config(), "bf16", sharded=False) == "float32"  # our GPT: fp32
+
+
+def test_a_lora_run_trains_on_a_bf16_base_with_fp32_adapters(
+    make_lora_config: Any, llama_dir: Path, chat_file: Path, tmp_path: Path
+) -> None:
+    from kubetrain.train.trainer import RunOptions, Trainer
+
+    cfg = make_lora_config(tmp_path, llama_dir, chat_file, train__precision="bf16", train__max_steps=2,
+                           eval__every_steps=2, checkpoint__every_steps=2)
+    trainer = Trainer(cfg, RunOptions(argv=[]), log=lambda m: None)
+    result = trainer.run()
+    frozen = {p.dtype for p in trainer.base.parameters() if not p.requires_grad}
+    trained = {p.dtype for p in trainer.base.parameters() if p.requires_grad}
+    assert frozen == {torch.bfloat16} and trained == {torch.float32}
+    assert result.status == "finished" and result.final_train_loss is not None

@@ -121,7 +121,8 @@ class ModelConfig(Section):
     local_files_only: bool = Field(True, description="Never reach a model hub (offline).")
     trust_remote_code: bool = Field(False, description="Run the model's own Python code from its folder.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weight dtype of a Hugging Face model (auto: float32; autocast does the rest)."
+        "auto", description="Weight dtype of a Hugging Face model (auto: the training precision for a frozen "
+        "LoRA base outside FSDP, loaded without an fp32 copy; float32 otherwise, autocast does the rest)."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of every weight (null: off).")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,8 +21,13 @@ def generate(
     top_k: int | None = 50,
     eos_id: int | None = None,
     seed: int | None = None,
+    autocast_ctx: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> list[int]:
-    """Continue `ids` by up to `max_new_tokens` tokens; temperature 0 is greedy."""
+    """Continue `ids` by up to `max_new_tokens` tokens; temperature 0 is greedy.
+
+    `autocast_ctx` is the training loop's autocast factory: samples on a GPU run in the training dtype
+    (bf16/fp16 tensor cores), not in fp32.
+    """
     if not ids:
         raise ValueError("generate needs a prompt of at least one token")
     device = next(model.parameters()).device
@@ -31,7 +39,8 @@ def generate(
     x = torch.tensor([ids], dtype=torch.long, device=device)
     out: list[int] = []
     for _ in range(max_new_tokens):
-        logits = model(x[:, -block_size:])[:, -1, :].float()
+        with autocast_ctx():
+            logits = model(x[:, -block_size:])[:, -1, :].float()
         if temperature <= 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
         else:

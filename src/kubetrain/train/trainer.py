@@ -40,6 +40,7 @@ from kubetrain.train.device import (
     apply_torch_settings,
     autocast,
     device_name,
+    hf_weight_dtype,
     is_out_of_memory,
     model_flops_per_token,
     out_of_memory_advice,
@@ -186,7 +187,10 @@ class Trainer:
         self.train_windows = TokenWindows(prepared, "train", cfg.model.block_size)
         self.val_windows = TokenWindows(prepared, "val", cfg.model.block_size) if prepared.n_val > need else None
 
-        self.model = build_model(cfg.model, self.tokenizer.vocab_size).to(self.device)
+        # the precision first: a frozen Hugging Face base (LoRA) loads straight in it (model.dtype auto)
+        choice = hardware.choose_precision(cfg.train.precision, hardware.accelerator(self.device))
+        model_cfg = cfg.model.model_copy(update={"dtype": hf_weight_dtype(cfg, choice.name, self.sharded)})
+        self.model = build_model(model_cfg, self.tokenizer.vocab_size).to(self.device)
         if cfg.model.lora is not None:
             self.model = apply_lora(self.model, cfg.model.lora)
         self.base = unwrap(self.model)
@@ -198,7 +202,6 @@ class Trainer:
         self.max_steps = t.max_steps
         if t.max_tokens:
             self.max_steps = min(self.max_steps, math.ceil(t.max_tokens / self.tokens_per_step))
-        choice = hardware.choose_precision(t.precision, hardware.accelerator(self.device))
         if choice.warning:
             self.say(f"warning: {choice.warning}")
         self.precision = choice.name
@@ -490,7 +493,7 @@ class Trainer:
         """`prompt` continued by `n` tokens of the single-device model (temperature 0.8, top-k 50, run seed)."""
         ids = prompt_ids(self.tokenizer, prompt)
         out = generate(self.base, ids, n, self.cfg.model.block_size, temperature=0.8, top_k=50,
-                       eos_id=self.tokenizer.eos_id, seed=self.cfg.run.seed)
+                       eos_id=self.tokenizer.eos_id, seed=self.cfg.run.seed, autocast_ctx=self.amp)
         return prompt + self.tokenizer.decode(out)
 
     def write_sample(self) -> None:
