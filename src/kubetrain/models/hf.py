@@ -56,10 +56,19 @@ class HFCausalLM(nn.Module):
         layers = getattr(self.lm.get_decoder(), "layers", None)
         return layers if isinstance(layers, nn.ModuleList) else nn.ModuleList()
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, vocab) for token ids (B, T)."""
-        logits: torch.Tensor = self.lm(input_ids=input_ids, use_cache=False).logits
-        return logits
+    def forward(self, input_ids: torch.Tensor, kv_cache: Any = None) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids (B, T), which follow the tokens in `kv_cache` when one is given."""
+        if kv_cache is None:
+            logits: torch.Tensor = self.lm(input_ids=input_ids, use_cache=False).logits
+            return logits
+        cached: torch.Tensor = self.lm(input_ids=input_ids, past_key_values=kv_cache, use_cache=True).logits
+        return cached
+
+    def new_kv_cache(self) -> Any:
+        """An empty transformers cache for `forward(ids, kv_cache=...)` (sampling)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.hf_config)
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 x the matmul weights (not the embedding lookup) + attention."""

@@ -25,6 +25,9 @@ def generate(
 ) -> list[int]:
     """Continue `ids` by up to `max_new_tokens` tokens; temperature 0 is greedy.
 
+    A model with `new_kv_cache` (our GPT, Hugging Face models) reads the prompt once and then one token per
+    forward when everything fits in the block; past it the context is cropped to the block, a full forward each.
+
     `autocast_ctx` is the training loop's autocast factory: samples on a GPU run in the training dtype
     (bf16/fp16 tensor cores), not in fp32.
     """
@@ -37,10 +40,15 @@ def generate(
     was_training = model.training
     model.eval()
     x = torch.tensor([ids], dtype=torch.long, device=device)
+    new_cache = getattr(model, "new_kv_cache", None)
+    cache = new_cache() if callable(new_cache) and len(ids) + max_new_tokens <= block_size else None
     out: list[int] = []
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         with autocast_ctx():
-            logits = model(x[:, -block_size:])[:, -1, :].float()
+            if cache is None:
+                logits = model(x[:, -block_size:])[:, -1, :].float()
+            else:  # the whole prompt first, then only the token just sampled
+                logits = model(x if step == 0 else x[:, -1:], kv_cache=cache)[:, -1, :].float()
         if temperature <= 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
         else:
