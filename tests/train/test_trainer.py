@@ -215,6 +215,19 @@ def test_the_logged_loss_is_the_mean_of_the_steps_it_covers(tmp_path: Path) -> N
         assert windows[end] == pytest.approx(sum(each[s] for s in range(end - 3, end + 1)) / 4, rel=1e-6)
 
 
+class OutOfMemoryWhileWrapping(Trainer):
+    """The model does not fit where it goes (here: a petabyte asked of the CPU allocator while opening)."""
+
+    def open(self) -> None:
+        torch.empty(2**50, dtype=torch.uint8)
+
+
+def test_out_of_memory_before_the_first_step_is_one_line_too(tmp_path: Path) -> None:
+    trainer = OutOfMemoryWhileWrapping(tiny_config(tmp_path), RunOptions(argv=[]), log=lambda m: None)
+    with pytest.raises(TrainingFailed, match=r"^out of memory while setting up: lower train\.micro_batch_size"):
+        trainer.run()
+
+
 class OutOfMemoryAtStep3(Trainer):
     """Step 3 asks the allocator for a petabyte: a real allocation failure (the CPU's; CUDA's is another class)."""
 
@@ -245,9 +258,9 @@ def test_out_of_memory_advice_follows_the_config() -> None:
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     lean = load_config(overrides=["train.micro_batch_size=1", "model.gradient_checkpointing=true",
                                   "dist.strategy=fsdp"])
-    assert out_of_memory_advice(lean, "cuda", 7, 8).startswith(
+    assert out_of_memory_advice(lean, "cuda", "after step 7", 8).startswith(
         "CUDA out of memory after step 7: use a smaller model.block_size or more GPUs")
-    fp32 = out_of_memory_advice(load_config(overrides=["train.precision=fp32"]), "cuda", 0, 1)
+    fp32 = out_of_memory_advice(load_config(overrides=["train.precision=fp32"]), "cuda", "while setting up", 1)
     assert "over more GPUs" in fp32 and "precision auto" in fp32
 
 

@@ -280,8 +280,8 @@ def is_out_of_memory(error: BaseException) -> bool:
         isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error))
 
 
-def out_of_memory_advice(cfg: Config, device_type: str, step: int, world_size: int) -> str:
-    """One line for a run that ran out of memory: where, and the settings that need less of it."""
+def out_of_memory_advice(cfg: Config, device_type: str, where: str, world_size: int) -> str:
+    """One line for a run that ran out of memory `where` ("after step 12"), and the settings that need less."""
     t, what = cfg.train, "CUDA out of memory" if device_type == "cuda" else "out of memory"
     fixes = []
     if t.micro_batch_size > 1:
@@ -299,7 +299,7 @@ def out_of_memory_advice(cfg: Config, device_type: str, step: int, world_size: i
     if not fixes:
         fixes.append("use a smaller model.block_size or more GPUs")
     advice = ", or ".join([", ".join(fixes[:-1]), fixes[-1]] if len(fixes) > 1 else fixes)
-    return (f"{what} after step {step}: {advice} (`kubetrain doctor CONFIG` estimates the need); "
+    return (f"{what} {where}: {advice} (`kubetrain doctor CONFIG` estimates the need); "
             "the checkpoints written so far are kept")
 
 

@@ -7,7 +7,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -122,10 +122,11 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """Set up, then step until max_steps: log, evaluate and checkpoint when due; stop cleanly on a signal."""
-        self.setup()
-        if self.opts.dry_run:
-            return self.dry_run()
-        self.open()
+        with self.out_of_memory_is_one_line("while setting up"):
+            self.setup()
+            if self.opts.dry_run:
+                return self.dry_run()
+            self.open()
         cfg, state = self.cfg, self.state
         status, sample = "failed", None
         stop = GracefulStop(cfg.checkpoint.grace_seconds)
@@ -159,7 +160,8 @@ class Trainer:
         except (torch.OutOfMemoryError, RuntimeError) as e:  # one line naming what to change; exit 1
             if not is_out_of_memory(e):
                 raise
-            raise TrainingFailed(out_of_memory_advice(cfg, self.device.type, state.step, self.penv.world_size)) from e
+            advice = out_of_memory_advice(cfg, self.device.type, f"after step {state.step}", self.penv.world_size)
+            raise TrainingFailed(advice) from e
         except OSError as e:  # bad input was refused before the first step: this is the machine, not the config
             where = f": {e.filename}" if e.filename else ""
             raise TrainingFailed(f"failed while running at step {state.step}: {e.strerror or e}{where}") from e
@@ -168,6 +170,17 @@ class Trainer:
                 self.uploader.close(stop.time_left())
             self.finish(status)
         return self.result(status, sample)
+
+    @contextlib.contextmanager
+    def out_of_memory_is_one_line(self, where: str) -> Iterator[None]:
+        """Out of memory before the loop (loading, wrapping) is one line naming what to change, exit 1."""
+        try:
+            yield
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not is_out_of_memory(e):
+                raise
+            raise TrainingFailed(out_of_memory_advice(self.cfg, self.device.type, where,
+                                                      self.penv.world_size)) from e
 
     # --- setup: everything a dry run needs too -------------------------------------------------------------
 
