@@ -72,11 +72,14 @@ def device_request_problem(requested: str, cuda_available: bool, cuda_built: boo
     return None
 
 
+def _gpu_build() -> bool:
+    return torch.version.cuda is not None or torch.version.hip is not None  # ROCm builds answer to "cuda" too
+
+
 def select_device(requested: str) -> torch.device:
     """The device this process trains on; a request this torch cannot honour is bad input (exit 2)."""
     mps = requested == "mps" and not torch.backends.mps.is_available()
-    problem = device_request_problem(requested, torch.cuda.is_available(), torch.version.cuda is not None,
-                                     torch.__version__)
+    problem = device_request_problem(requested, torch.cuda.is_available(), _gpu_build(), torch.__version__)
     if problem or mps:
         raise UserInputError(problem or "run.device is 'mps' but this machine has no Metal GPU; set run.device: auto")
     return local_device(requested)
@@ -93,8 +96,7 @@ def process_count_problem(nproc: int, device_type: str, visible_gpus: int) -> st
 def check_process_count(requested_device: str, nproc: int) -> None:
     """Refuse (exit 2) a local launch of more processes than visible GPUs, before any process starts."""
     on_cuda = requested_device == "cuda" or (requested_device == "auto" and torch.cuda.is_available())
-    problem = device_request_problem(requested_device, torch.cuda.is_available(), torch.version.cuda is not None,
-                                     torch.__version__)
+    problem = device_request_problem(requested_device, torch.cuda.is_available(), _gpu_build(), torch.__version__)
     problem = problem or process_count_problem(nproc, "cuda" if on_cuda else "cpu", torch.cuda.device_count())
     if problem:
         raise UserInputError(problem)
