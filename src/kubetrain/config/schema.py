@@ -125,6 +125,10 @@ class ModelConfig(Section):
         "LoRA base outside FSDP, loaded without an fp32 copy; float32 otherwise, autocast does the rest)."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    quantize: Literal["none", "nf4"] = Field(
+        "none", description="nf4: QLoRA, the Hugging Face base loads in 4-bit NF4 through bitsandbytes and only "
+        "the LoRA adapters train (needs model.lora; pip install 'kubetrain[qlora]')."
+    )
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of every weight (null: off).")
 
     @model_validator(mode="after")
@@ -137,6 +141,8 @@ class ModelConfig(Section):
             raise ValueError("model.n_embd / model.n_head must be even for rotary embeddings")
         if self.kind == "hf" and not self.name_or_path:
             raise ValueError("model.kind 'hf' needs model.name_or_path")
+        if self.quantize != "none" and (self.kind != "hf" or self.lora is None):
+            raise ValueError("model.quantize nf4 (QLoRA) needs a Hugging Face model (kind: hf) and model.lora")
         return self
 
 
@@ -243,6 +249,12 @@ class Config(Section):
     phases: list[PhaseConfig] = Field(
         default_factory=list, description="Stages run one after another, each from the previous one's weights."
     )
+
+    @model_validator(mode="after")
+    def _quantized_not_sharded(self) -> Config:
+        if self.model.quantize != "none" and self.dist.strategy == "fsdp":
+            raise ValueError("model.quantize nf4 trains with dist.strategy ddp (FSDP does not shard 4-bit weights)")
+        return self
 
     @model_validator(mode="after")
     def _hf_tokenizer(self) -> Config:

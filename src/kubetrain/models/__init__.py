@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import torch
 from torch import nn
 
 from kubetrain.config.schema import ModelConfig
@@ -31,10 +32,10 @@ def gpt_config(cfg: ModelConfig, tokenizer_vocab: int) -> GPTConfig:
     )
 
 
-def build_model(cfg: ModelConfig, tokenizer_vocab: int) -> nn.Module:
-    """The model a config asks for, on the CPU in fp32; its forward maps token ids to logits."""
+def build_model(cfg: ModelConfig, tokenizer_vocab: int, device: torch.device | None = None) -> nn.Module:
+    """The model a config asks for, on the CPU in fp32 (a 4-bit one on `device`); forward maps ids to logits."""
     if cfg.kind == "hf":
         from kubetrain.models.hf import load_hf_model
 
-        return load_hf_model(cfg, tokenizer_vocab)
+        return load_hf_model(cfg, tokenizer_vocab, device)
     return GPT(gpt_config(cfg, tokenizer_vocab))

@@ -203,7 +203,7 @@ class Trainer:
         # the precision first: a frozen Hugging Face base (LoRA) loads straight in it (model.dtype auto)
         choice = hardware.choose_precision(cfg.train.precision, hardware.accelerator(self.device))
         model_cfg = cfg.model.model_copy(update={"dtype": hf_weight_dtype(cfg, choice.name, self.sharded)})
-        self.model = build_model(model_cfg, self.tokenizer.vocab_size).to(self.device)
+        self.model = build_model(model_cfg, self.tokenizer.vocab_size, self.device).to(self.device)
         if cfg.model.lora is not None:
             self.model = apply_lora(self.model, cfg.model.lora)
         self.base = unwrap(self.model)
