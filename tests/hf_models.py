@@ -63,13 +63,13 @@ def build_tokenizer(folder: Path) -> Path:
     return folder
 
 
-def build_llama(folder: Path, vocab: int, tie: bool = False, seed: int = 0) -> Path:
+def build_llama(folder: Path, vocab: int, tie: bool = False, seed: int = 0, hidden: int = 32) -> Path:
     """A 2-layer Llama (hidden 32, grouped-query attention) saved with its tokenizer, like a hub snapshot."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     # initializer_range 0.2: a frozen random head with the default 0.02 cannot express a confident prediction
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       tie_word_embeddings=tie, initializer_range=0.2, bos_token_id=0, eos_token_id=1,
                       pad_token_id=4)

@@ -13,7 +13,7 @@ from kubetrain.config import load_config
 
 def test_report_without_a_config_describes_the_machine_only() -> None:
     report = doctor.doctor(None)
-    assert set(report) == {"device", "bf16", "sdpa", "versions", "disk", "extras"}
+    assert set(report) == {"device", "bf16", "precision", "sdpa", "versions", "disk", "extras"}
     assert report["sdpa"]["backends"]["math"] == "ok"
     assert report["disk"]["free"] > 0
     assert {"hf", "export", "k8s", "track"} <= set(report["extras"])
@@ -28,6 +28,9 @@ def test_report_with_a_config_estimates_the_fit_and_names_the_settings(tmp_path:
     s = report["settings"]
     assert (s["device"], s["precision"], s["dist_backend"], s["threads"]) == ("cpu", "fp32", "gloo", 1)
     assert s["attention"] in ("flash", "math")
+    assert (s["deterministic"], s["tf32"], s["peak_flops"]) == (True, False, None)  # on the CPU: exact, no MFU
+    assert report["precision"] == {"name": "fp32", "reason": "auto: no mixed precision on cpu", "warning": None}
+    assert "precision: fp32 (auto: no mixed precision on cpu)" in doctor.render(report)
     assert s["tokens_per_step"] == cfg.train.micro_batch_size * cfg.model.block_size
     fit = report["fit"]
     assert fit["fits"] is True and fit["estimate"] == sum(fit["parts"].values())
@@ -105,3 +108,11 @@ def test_the_estimate_knows_fsdp_and_the_world_size() -> None:
     fit = doctor.fit_estimate(cfg, shape, "fp32", "flash", 2**40, world_size=4)
     assert (fit["world_size"], fit["strategy"], fit["estimate"]) == (4, "fsdp", sum(four.values()))
     assert "each of 4 processes (fsdp)" in doctor._fit_line(fit)
+def test_a_cuda_device_on_a_torch_without_cuda_is_bad_input(tmp_path: Path) -> None:
+    from kubetrain.errors import UserInputError
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    cfg = load_config(overrides=["run.device=cuda"])
+    with pytest.raises(UserInputError, match=r"run\.device is 'cuda' but this torch"):
+        doctor.doctor(cfg)

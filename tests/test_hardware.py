@@ -32,3 +32,36 @@ def test_versions_name_torch_and_say_what_is_absent() -> None:
     assert v["cuda"] == torch.version.cuda
     if not torch.cuda.is_available():
         assert v["nccl"] is None
+
+
+# --- the precision choice: pure, so every GPU generation is tested here -----------------------------------------
+
+T4 = hardware.Accelerator("cuda", (7, 5), native_bf16=False)
+V100 = hardware.Accelerator("cuda", (7, 0), native_bf16=False)
+A100 = hardware.Accelerator("cuda", (8, 0), native_bf16=True)
+H100 = hardware.Accelerator("cuda", (9, 0), native_bf16=True)
+
+
+def test_auto_is_native_bf16_else_fp16_on_gpus_and_fp32_elsewhere() -> None:
+    assert hardware.choose_precision("auto", A100).name == "bf16"
+    assert hardware.choose_precision("auto", H100).name == "bf16"
+    for old in (T4, V100):  # torch's is_bf16_supported() would say yes (emulation): slow, no flash kernel
+        choice = hardware.choose_precision("auto", old)
+        assert choice.name == "fp16" and "loss scaling" in choice.reason and choice.warning is None
+    assert "sm75" in hardware.choose_precision("auto", T4).reason
+    assert hardware.choose_precision("auto", hardware.Accelerator("cpu")).name == "fp32"
+    assert hardware.choose_precision("auto", hardware.Accelerator("mps")).name == "fp32"
+
+
+def test_an_explicit_precision_is_kept_and_emulated_bf16_is_warned_about() -> None:
+    assert hardware.choose_precision("fp32", H100) == hardware.Precision("fp32", "as configured")
+    emulated = hardware.choose_precision("bf16", T4)
+    assert emulated.name == "bf16" and emulated.warning and "emulated" in emulated.warning
+    assert hardware.choose_precision("bf16", A100).warning is None
+    assert hardware.choose_precision("bf16", hardware.Accelerator("cpu")).warning is None  # CPU bf16 is not CUDA's
+
+
+def test_this_machines_accelerator_feeds_the_same_choice() -> None:
+    acc = hardware.accelerator(torch.device("cpu"))
+    assert acc == hardware.Accelerator("cpu")
+    assert hardware.choose_precision("auto", acc).name == "fp32"

@@ -24,11 +24,12 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def doctor(cfg: Config | None, world_size: int = 1) -> dict[str, Any]:
     """The whole report as plain data (what --json prints); the memory estimate is per process of `world_size`."""
-    from kubetrain.distributed.setup import local_device
-    from kubetrain.train.device import resolve_precision
+    from kubetrain.train.device import select_device
 
-    device = local_device(cfg.run.device if cfg else "auto")
-    precision = resolve_precision(cfg.train.precision if cfg else "auto", device)
+    device = select_device(cfg.run.device if cfg else "auto")
+    # the same function the loop asks, so "bf16: no" never stands beside "precision bf16" unexplained
+    choice = hardware.choose_precision(cfg.train.precision if cfg else "auto", hardware.accelerator(device))
+    precision = choice.name
     shape = model_shape(cfg) if cfg else None
     head_dim, n_head = (shape["head_dim"], shape["n_head"]) if shape and "head_dim" in shape else (64, 2)
     info = hardware.device_info(device)
@@ -36,6 +37,7 @@ def doctor(cfg: Config | None, world_size: int = 1) -> dict[str, Any]:
     report: dict[str, Any] = {
         "device": info.to_json(),
         "bf16": hardware.bf16_supported(device),
+        "precision": {"name": choice.name, "reason": choice.reason, "warning": choice.warning},
         "sdpa": {"dtype": precision, "head_dim": head_dim, "backends": backends},
         "versions": hardware.versions(),
         "disk": disk_free(Path(cfg.run.output_dir) if cfg else Path.cwd()),
@@ -177,11 +179,15 @@ def fit_estimate(
 
 def settings(cfg: Config, device: torch.device, precision: str, attention: str | None) -> dict[str, Any]:
     """What a run of `cfg` started here would use."""
+    from kubetrain.train.device import peak_flops, torch_settings
+
+    torch_set = torch_settings(cfg, device.type)
     backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     return {
         "device": str(device), "precision": precision, "attention": attention or "none usable",
         "dist_backend": backend, "strategy": cfg.dist.strategy, "compile": cfg.train.compile,
-        "threads": cfg.run.threads or torch.get_num_threads(), "deterministic": cfg.train.deterministic,
+        "threads": cfg.run.threads or torch.get_num_threads(), "deterministic": torch_set.deterministic,
+        "tf32": torch_set.tf32, "peak_flops": peak_flops(device, precision, torch_set.tf32),
         "micro_batch_size": cfg.train.micro_batch_size, "grad_accum_steps": cfg.train.grad_accum_steps,
         "tokens_per_step": cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.model.block_size,
     }
@@ -193,6 +199,8 @@ def render(report: dict[str, Any]) -> str:
     count = f"{d['count']} cores" if d["kind"] == "cpu" else f"x{d['count']}"
     lines = [f"device: {d['kind']} - {d['name']} ({count}), memory {_gib(d['memory_free'])} free of "
              f"{_gib(d['memory_total'])}", f"bf16: {'yes' if report['bf16'] else 'no'}"]
+    p = report["precision"]
+    lines.append(f"precision: {p['name']} ({p['reason']})" + (f" - warning: {p['warning']}" if p["warning"] else ""))
     sdpa = report["sdpa"]
     lines.append(f"attention kernels (SDPA, {sdpa['dtype']}, head size {sdpa['head_dim']}):")
     lines += [f"  {name}: {why}" for name, why in sdpa["backends"].items()]

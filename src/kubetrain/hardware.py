@@ -1,7 +1,8 @@
 """What this machine can do for training: the device, its memory, bf16, attention kernels, NCCL, versions.
 
 Every answer comes from asking torch on this machine (a tiny forward and backward for each attention kernel),
-never from a table, so `kubetrain doctor` reports what a run here would really get.
+never from a table, so `kubetrain doctor` reports what a run here would really get. The one choice made from
+those answers, the precision, is a pure function (`choose_precision`) that the loop and the doctor share.
 """
 
 from __future__ import annotations
@@ -75,14 +76,58 @@ def cpu_name() -> str:
 
 
 def bf16_supported(device: torch.device) -> bool:
-    """Whether bf16 matmuls run on the device (on CUDA: natively, as the autocast choice needs)."""
+    """Whether bf16 matmuls run on the device (on CUDA: natively, the fact choose_precision reads)."""
     if device.type == "cuda":
-        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+        return accelerator(device).native_bf16
     try:
         a = torch.ones(4, 4, device=device, dtype=torch.bfloat16)
         return bool((a @ a).float().sum().item() == 64.0)
     except (RuntimeError, TypeError):
         return False
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """What the precision choice needs to know about a device, asked of torch once."""
+
+    type: str  # cuda, mps or cpu (ROCm GPUs are "cuda" to torch)
+    capability: tuple[int, int] | None = None  # CUDA compute capability (8, 0) = sm80
+    native_bf16: bool = False  # bf16 on tensor cores, not emulated through fp32
+
+
+def accelerator(device: torch.device) -> Accelerator:
+    if device.type == "cuda":
+        return Accelerator("cuda", tuple(torch.cuda.get_device_capability(device)),  # type: ignore[arg-type]
+                           bool(torch.cuda.is_bf16_supported(including_emulation=False)))
+    return Accelerator(device.type)
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str  # fp32, bf16 or fp16 (fp16 trains with a loss scaler)
+    reason: str
+    warning: str | None = None
+
+
+def choose_precision(requested: str, acc: Accelerator) -> Precision:
+    """The precision a run asking for `requested` trains in on `acc`: the one decision the loop and doctor share.
+
+    'auto' follows nanoGPT (train.py) and litgpt (get_default_supported_precision): bf16 where the GPU has it
+    natively, else fp16 with a GradScaler. torch.cuda.is_bf16_supported() alone also counts emulation, which
+    would put a T4 or V100 (below sm80) on slow emulated bf16 without a flash kernel.
+    """
+    sm = f"sm{acc.capability[0]}{acc.capability[1]}" if acc.capability else acc.type
+    if requested != "auto":
+        warning = None
+        if requested == "bf16" and acc.type == "cuda" and not acc.native_bf16:
+            warning = (f"bf16 is emulated on this GPU ({sm}): slow, and no flash attention; "
+                       "precision auto (fp16 with loss scaling) uses its tensor cores")
+        return Precision(requested, "as configured", warning)
+    if acc.type != "cuda":
+        return Precision("fp32", f"auto: no mixed precision on {acc.type}")
+    if acc.native_bf16:
+        return Precision("bf16", f"auto: native bf16 on this GPU ({sm})")
+    return Precision("fp16", f"auto: no native bf16 on this GPU ({sm}): fp16 with loss scaling")
 
 
 def sdpa_backends(device: torch.device, dtype: torch.dtype, head_dim: int, n_head: int = 2) -> dict[str, str]:

@@ -114,3 +114,16 @@ def test_golden_loss_curve(run_main: RunMain, tmp_cwd: Path) -> None:
     assert tail[-1] == f"run directory: {(tmp_cwd / 'runs' / 'golden').resolve()}"
     assert tail[-2].startswith("done: 12 steps, 3,072 tokens, val loss ")
     assert "--- sample ---" in out
+
+
+@pytest.mark.parametrize("extra", [[], ["--nproc", "2"]])
+def test_a_cuda_run_on_a_torch_without_cuda_is_one_line(run_main: RunMain, tiny_args: list[str], tmp_cwd: Path,
+                                                        extra: list[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _out, err = run_main("train", *tiny_args, "--set", "run.device=cuda", *extra)
+    assert code == 2
+    assert err.strip().startswith("error: run.device is 'cuda' but this torch") and len(err.strip().splitlines()) == 1
+    assert not (tmp_cwd / "runs").exists()

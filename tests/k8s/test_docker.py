@@ -38,3 +38,11 @@ def test_image_runs_as_the_pods_non_root_user_on_a_read_only_root(name: str) -> 
         if value.startswith("/") and key != "PATH":
             assert any(value == m or value.startswith(m + "/") for m in mounts), (name, key, value)
     assert (DOCKER / f"{name}.dockerignore").read_text().count("!src/") == 1
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.cuda"])
+def test_image_installs_object_storage_and_leaves_gpu_visibility_to_the_device_plugin(name: str) -> None:
+    text = (DOCKER / name).read_text()
+    extras = re.search(r'pip install "\.\[([a-z0-9,]+)\]"', text)
+    assert extras is not None and "storage" in extras.group(1).split(",")  # checkpoint.uri needs s3fs
+    assert "NVIDIA_VISIBLE_DEVICES" not in env_of(final_stage(DOCKER / name))

@@ -103,3 +103,65 @@ def test_no_gradients_are_kept(model: GPT) -> None:
 def test_an_empty_prompt_is_refused(model: GPT) -> None:
     with pytest.raises(ValueError, match="at least one token"):
         generate(model, [], 3, 8)
+
+
+def test_samples_run_in_the_training_dtype(model: GPT) -> None:
+    from kubetrain.train.device import autocast
+
+    seen: list[torch.dtype] = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    try:
+        generate(model, [1, 2], 3, 8, temperature=0, autocast_ctx=autocast("bf16", torch.device("cpu")))
+        assert seen and set(seen) == {torch.bfloat16}  # the training loop's autocast, as on a GPU
+        seen.clear()
+        generate(model, [1, 2], 3, 8, temperature=0)
+        assert set(seen) == {torch.float32}
+    finally:
+        hook.remove()
+
+
+class NoCache(nn.Module):
+    """The same model without `new_kv_cache`: every token a full forward over the context (the reference)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(ids)
+        return out
+
+
+def test_the_kv_cache_gives_the_tokens_of_full_forwards_one_token_per_forward() -> None:
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    lengths: list[int] = []
+    hook = gpt.register_forward_pre_hook(lambda m, args, kwargs: lengths.append(args[0].shape[1]), with_kwargs=True)
+    try:
+        cached = generate(gpt, [3, 1, 4, 1, 5], 10, 16, temperature=0)
+        assert lengths == [5] + [1] * 9  # the prompt once, then one token per forward
+        assert cached == generate(NoCache(gpt), [3, 1, 4, 1, 5], 10, 16, temperature=0)
+        seeded = generate(gpt, [3, 1], 8, 16, temperature=1.0, top_k=None, seed=3)
+        assert seeded == generate(NoCache(gpt), [3, 1], 8, 16, temperature=1.0, top_k=None, seed=3)
+        lengths.clear()
+        generate(gpt, [3, 1, 4], 20, 16, temperature=0)  # past the block: cropped full forwards, as before
+        assert lengths[0] == 3 and max(lengths) == 16
+    finally:
+        hook.remove()
+
+
+def test_a_filled_cache_takes_one_token_at_a_time() -> None:
+    gpt = GPT(GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=2, n_embd=32))
+    cache = gpt.new_kv_cache()
+    gpt(torch.tensor([[1, 2]]), kv_cache=cache)
+    with pytest.raises(ValueError, match="one token per forward"):
+        gpt(torch.tensor([[1, 2]]), kv_cache=cache)
+
+
+def test_a_hugging_face_model_samples_with_its_cache(llama_dir: object) -> None:
+    from kubetrain.config.schema import ModelConfig
+    from kubetrain.models.hf import load_hf_model
+
+    lm = load_hf_model(ModelConfig(kind="hf", name_or_path=str(llama_dir), block_size=32))
+    with_cache = generate(lm, [5, 6, 7], 8, 32, temperature=0)
+    assert with_cache == generate(NoCache(lm), [5, 6, 7], 8, 32, temperature=0)

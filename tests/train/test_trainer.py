@@ -202,15 +202,20 @@ def test_fp16_counts_skipped_steps_and_resumes_the_scaler(tmp_path: Path) -> Non
     trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=1000)
     before = {k: v.clone() for k, v in trainer.base.state_dict().items()}
     trainer.train_step()
-    assert trainer.state.skipped_steps == 1 and trainer.state.step == 1
-    assert trainer.scaler.get_scale() == 2.0**39
+    assert trainer.state.step == 1 and trainer.scaler.get_scale() == 2.0**39
     assert all(torch.equal(before[k], v) for k, v in trainer.base.state_dict().items())
-    trainer.log_train()
-    train = [json.loads(line) for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()][-1]
-    assert train["skipped_steps"] == 1 and train["loss_scale"] == 2.0**39
+    trainer.log_train()  # skipped steps are counted at log time: no host sync per step
+    assert trainer.state.skipped_steps == 1
+    trainer.train_step()  # the scale (2**39) still overflows: skipped again, counted by save
+    trainer.scaler.update(2.0**4)
+    trainer.train_step()  # within range: a real step
     trainer.save()
+    assert trainer.state.skipped_steps == 2 and trainer.state.step == 3
+    records = [json.loads(line) for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()]
+    train = next(r for r in records if r["kind"] == "train")
+    assert train["skipped_steps"] == 1 and train["loss_scale"] == 2.0**39
     again = opened(tmp_path, precision="fp16")
-    assert again.state.skipped_steps == 1 and again.scaler.get_scale() == 2.0**39
+    assert again.state.skipped_steps == 2 and again.scaler.get_scale() == trainer.scaler.get_scale()
 
 
 def test_sample_prompt_null_turns_every_sample_off(tmp_path: Path) -> None:
@@ -255,6 +260,71 @@ def test_an_io_error_while_running_is_a_failure_not_bad_input(
     assert e.value.exit_code == 1
     assert "warning: could not record the end of the run (failed)" in capsys.readouterr().out
     assert (tmp_path / "parts" / "checkpoints" / "step-000002").is_dir()  # what was written stays
+
+
+def test_the_logged_loss_is_the_mean_of_the_steps_it_covers(tmp_path: Path) -> None:
+    """The loss is read from the device only at log steps: a window of 4 steps logs the mean of the 4 losses
+    that a run logging every step shows (same machine, same process: the runs are identical up to logging)."""
+
+    def losses(name: str, every: int) -> dict[int, float]:
+        cfg = tiny_config(tmp_path / name, max_steps=8, log_every_steps=every)
+        Trainer(cfg, RunOptions(argv=[]), log=lambda m: None).run()
+        lines = (tmp_path / name / "parts" / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+
+    each, windows = losses("each", 1), losses("windows", 4)
+    assert sorted(each) == list(range(1, 9)) and sorted(windows) == [4, 8]
+    for end in (4, 8):
+        assert windows[end] == pytest.approx(sum(each[s] for s in range(end - 3, end + 1)) / 4, rel=1e-6)
+
+
+class OutOfMemoryWhileWrapping(Trainer):
+    """The model does not fit where it goes (here: a petabyte asked of the CPU allocator while opening)."""
+
+    def open(self) -> None:
+        torch.empty(2**50, dtype=torch.uint8)
+
+
+def test_out_of_memory_before_the_first_step_is_one_line_too(tmp_path: Path) -> None:
+    trainer = OutOfMemoryWhileWrapping(tiny_config(tmp_path), RunOptions(argv=[]), log=lambda m: None)
+    with pytest.raises(TrainingFailed, match=r"^out of memory while setting up: lower train\.micro_batch_size"):
+        trainer.run()
+
+
+class OutOfMemoryAtStep3(Trainer):
+    """Step 3 asks the allocator for a petabyte: a real allocation failure (the CPU's; CUDA's is another class)."""
+
+    def train_step(self) -> None:
+        if self.state.step == 2:
+            torch.empty(2**50, dtype=torch.uint8)
+        super().train_step()
+
+
+def test_out_of_memory_is_one_line_naming_what_to_change_and_keeps_the_checkpoint(tmp_path: Path) -> None:
+    trainer = OutOfMemoryAtStep3(tiny_config(tmp_path, max_steps=4), RunOptions(argv=[]), log=lambda m: None)
+    trainer.cfg.checkpoint.every_steps = 2
+    with pytest.raises(TrainingFailed) as e:
+        trainer.run()
+    message = str(e.value)
+    assert e.value.exit_code == 1 and "\n" not in message
+    assert message.startswith("out of memory after step 2: lower train.micro_batch_size (2; ")
+    assert "model.gradient_checkpointing: true" in message and "dist.strategy: fsdp" in message
+    assert (tmp_path / "parts" / "checkpoints" / "step-000002").is_dir()
+    assert json.loads((tmp_path / "parts" / "meta.json").read_text())["status"] == "failed"
+
+
+def test_out_of_memory_advice_follows_the_config() -> None:
+    from kubetrain.config import load_config
+    from kubetrain.train.device import is_out_of_memory, out_of_memory_advice
+
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+    lean = load_config(overrides=["train.micro_batch_size=1", "model.gradient_checkpointing=true",
+                                  "dist.strategy=fsdp"])
+    assert out_of_memory_advice(lean, "cuda", "after step 7", 8).startswith(
+        "CUDA out of memory after step 7: use a smaller model.block_size or more GPUs")
+    fp32 = out_of_memory_advice(load_config(overrides=["train.precision=fp32"]), "cuda", "while setting up", 1)
+    assert "over more GPUs" in fp32 and "precision auto" in fp32
 
 
 def test_samples_and_the_default_log_hide_secret_looking_text(

@@ -45,12 +45,16 @@ def _workload(name: str | None) -> str | None:
 
 def _rendered(config: Path | None, preset: str | None, set_: list[str] | None, workload: str | None,
               namespace: str | None) -> list[dict[str, Any]]:
-    from kubetrain.k8s.render.manifest import render
+    from kubetrain.k8s.render.manifest import pod_security_note, render
 
     overrides = list(set_ or [])
     if namespace:
         overrides.append(f"k8s.namespace={namespace}")
-    return render(load(config, preset, overrides), _workload(workload))
+    objects = render(load(config, preset, overrides), _workload(workload))
+    note = pod_security_note(objects)  # RDMA opt-ins leave "restricted": say which level the pods meet
+    if note:
+        typer.echo(note, err=True)
+    return objects
 
 
 def _validate(objects: list[dict[str, Any]], schemas: Any) -> None:

@@ -53,8 +53,10 @@ def train(
         from kubetrain import runs
         from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
         from kubetrain.runs.lock import hold_for_workers
+        from kubetrain.train.device import check_process_count
         from kubetrain.train.memory_check import check_memory
 
+        check_process_count(cfg.run.device, nproc or 1)  # one GPU per process, or NCCL fails later
         forwarded = [str(config)] if config else (["--preset", preset] if preset else [])
         for item in set_ or []:
             forwarded += ["--set", item]

@@ -16,6 +16,9 @@ WORKLOADS: tuple[str, ...] = ("indexed-job", "jobset", "trainjob", "pytorchjob",
 AccessMode = Literal["ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod", "ReadOnlyMany"]
 
 _QUANTITY = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+# an extended resource: vendor-domain/name (rdma/ib, nvidia.com/mig-1g.10gb) or hugepages-<size>
+_RESOURCE_NAME = r"^(([a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)|hugepages-[0-9]+[KMG]i)$"
+DEFAULT_IMAGE = "ghcr.io/kubetrain/kubetrain:0.1.0"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 _SECRET_NAME = re.compile(r"(TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|CREDENTIAL)", re.IGNORECASE)
@@ -52,6 +55,21 @@ class ResourcesConfig(_Section):
     ephemeral_storage: str | None = Field(
         default=None, pattern=_QUANTITY, description="Ephemeral storage request."
     )
+    extra: dict[str, int | str] = Field(
+        default_factory=dict,
+        description="Other extended resources per pod, requested and limited alike: rdma/ib: 1 (InfiniBand), "
+        "nvidia.com/mig-1g.10gb: 1 (a MIG slice), hugepages-2Mi: 1Gi, ...",
+    )
+
+    @field_validator("extra")
+    @classmethod
+    def _extra(cls, value: dict[str, int | str]) -> dict[str, int | str]:
+        for name, amount in value.items():
+            if not re.match(_RESOURCE_NAME, name) or name in ("cpu", "memory", "ephemeral-storage"):
+                raise ValueError(f"k8s.resources.extra: '{name}' is not an extended resource name (vendor/name)")
+            if isinstance(amount, bool) or not re.match(_QUANTITY, str(amount)):
+                raise ValueError(f"k8s.resources.extra: {name}: '{amount}' is not a quantity")
+        return value
 
 
 class VolumeConfig(_Section):
@@ -105,6 +123,13 @@ class VolumesConfig(_Section):
         default=None, description="Hugging Face cache (at /cache/huggingface)."
     )
     shm_size: str = Field(default="2Gi", pattern=_QUANTITY, description="Size of the memory-backed /dev/shm.")
+    tmp_size: str = Field(
+        default="8Gi", pattern=_QUANTITY, description="Size limit of the /tmp emptyDir (the pod is evicted past it)."
+    )
+    cache_size: str = Field(
+        default="50Gi", pattern=_QUANTITY,
+        description="Size limit of the /cache emptyDir (the Hugging Face cache without an hf_cache volume).",
+    )
 
 
 class SecretRef(_Section):
@@ -194,7 +219,9 @@ class K8sConfig(_Section):
     )
     namespace: str = Field(default="default", pattern=_DNS_LABEL, max_length=63, description="Namespace of the job.")
     image: str = Field(
-        default="ghcr.io/kubetrain/kubetrain:0.1.0", min_length=1, description="Container image with kubetrain."
+        default=DEFAULT_IMAGE, min_length=1,
+        description="Container image with kubetrain (left at the default with GPUs requested: its -cuda build, "
+        "or -rocm for amd.com/gpu).",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="When the kubelet pulls the image."
@@ -269,6 +296,21 @@ class K8sConfig(_Section):
     trainjob_runtime: str = Field(
         default="torch-distributed", description="ClusterTrainingRuntime of a TrainJob."
     )
+    ipc_lock: bool = Field(
+        default=False,
+        description="Add the IPC_LOCK capability (RDMA/InfiniBand pins memory); the pods then meet Pod Security "
+        "'privileged' only, not 'restricted' (render says so).",
+    )
+    host_network: bool = Field(
+        default=False,
+        description="Pods use the node's network (RoCE/InfiniBand setups without an RDMA device plugin); "
+        "Pod Security 'privileged' only, and the NetworkPolicy no longer applies to them.",
+    )
+    flight_recorder: bool = Field(
+        default=True,
+        description="NCCL's flight recorder: on a collective timeout each rank dumps its last collectives into "
+        "<run>/incidents/ on the checkpoint volume (read them with torchfrtrace).",
+    )
 
     @field_validator("network_policy", mode="before")
     @classmethod
@@ -286,6 +328,9 @@ class K8sConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> K8sConfig:
+        if self.resources.gpu and self.resources.gpu_resource in self.resources.extra:
+            raise ValueError(f"k8s.resources.extra names {self.resources.gpu_resource}, which k8s.resources.gpu "
+                             "already requests")
         for t in self.tolerations:
             if t.operator == "Exists" and t.value:
                 raise ValueError("k8s.tolerations: operator 'Exists' takes no value")

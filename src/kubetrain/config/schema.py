@@ -130,9 +130,14 @@ class ModelConfig(Section):
     local_files_only: bool = Field(True, description="Never reach a model hub (offline).")
     trust_remote_code: bool = Field(False, description="Run the model's own Python code from its folder.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weight dtype of a Hugging Face model (auto: float32; autocast does the rest)."
+        "auto", description="Weight dtype of a Hugging Face model (auto: the training precision for a frozen "
+        "LoRA base outside FSDP, loaded without an fp32 copy; float32 otherwise, autocast does the rest)."
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    quantize: Literal["none", "nf4"] = Field(
+        "none", description="nf4: QLoRA, the Hugging Face base loads in 4-bit NF4 through bitsandbytes and only "
+        "the LoRA adapters train (needs model.lora; pip install 'kubetrain[qlora]')."
+    )
     lora: LoraConfig | None = Field(None, description="Train LoRA adapters instead of every weight (null: off).")
 
     @model_validator(mode="after")
@@ -145,6 +150,8 @@ class ModelConfig(Section):
             raise ValueError("model.n_embd / model.n_head must be even for rotary embeddings")
         if self.kind == "hf" and not self.name_or_path:
             raise ValueError("model.kind 'hf' needs model.name_or_path")
+        if self.quantize != "none" and (self.kind != "hf" or self.lora is None):
+            raise ValueError("model.quantize nf4 (QLoRA) needs a Hugging Face model (kind: hf) and model.lora")
         return self
 
 
@@ -161,11 +168,17 @@ class TrainConfig(Section):
     beta2: float = Field(0.95, description="AdamW beta2.")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global grad norm (0 = off).")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="auto: bf16 autocast on GPUs that support it, fp32 on CPU."
+        "auto", description="auto: bf16 autocast on GPUs with native bf16 (sm80+, ROCm), fp16 with loss scaling "
+        "on older GPUs, fp32 on CPU and MPS (`kubetrain doctor` shows the choice)."
     )
     compile: bool = Field(False, description="torch.compile the model.")
     log_every_steps: int = Field(10, ge=1, description="Steps between metric lines.")
-    deterministic: bool = Field(True, description="Deterministic kernels (bitwise-repeatable runs on CPU).")
+    deterministic: bool | None = Field(
+        None, description="Deterministic kernels (null: on for CPU, where runs and resumes are bitwise "
+        "repeatable; off on CUDA, where it costs speed: true sets the cuBLAS workspace and names the kernels "
+        "that have no deterministic version)."
+    )
+    tf32: bool = Field(True, description="TF32 tensor cores for fp32 matmuls on CUDA (Ampere+); false: full fp32.")
 
 
 class EvalConfig(Section):
@@ -277,6 +290,12 @@ class Config(Section):
     phases: list[PhaseConfig] = Field(
         default_factory=list, description="Stages run one after another, each from the previous one's weights."
     )
+
+    @model_validator(mode="after")
+    def _quantized_not_sharded(self) -> Config:
+        if self.model.quantize != "none" and self.dist.strategy == "fsdp":
+            raise ValueError("model.quantize nf4 trains with dist.strategy ddp (FSDP does not shard 4-bit weights)")
+        return self
 
     @model_validator(mode="after")
     def _hf_tokenizer(self) -> Config:

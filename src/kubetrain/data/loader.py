@@ -25,8 +25,12 @@ class Batch:
     labels: torch.Tensor  # (B, T) int64, IGNORE_INDEX where no loss
 
     def to(self, device: torch.device) -> Batch:
-        nb = device.type == "cuda"
-        return Batch(self.input_ids.to(device, non_blocking=nb), self.labels.to(device, non_blocking=nb))
+        if device.type != "cuda":
+            return Batch(self.input_ids.to(device), self.labels.to(device))
+        # nanoGPT (train.py get_batch): from pinned memory the copy is asynchronous; from pageable memory the
+        # host would wait for it, and with it for the GPU, every micro-batch.
+        return Batch(self.input_ids.pin_memory().to(device, non_blocking=True),
+                     self.labels.pin_memory().to(device, non_blocking=True))
 
     def n_loss_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())

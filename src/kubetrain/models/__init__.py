@@ -34,8 +34,9 @@ def gpt_config(cfg: ModelConfig, tokenizer_vocab: int) -> GPTConfig:
     )
 
 
-def build_model(cfg: ModelConfig, tokenizer_vocab: int, load_weights: bool = True) -> nn.Module:
-    """The model a config asks for, on the CPU in fp32; its forward maps token ids to logits.
+def build_model(cfg: ModelConfig, tokenizer_vocab: int, load_weights: bool = True,
+                device: torch.device | None = None) -> nn.Module:
+    """The model a config asks for, on the CPU in fp32 (a 4-bit one on `device`); forward maps ids to logits.
 
     load_weights=False (building with meta parameters, to shard first): a Hugging Face model is built from its
     config.json alone, in its configured dtype; `fill_weights` loads its shards later.
@@ -43,7 +44,7 @@ def build_model(cfg: ModelConfig, tokenizer_vocab: int, load_weights: bool = Tru
     if cfg.kind == "hf":
         from kubetrain.models.hf import build_hf_model, load_hf_model
 
-        return load_hf_model(cfg, tokenizer_vocab) if load_weights else build_hf_model(cfg, tokenizer_vocab)
+        return load_hf_model(cfg, tokenizer_vocab, device) if load_weights else build_hf_model(cfg, tokenizer_vocab)
     return GPT(gpt_config(cfg, tokenizer_vocab))
 
 

@@ -56,6 +56,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos.to(x.dtype), torch.cat([x2, x1], dim=-1), sin.to(x.dtype))
 
 
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer: sampling feeds one new token per forward."""
+
+    def __init__(self, n_layer: int) -> None:
+        self.kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layer
+        self.length = 0  # tokens cached (every layer holds the same)
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this forward's keys and values (B, H, T, D) to the layer's; return all of them."""
+        held = self.kv[layer]
+        if held is not None:
+            k, v = torch.cat([held[0], k], dim=2), torch.cat([held[1], v], dim=2)
+        self.kv[layer] = (k, v)
+        return k, v
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -66,15 +82,20 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[KVCache, int] | None = None) -> torch.Tensor:
         B, T, C = x.shape
         # Three matmuls measured faster on the CPU than one fused qkv (no weight concat, no strided views).
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        causal = True
+        if cache is not None:  # the prompt fills an empty cache (causal), then one query sees every key
+            k, v = cache[0].extend(cache[1], k, v)
+            causal = T > 1
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0
         )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
 
@@ -131,8 +152,9 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[KVCache, int] | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, cache))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -194,16 +216,25 @@ class GPT(nn.Module):
                 keep(p, whole[n].detach())
         self.reset_parameters(keep)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, vocab) for token ids (B, T)."""
-        T = input_ids.shape[1]
-        if T > self.config.block_size:  # noqa: SIM300 - T is the sequence length, not a constant
-            raise ValueError(f"sequence of {T} tokens is longer than block_size {self.config.block_size}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids (B, T), which follow the tokens in `kv_cache` when one is given."""
+        start = kv_cache.length if kv_cache is not None else 0
+        end = start + input_ids.shape[1]
+        if end > self.config.block_size:
+            raise ValueError(f"sequence of {end} tokens is longer than block_size {self.config.block_size}")
+        if kv_cache is not None and start and input_ids.shape[1] > 1:
+            raise ValueError("a filled KV cache takes one token per forward")
+        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
         x = self.drop(self.embed(input_ids))
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, None if kv_cache is None else (kv_cache, i))
+        if kv_cache is not None:
+            kv_cache.length = end
         return self.lm_head(self.norm(x))
+
+    def new_kv_cache(self) -> KVCache:
+        """An empty cache for `forward(ids, kv_cache=...)` (sampling)."""
+        return KVCache(self.config.n_layer)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters, counting tied weights once; non_embedding leaves out the token embedding."""

@@ -57,10 +57,19 @@ class HFCausalLM(nn.Module):
         layers = getattr(self.lm.get_decoder(), "layers", None)
         return layers if isinstance(layers, nn.ModuleList) else nn.ModuleList()
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, vocab) for token ids (B, T)."""
-        logits: torch.Tensor = self.lm(input_ids=input_ids, use_cache=False).logits
-        return logits
+    def forward(self, input_ids: torch.Tensor, kv_cache: Any = None) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids (B, T), which follow the tokens in `kv_cache` when one is given."""
+        if kv_cache is None:
+            logits: torch.Tensor = self.lm(input_ids=input_ids, use_cache=False).logits
+            return logits
+        cached: torch.Tensor = self.lm(input_ids=input_ids, past_key_values=kv_cache, use_cache=True).logits
+        return cached
+
+    def new_kv_cache(self) -> Any:
+        """An empty transformers cache for `forward(ids, kv_cache=...)` (sampling)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.hf_config)
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 x the matmul weights (not the embedding lookup) + attention."""
@@ -72,8 +81,22 @@ class HFCausalLM(nn.Module):
         return 6.0 * n + 12.0 * c.num_hidden_layers * c.hidden_size * self.block_size
 
 
-def load_hf_model(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> HFCausalLM:
-    """AutoModelForCausalLM from cfg.name_or_path, ready for training on the CPU (the loop moves it)."""
+def nf4_quantization(cfg: ModelConfig) -> dict[str, Any]:
+    """The BitsAndBytesConfig arguments of QLoRA (model.quantize: nf4), as PEFT's and litgpt's recipes have them.
+
+    NF4 weights with double quantization (the quantization constants quantized too); matmuls in the weight
+    dtype the loop chose (model.dtype, bf16 on a GPU that has it).
+    """
+    return {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": _DTYPES[cfg.dtype]}
+
+
+def load_hf_model(cfg: ModelConfig, tokenizer_vocab: int | None = None,
+                  device: torch.device | None = None) -> HFCausalLM:
+    """AutoModelForCausalLM from cfg.name_or_path, ready for training on the CPU (the loop moves it).
+
+    A 4-bit model (model.quantize: nf4) is quantized while it loads, straight onto `device`.
+    """
     try:
         import transformers
         from transformers import AutoModelForCausalLM
@@ -87,6 +110,14 @@ def load_hf_model(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> HFCau
             f"model folder not found: {cfg.name_or_path} (model.local_files_only: nothing is downloaded)"
         )
     transformers.utils.logging.disable_progress_bar()
+    quantized: dict[str, Any] = {}
+    if cfg.quantize == "nf4":
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise ConfigError("model.quantize nf4 needs bitsandbytes: pip install 'kubetrain[qlora]'") from None
+        quantized = {"quantization_config": transformers.BitsAndBytesConfig(**nf4_quantization(cfg)),
+                     "device_map": {"": str(device or "cpu")}}
     try:
         lm: Any = AutoModelForCausalLM.from_pretrained(
             str(local) if local.exists() else cfg.name_or_path,
@@ -95,6 +126,7 @@ def load_hf_model(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> HFCau
             trust_remote_code=cfg.trust_remote_code,
             token=hub_token(),
             dtype=_DTYPES[cfg.dtype],
+            **quantized,
         )
     except (OSError, ValueError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -48,6 +48,11 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
             # peft reads transformers' deprecated is_gradient_checkpointing; nothing for the user to act on
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
             if isinstance(model, HFCausalLM):
+                if getattr(model.lm, "is_loaded_in_4bit", False):  # QLoRA: PEFT's preparation of a k-bit base
+                    from peft import prepare_model_for_kbit_training
+
+                    # norms and embeddings to fp32, every base weight frozen; checkpointing stays as loaded
+                    model.lm = prepare_model_for_kbit_training(model.lm, use_gradient_checkpointing=False)
                 model.lm = get_peft_model(model.lm, peft_config(cfg, causal_lm=True))
                 return model
             return get_peft_model(model, peft_config(cfg, causal_lm=False))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,8 +21,16 @@ def generate(
     top_k: int | None = 50,
     eos_id: int | None = None,
     seed: int | None = None,
+    autocast_ctx: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> list[int]:
-    """Continue `ids` by up to `max_new_tokens` tokens; temperature 0 is greedy."""
+    """Continue `ids` by up to `max_new_tokens` tokens; temperature 0 is greedy.
+
+    A model with `new_kv_cache` (our GPT, Hugging Face models) reads the prompt once and then one token per
+    forward when everything fits in the block; past it the context is cropped to the block, a full forward each.
+
+    `autocast_ctx` is the training loop's autocast factory: samples on a GPU run in the training dtype
+    (bf16/fp16 tensor cores), not in fp32.
+    """
     if not ids:
         raise ValueError("generate needs a prompt of at least one token")
     device = next(model.parameters()).device
@@ -29,9 +40,15 @@ def generate(
     was_training = model.training
     model.eval()
     x = torch.tensor([ids], dtype=torch.long, device=device)
+    new_cache = getattr(model, "new_kv_cache", None)
+    cache = new_cache() if callable(new_cache) and len(ids) + max_new_tokens <= block_size else None
     out: list[int] = []
-    for _ in range(max_new_tokens):
-        logits = model(x[:, -block_size:])[:, -1, :].float()
+    for step in range(max_new_tokens):
+        with autocast_ctx():
+            if cache is None:
+                logits = model(x[:, -block_size:])[:, -1, :].float()
+            else:  # the whole prompt first, then only the token just sampled
+                logits = model(x if step == 0 else x[:, -1:], kv_cache=cache)[:, -1, :].float()
         if temperature <= 0:
             nxt = logits.argmax(dim=-1, keepdim=True)
         else:

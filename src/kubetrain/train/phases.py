@@ -15,6 +15,7 @@ from kubetrain.errors import UserInputError
 from kubetrain.runs.lock import hold as hold_run
 from kubetrain.runs.lock import job_identity
 from kubetrain.track.console import console_log
+from kubetrain.train.compile import reset_compiled
 from kubetrain.train.trainer import TrainResult, train
 
 
@@ -68,6 +69,8 @@ def _train_phases(
         init = None
         if previous is not None and not checkpoint.complete_checkpoints(path / runs.CHECKPOINTS):
             init = _phase_weights(previous, ph.init_from)
+        if sub.train.compile:
+            reset_compiled()  # the previous phase's graphs and guards would otherwise stay for the whole run
         result = train(sub, argv=argv, resume=resume, dry_run=dry_run, log=log, run_path=path,
                        init_weights=init, init_optimizer=not ph.reset_optimizer, phase=ph.name)
         previous = path

@@ -113,3 +113,17 @@ def load_optimizer(
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load checkpointed weights; shapes and names were checked by checkpoint.check_compatible."""
     model.load_state_dict(state, strict=False)
+
+
+def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Updates the optimizer really made: AdamW's per-parameter step count, which a skipped step leaves alone.
+
+    (The fused kernels add one and take it back when the scaler found inf/nan gradients.) Reading it
+    synchronises with the GPU: call it at log and save time, not every step.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if step is not None:
+                return int(step)
+    return 0

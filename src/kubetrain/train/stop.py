@@ -3,6 +3,7 @@
 Exiting at once is safe because every file a checkpoint writes is renamed into place: `latest` always names
 a complete checkpoint. When the grace period ends before the stop checkpoint is written, the process exits
 75 (resumable) if an earlier checkpoint is complete, naming the step the run will resume from, else 1.
+StopVote makes every rank stop at the same step without a GPU synchronisation.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as td
 
 from kubetrain.checkpoint.layout import LATEST, pointer
 from kubetrain.errors import EXIT_FAILURE, EXIT_STOPPED_RESUMABLE
@@ -78,3 +83,48 @@ class GracefulStop:
         self.done()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+class StopVote:
+    """Whether any rank was asked to stop, agreed by every rank at the same step, without blocking on the GPU.
+
+    Each step posts this rank's flag in an asynchronous all-reduce (MAX) over a CPU (gloo) group and reads the
+    vote posted one step earlier, which has had a whole step to arrive: no GPU synchronisation (a CUDA tensor's
+    .item() would wait for every kernel queued so far, so the CPU could never run ahead of the GPU), and no
+    blocking wait in the common case. A stop asked for during step s is acted on after step s + 1, on every
+    rank at the same step. One process: the flag itself, at once.
+    """
+
+    def __init__(self, group: Any = None, distributed: bool = False) -> None:
+        self.group, self.distributed = group, distributed
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    @classmethod
+    def for_world(cls) -> StopVote:
+        """A vote over every rank of the default group (a collective call: every rank makes it)."""
+        if not td.is_initialized() or td.get_world_size() == 1:
+            return cls()
+        # a gloo default group already runs on the CPU; under NCCL the vote gets a gloo group of its own
+        group = None if td.get_backend() == "gloo" else td.new_group(backend="gloo")
+        return cls(group, distributed=True)
+
+    def poll(self, requested: bool) -> bool:
+        """Post this rank's flag; True when the vote posted at the previous call says some rank asked to stop."""
+        if not self.distributed:
+            return requested
+        agreed = self._collect()
+        flag = torch.tensor([1 if requested else 0], dtype=torch.int32)
+        self._pending = (td.all_reduce(flag, op=td.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        return agreed
+
+    def close(self) -> None:
+        """Wait for the vote still in flight, so no rank leaves a collective behind."""
+        self._collect()
+
+    def _collect(self) -> bool:
+        if self._pending is None:
+            return False
+        work, flag = self._pending
+        self._pending = None
+        work.wait()
+        return bool(flag.item())

@@ -7,7 +7,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kubetrain import checkpoint, runs
+from kubetrain import checkpoint, hardware, runs
 from kubetrain.checkpoint import remote
 from kubetrain.checkpoint.sharded import full_model_state
 from kubetrain.checkpoint.sharded import save_optimizer as save_sharded_optimizer
@@ -35,7 +35,19 @@ from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
 from kubetrain.track.console import Throughput, console_log, count
 from kubetrain.track.jsonl import truncate_after
-from kubetrain.train.device import autocast, device_name, memory_gib, peak_flops, resolve_precision
+from kubetrain.train.compile import compile_blocks
+from kubetrain.train.device import (
+    MemoryPeak,
+    apply_torch_settings,
+    autocast,
+    device_name,
+    hf_weight_dtype,
+    is_out_of_memory,
+    model_flops_per_token,
+    out_of_memory_advice,
+    peak_flops,
+    select_device,
+)
 from kubetrain.train.evaluate import evaluate, lm_loss, perplexity
 from kubetrain.train.heartbeat import Heartbeat
 from kubetrain.train.memory_check import check_memory
@@ -47,11 +59,12 @@ from kubetrain.train.state import (
     load_model_state,
     load_optimizer,
     model_state,
+    optimizer_steps,
     set_rng_state,
     unwrap,
     weight_shapes,
 )
-from kubetrain.train.stop import GracefulStop
+from kubetrain.train.stop import GracefulStop, StopVote
 from kubetrain.train.straggler import ComputeTimer
 
 Log = Callable[[str], None]
@@ -79,15 +92,6 @@ def train(cfg: Config, *, log: Log | None = None, **options: Any) -> TrainResult
     return Trainer(cfg, RunOptions(**options), log=log).run()
 
 
-def configure_torch(cfg: Config) -> None:
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    if cfg.train.deterministic:
-        # warn_only: a few CUDA kernels have no deterministic version; on the CPU everything does.
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.manual_seed(cfg.run.seed)
-
-
 class Trainer:
     """One run of a config. `run` is the spine; each other method is one part of it, usable on its own."""
 
@@ -112,8 +116,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, opts: RunOptions | None = None, log: Log | None = None) -> None:
         self.cfg, self.opts = cfg, opts or RunOptions()
-        configure_torch(cfg)
-        self.device = dist.local_device(cfg.run.device)
+        self.device = select_device(cfg.run.device)
+        self.torch_settings = apply_torch_settings(cfg, self.device)  # before the first CUDA kernel
         self.penv = dist.init(cfg.dist, self.device)
         self.main = self.penv.is_main
         self.prefix = f"[rank {self.penv.rank}] " if self.penv.distributed else ""
@@ -127,13 +131,15 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """Set up, then step until max_steps: log, evaluate and checkpoint when due; stop cleanly on a signal."""
-        self.setup()
-        if self.opts.dry_run:
-            return self.dry_run()
-        self.open()
+        with self.out_of_memory_is_one_line("while setting up"):
+            self.setup()
+            if self.opts.dry_run:
+                return self.dry_run()
+            self.open()
         cfg, state = self.cfg, self.state
         status, sample = "failed", None
         stop = GracefulStop(cfg.checkpoint.grace_seconds, self.ckpt_root)
+        vote = StopVote.for_world()  # every rank stops at the same step, with no GPU sync per step
         try:
             with stop:
                 while state.step < self.max_steps:
@@ -146,22 +152,29 @@ class Trainer:
                         self.log_train()
                     t_side = time.perf_counter()
                     improved = self.evaluate() if state.step % cfg.eval.every_steps == 0 or final else False
-                    stopping = dist.broadcast_flag(stop.requested, self.device)
+                    stopping = vote.poll(stop.requested)
                     if (final or stopping or state.step % cfg.checkpoint.every_steps == 0
                             or (improved and cfg.checkpoint.save_best)):
                         self.save(background=not (final or stopping))
                     self.side_seconds += time.perf_counter() - t_side
                     if stopping:
+                        vote.close()
                         stop.done()
                         status = "stopped"
                         raise TrainingStopped(
                             f"stopped by {stop.signal_name or 'a signal on another rank'} at step {state.step}; "
                             f"checkpoint saved, resume with the same command"
                         )
+                vote.close()
                 self.t_end = time.perf_counter()
                 if self.main and cfg.dist.strategy != "fsdp" and cfg.eval.sample_prompt is not None:  # null: off
                     sample = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens * 3)
                 status = "finished"
+        except (torch.OutOfMemoryError, RuntimeError) as e:  # one line naming what to change; exit 1
+            if not is_out_of_memory(e):
+                raise
+            advice = out_of_memory_advice(cfg, self.device.type, f"after step {state.step}", self.penv.world_size)
+            raise TrainingFailed(advice) from e
         except OSError as e:  # bad input was refused before the first step: this is the machine, not the config
             where = f": {e.filename}" if e.filename else ""
             raise TrainingFailed(f"failed while running at step {state.step}: {e.strerror or e}{where}") from e
@@ -172,6 +185,17 @@ class Trainer:
                 self.uploader.close(stop.time_left())
             self.finish(status)
         return self.result(status, sample)
+
+    @contextlib.contextmanager
+    def out_of_memory_is_one_line(self, where: str) -> Iterator[None]:
+        """Out of memory before the loop (loading, wrapping) is one line naming what to change, exit 1."""
+        try:
+            yield
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not is_out_of_memory(e):
+                raise
+            raise TrainingFailed(out_of_memory_advice(self.cfg, self.device.type, where,
+                                                      self.penv.world_size)) from e
 
     # --- setup: everything a dry run needs too -------------------------------------------------------------
 
@@ -187,7 +211,11 @@ class Trainer:
         self.train_windows = TokenWindows(prepared, "train", cfg.model.block_size)
         self.val_windows = TokenWindows(prepared, "val", cfg.model.block_size) if prepared.n_val > need else None
 
-        self.precision = resolve_precision(cfg.train.precision, self.device)
+        # the precision first: a frozen Hugging Face base (LoRA) loads straight in it (model.dtype auto)
+        choice = hardware.choose_precision(cfg.train.precision, hardware.accelerator(self.device))
+        if choice.warning:
+            self.say(f"warning: {choice.warning}")
+        self.precision = choice.name
         self.model = self.build_model()
         self.base = unwrap(self.model)
         n_params = sum(p.numel() for p in self.model.parameters())
@@ -199,8 +227,9 @@ class Trainer:
         if t.max_tokens:
             self.max_steps = min(self.max_steps, math.ceil(t.max_tokens / self.tokens_per_step))
         self.amp = autocast(self.precision, self.device)
-        self.flops_per_token = getattr(self.base, "flops_per_token", lambda: 6.0 * n_trainable)()
-        self.peak = peak_flops(self.device)
+        # frozen weights (LoRA's base) get no weight gradient: counted, not assumed (device.py)
+        self.flops_per_token = model_flops_per_token(self.base, cfg.model.block_size)
+        self.peak = peak_flops(self.device, self.precision, self.torch_settings.tf32)
         self.say(
             f"model: {count(n_params)} parameters ({count(n_trainable)} trainable) | "
             f"device {self.device.type} x{penv.world_size} | precision {self.precision}"
@@ -223,14 +252,20 @@ class Trainer:
             with parallelize.params_on_meta():
                 model = build_model(cfg.model, vocab, load_weights=False)
             self.checkpoint_activations(model)
+            if cfg.train.compile:  # torchtitan's order: activation checkpointing, compile each block, then FSDP
+                compile_blocks(model)
             parallelize.shard(model, self.precision)
             parallelize.materialise(model, self.device)
             fill_weights(model, cfg.model, parallelize.keep_part)
             return model
-        model = build_model(cfg.model, vocab).to(self.device)
+        # a frozen Hugging Face base (LoRA) loads straight in the training precision (model.dtype auto)
+        model_cfg = cfg.model.model_copy(update={"dtype": hf_weight_dtype(cfg, self.precision, self.sharded)})
+        model = build_model(model_cfg, vocab, device=self.device).to(self.device)
         if cfg.model.lora is not None:
             model = apply_lora(model, cfg.model.lora)
         self.checkpoint_activations(model)
+        if cfg.train.compile and self.sharded:  # torchtitan: each block before fully_shard (in open)
+            compile_blocks(model)
         return model
 
     def checkpoint_activations(self, model: nn.Module) -> None:
@@ -271,7 +306,7 @@ class Trainer:
                 load_optimizer(self.model, self.optimizer, source, source.trainer_state(), self.sharded)
             self.say(f"starting from the weights{' and optimizer state' if self.opts.init_optimizer else ''} "
                      f"of {source.path}")
-        if cfg.train.compile:
+        if cfg.train.compile and not self.sharded:  # DDP: the wrapped model, so Dynamo splits at its buckets
             self.model = torch.compile(self.model)  # type: ignore[assignment]
         self.start_run_files()
         self.model.train()
@@ -282,6 +317,8 @@ class Trainer:
         # FSDP saves synchronously: its optimizer shards are written by every rank through DCP inside save()
         if self.main and cfg.checkpoint.async_save and not self.sharded:
             self.saver = checkpoint.BackgroundSaver()
+        self.memory_peak = MemoryPeak(self.device)
+        self.counted_at = (self.state.step, optimizer_steps(self.optimizer))  # (step, optimizer steps) last counted
         self.meter.tokens0 = self.state.tokens
         self.loss_sum = torch.tensor(self.state.window_loss_sum, device=self.device)
         self.loss_count = self.state.window_steps
@@ -378,10 +415,8 @@ class Trainer:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.train.grad_clip)
         if scaler.is_enabled():
-            scale = scaler.get_scale()
-            scaler.step(optimizer)  # skipped when a gradient is inf/nan; the scale then shrinks
+            scaler.step(optimizer)  # skipped when a gradient is inf/nan (counted in count_skipped_steps)
             scaler.update()
-            self.state.skipped_steps += int(scaler.get_scale() < scale)
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -396,6 +431,7 @@ class Trainer:
     def log_train(self) -> None:
         """The mean loss of the window since the last log (over every rank), throughput, MFU, memory, ETA."""
         state = self.state
+        self.count_skipped_steps()
         state.last_train_loss = float(dist.all_reduce_mean(self.loss_sum / self.loss_count))
         self.loss_sum.zero_()
         self.loss_count = 0
@@ -409,13 +445,26 @@ class Trainer:
             "kind": "train", "step": state.step, "loss": state.last_train_loss,
             "lr": self.optimizer.param_groups[0]["lr"], "tokens": state.tokens, "tokens_per_second": rate,
             "mfu": rate * self.flops_per_token / (self.peak * self.penv.world_size) if self.peak else None,
-            "memory_gib": memory_gib(self.device),
+            "memory_gib": self.memory_peak.read_and_reset(),  # the peak since the previous log line
             "eta_seconds": elapsed / done * (self.max_steps - state.step) if done else None,
             "epoch": self.loader.epoch, "phase": self.opts.phase, "time": time.time(),
             **({"skipped_steps": state.skipped_steps, "loss_scale": self.scaler.get_scale()}
                if self.scaler.is_enabled() else {}),
             **(stragglers.record() if stragglers else {}),
         })
+
+    def count_skipped_steps(self) -> None:
+        """fp16: add the steps since the last count that the scaler skipped (inf/nan gradients).
+
+        Read from the optimizer's own step counter at log and save time only: comparing the loss scale before
+        and after every step (scaler.get_scale) synchronised the host with the GPU twice per step.
+        """
+        if not self.scaler.is_enabled():
+            return
+        taken = optimizer_steps(self.optimizer)
+        steps, last_taken = self.state.step - self.counted_at[0], taken - self.counted_at[1]
+        self.state.skipped_steps += steps - last_taken
+        self.counted_at = (self.state.step, taken)
 
     def evaluate(self) -> bool:
         """Validation loss on every rank (and a sample on rank 0); True when it is the best so far."""
@@ -444,6 +493,7 @@ class Trainer:
         """
         state, cfg = self.state, self.cfg
         t0 = time.perf_counter()
+        self.count_skipped_steps()
         if is_best is None:
             is_best = self.evaluated_step == state.step and state.last_val_loss is not None and (
                 state.best_saved_val_loss is None or state.last_val_loss < state.best_saved_val_loss)
@@ -542,7 +592,7 @@ class Trainer:
         """`prompt` continued by `n` tokens of the single-device model (temperature 0.8, top-k 50, run seed)."""
         ids = prompt_ids(self.tokenizer, prompt)
         out = generate(self.base, ids, n, self.cfg.model.block_size, temperature=0.8, top_k=50,
-                       eos_id=self.tokenizer.eos_id, seed=self.cfg.run.seed)
+                       eos_id=self.tokenizer.eos_id, seed=self.cfg.run.seed, autocast_ctx=self.amp)
         return prompt + self.tokenizer.decode(out)
 
     def write_sample(self) -> None:

@@ -92,6 +92,9 @@ def run(config: Path, *, rdzv_id: str, max_restarts: int, wait_timeout: float, s
     # Fail here with exit code 2 (the Job's podFailurePolicy fails at once); inside the agent it would be
     # retried max_restarts times and surface as a generic worker failure.
     cfg = load_config(config, None, overrides)
+    trace = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # NCCL's flight recorder writes there, if it exists
+    if trace:
+        Path(trace).parent.mkdir(parents=True, exist_ok=True)
     node = read_node()
     say(f"node {node.node_rank}/{node.nnodes} ({node.source}), {node.nproc_per_node} process(es) per node, "
         f"rendezvous {node.master_addr}:{node.master_port}")

@@ -18,6 +18,7 @@ from kubetrain.config.schema import Config
 from kubetrain.k8s.render.context import context
 from kubetrain.k8s.render.network import network_policy
 from kubetrain.k8s.render.objects import claims, config_map
+from kubetrain.k8s.render.podsecurity import level_note
 from kubetrain.k8s.render.renderers import RENDERERS
 from kubetrain.k8s.workloads import SPEC_HASH
 
@@ -31,6 +32,11 @@ def render(cfg: Config, workload: str | None = None) -> list[dict[str, Any]]:
     objects.extend(RENDERERS[ctx.workload](ctx))
     stamp(objects)
     return objects
+
+
+def pod_security_note(objects: list[dict[str, Any]]) -> str | None:
+    """One line when an opt-in (k8s.ipc_lock, k8s.host_network) leaves the pods short of Pod Security 'restricted'."""
+    return level_note([template["spec"] for obj in objects for _, template in pod_templates(obj)])
 
 
 def stamp(objects: list[dict[str, Any]]) -> None:

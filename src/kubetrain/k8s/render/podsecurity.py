@@ -86,3 +86,58 @@ def _context_violations(where: str, sc: dict[str, Any]) -> list[str]:
     if se.get("type", "") not in SELINUX_TYPES or se.get("user") or se.get("role"):
         out.append(f"{where}: seLinuxOptions not allowed ({se})")
     return out
+
+
+# Capabilities the "baseline" profile lets a container add (the Pod Security Standards' list).
+BASELINE_CAPABILITIES = {
+    "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD", "NET_BIND_SERVICE", "SETFCAP",
+    "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT",
+}
+
+
+def baseline_violations(spec: dict[str, Any]) -> list[str]:
+    """Every rule of the baseline profile that this PodSpec breaks (empty: a 'baseline' namespace admits it)."""
+    out: list[str] = []
+    pod_sc = spec.get("securityContext") or {}
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(key):
+            out.append(f"{key} is true")
+    for sysctl in pod_sc.get("sysctls") or []:
+        if sysctl.get("name") not in SAFE_SYSCTLS:
+            out.append(f"sysctl {sysctl.get('name')} is not in the safe set")
+    for vol in spec.get("volumes") or []:
+        if "hostPath" in vol:
+            out.append(f"volume {vol.get('name')} is a hostPath")
+    contexts = [("pod", pod_sc)] + [(f"container {c.get('name')}", c.get("securityContext") or {})
+                                    for c in _containers(spec)]
+    for where, sc in contexts:
+        out.extend(v for v in _context_violations(where, sc) if "runAsUser is 0" not in v)  # root: restricted only
+    for c in _containers(spec):
+        name, sc = f"container {c.get('name')}", c.get("securityContext") or {}
+        if sc.get("privileged"):
+            out.append(f"{name}: privileged")
+        for cap in (sc.get("capabilities") or {}).get("add") or []:
+            if cap not in BASELINE_CAPABILITIES:
+                out.append(f"{name}: adds capability {cap}")
+        if sc.get("procMount") not in (None, "Default"):
+            out.append(f"{name}: procMount {sc['procMount']}")
+        out.extend(f"{name}: hostPort {p['hostPort']}" for p in c.get("ports") or [] if p.get("hostPort"))
+    return out
+
+
+def level(spec: dict[str, Any]) -> str:
+    """The strictest Pod Security Standard this PodSpec meets: restricted, baseline or privileged."""
+    if not restricted_violations(spec):
+        return "restricted"
+    return "baseline" if not baseline_violations(spec) else "privileged"
+
+
+def level_note(pod_specs: list[dict[str, Any]]) -> str | None:
+    """One line when the rendered pods fall short of "restricted" (None when they meet it)."""
+    levels = {level(spec) for spec in pod_specs}
+    if not levels or levels == {"restricted"}:
+        return None
+    worst = "privileged" if "privileged" in levels else "baseline"
+    why = sorted({v for spec in pod_specs for v in restricted_violations(spec)})
+    return (f"note: the pods meet Pod Security '{worst}', not 'restricted' ({'; '.join(why)}): "
+            f"their namespace must admit '{worst}' pods (pod-security.kubernetes.io/enforce)")

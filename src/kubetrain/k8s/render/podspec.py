@@ -2,7 +2,8 @@
 
 The pod is Pod Security "restricted": non-root, read-only root filesystem (with writable mounts for /tmp,
 caches, /dev/shm and outputs), seccomp RuntimeDefault, every capability dropped, no privilege escalation,
-and no service-account token (training never talks to the API server).
+and no service-account token (training never talks to the API server). Only the opt-in RDMA settings
+(k8s.ipc_lock, k8s.host_network) leave "restricted"; render then says which level the pods meet.
 """
 
 from __future__ import annotations
@@ -11,10 +12,26 @@ import math
 from typing import Any
 
 from kubetrain.checkpoint.store import credential_keys
+from kubetrain.config.k8s import DEFAULT_IMAGE, K8sConfig
 from kubetrain.k8s.render.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT, RenderContext
 
 METRICS_PORT_NAME = "metrics"
+COMPILE_CACHE = ".cache"  # on the checkpoint claim; a hidden folder, which `kubetrain runs` passes over
+INCIDENTS = "incidents"
+FLIGHT_RECORDER_PREFIX = "nccl-flight-recorder-rank-"
 ENTRYPOINT = ["kubetrain", "k8s", "entrypoint"]
+
+
+def image(k: K8sConfig) -> str:
+    """k8s.image; left at its default, the CUDA (or ROCm) build when the pods request GPUs.
+
+    The default image is the CPU build: a GPU pod running it would train on the CPU without a word.
+    """
+    if k.image != DEFAULT_IMAGE or not k.resources.gpu:
+        return k.image
+    if k.resources.gpu_resource == "amd.com/gpu":
+        return f"{k.image}-rocm"
+    return f"{k.image}-cuda"
 
 
 def entrypoint_args(ctx: RenderContext, *extra: str) -> list[str]:
@@ -40,16 +57,19 @@ def env(ctx: RenderContext, extra: dict[str, str] | None = None) -> list[dict[st
     """The container's environment; secrets only as secretKeyRef, never as values."""
     k = ctx.k
     hf_home = next((v.mount_path for v in ctx.volumes if v.role == "hf_cache"), f"{CACHE_MOUNT}/huggingface")
+    # torch.compile's kernels on the claim: a replaced pod finds them instead of compiling from scratch
+    compiled = f"{ctx.checkpoint_mount}/{COMPILE_CACHE}"
     plain = {
         "PYTHONUNBUFFERED": "1",
         "HOME": "/tmp",  # the root filesystem is read-only
         "XDG_CACHE_HOME": CACHE_MOUNT,
         "HF_HOME": hf_home,
-        "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_MOUNT}/torchinductor",
-        "TRITON_CACHE_DIR": f"{CACHE_MOUNT}/triton",
+        "TORCHINDUCTOR_CACHE_DIR": f"{compiled}/torchinductor",
+        "TRITON_CACHE_DIR": f"{compiled}/triton",
         "MPLCONFIGDIR": f"{CACHE_MOUNT}/matplotlib",
         "KUBETRAIN_NNODES": str(k.nnodes),
         "KUBETRAIN_NPROC_PER_NODE": str(k.nproc_per_node),
+        **flight_recorder_env(ctx),
         **(extra or {}),
         **k.env,
     }
@@ -62,6 +82,24 @@ def env(ctx: RenderContext, extra: dict[str, str] | None = None) -> list[dict[st
     for name, ref in secrets.items():
         out.append({"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     return out + store_credentials(ctx, skip=set(secrets))
+
+
+def flight_recorder_env(ctx: RenderContext) -> dict[str, str]:
+    """NCCL's flight recorder, dumping each rank's last collectives into <run>/incidents/ on a timeout.
+
+    As torchtitan's init_distributed: a trace buffer, dump on timeout, and TORCH_NCCL_ASYNC_ERROR_HANDLING=3
+    (tear down without the clean-up that mode 1 does, which would abort the work before it is dumped).
+    torch's `torchfrtrace <run>/incidents -p nccl-flight-recorder-rank-` names the rank that did not join.
+    """
+    if not ctx.k.flight_recorder:
+        return {}
+    run_dir = f"{ctx.checkpoint_mount}/{ctx.cfg.run.name}"
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{run_dir}/{INCIDENTS}/{FLIGHT_RECORDER_PREFIX}",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    }
 
 
 def store_credentials(ctx: RenderContext, skip: frozenset[str] | set[str] = frozenset()) -> list[dict[str, Any]]:
@@ -94,6 +132,8 @@ def resources(ctx: RenderContext) -> dict[str, Any]:
         requests["ephemeral-storage"] = r.ephemeral_storage
     if r.gpu:
         requests[r.gpu_resource] = limits[r.gpu_resource] = r.gpu
+    for name, amount in r.extra.items():  # extended resources cannot be overcommitted: request = limit
+        requests[name] = limits[name] = amount
     out: dict[str, Any] = {}
     if requests:
         out["requests"] = requests
@@ -120,8 +160,9 @@ def volume_mounts(ctx: RenderContext) -> list[dict[str, Any]]:
 def volumes(ctx: RenderContext) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": ctx.config_map}},
-        {"name": "tmp", "emptyDir": {}},
-        {"name": "cache", "emptyDir": {}},
+        # size limits: past them the kubelet evicts the pod instead of letting it fill the node's disk
+        {"name": "tmp", "emptyDir": {"sizeLimit": ctx.k.volumes.tmp_size}},
+        {"name": "cache", "emptyDir": {"sizeLimit": ctx.k.volumes.cache_size}},
         # NCCL and dataloader workers need more shared memory than the runtime's 64 MiB default.
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": ctx.k.volumes.shm_size}},
     ]
@@ -141,7 +182,8 @@ def container_security(ctx: RenderContext) -> dict[str, Any]:
         "runAsNonRoot": True,
         "runAsUser": uid,
         "runAsGroup": uid,
-        "capabilities": {"drop": ["ALL"]},
+        # IPC_LOCK: RDMA registers (pins) memory for the NIC; opt-in, it leaves Pod Security "restricted"
+        "capabilities": {"drop": ["ALL"], **({"add": ["IPC_LOCK"]} if ctx.k.ipc_lock else {})},
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 
@@ -198,7 +240,7 @@ def container(
     k = ctx.k
     c: dict[str, Any] = {
         "name": name,
-        "image": k.image,
+        "image": image(k),
         "imagePullPolicy": k.image_pull_policy,
         "command": ENTRYPOINT,
         "args": entrypoint_args(ctx, *extra_args),
@@ -229,6 +271,9 @@ def pod_spec(
         "containers": [main],
         "volumes": volumes(ctx),
     }
+    if k.host_network:
+        spec["hostNetwork"] = True
+        spec["dnsPolicy"] = "ClusterFirstWithHostNet"  # still resolve the job's Service names
     if subdomain:
         spec["subdomain"] = subdomain
     if k.service_account:
