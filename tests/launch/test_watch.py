@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kubetrain.launch.watch import HangWatch, describe_exit, process_state
+from kubetrain.launch.watch import Beat, HangWatch, describe_exit, process_state
 from kubetrain.runs.incidents import read_all
 from kubetrain.train.heartbeat import HEARTBEAT_DIR_ENV, Heartbeat, beat_file
 from tests.train.conftest import STARTED, kubetrain, sets, start, wait_until
@@ -84,6 +84,20 @@ def test_a_worker_that_dies_on_its_own_is_recorded_once_with_its_rank_and_step(t
     assert entry["kind"] in ("worker-exit", "oom") and entry["rank"] == 3 and entry["step"] == 11
     assert "SIGKILL" in entry["message"]
     assert worker.poll() is None  # only the hang path ends workers
+
+
+@pytest.mark.parametrize(("said", "kind"), [
+    ("[c10d] Timed out waiting 30000ms for recv operation to complete", "timeout"),
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "oom"),
+    ("ValueError: bad batch", "worker-exit"),
+])
+def test_what_a_worker_wrote_before_it_died_decides_the_kind(tmp_path: Path, said: str, kind: str) -> None:
+    error_file = tmp_path / "error.json"
+    error_file.write_text(json.dumps({"message": {"message": said, "extraInfo": {}}}))  # torch's @record shape
+    watch = HangWatch(tmp_path / "beats", tmp_path / "run", hang_timeout=None, say=lambda m: None)
+    watch.record_exit(Beat(rank=1, pid=1, step=9, time=0.0, restart=0, error_file=str(error_file)), 1 << 8)
+    [entry] = read_all(tmp_path / "run")
+    assert (entry["kind"], entry["rank"], entry["step"]) == (kind, 1, 9) and entry["message"] == said
 
 
 def test_exit_statuses_read_like_the_shell() -> None:

@@ -1,5 +1,6 @@
 """Graceful stop: every rank stops at the same step, one step after any rank asked, through a CPU (gloo) vote;
-when the grace period is shorter than the save, still resumable (75) from the newest complete checkpoint."""
+when the grace period is shorter than the save, still resumable (75) from the newest complete checkpoint, from a
+worker and from its launcher."""
 
 from __future__ import annotations
 
@@ -26,14 +27,16 @@ def test_sigterm_during_a_save_longer_than_the_grace_period_exits_resumable_and_
     # a model whose checkpoint (about 40 MB with AdamW) takes far longer to write than 10 ms of grace
     args = ("run.name=late", "train.max_steps=400", "checkpoint.every_steps=3", "model.n_embd=256",
             "model.n_layer=4", "model.n_head=4", "checkpoint.grace_seconds=0.01", "eval.every_steps=1000")
-    proc = start("train", *sets(*args), cwd=tmp_path)
+    proc = start("train", *sets(*args), "--nproc", "2", cwd=tmp_path)  # the launcher's path too
     ckpts = tmp_path / "runs" / "late" / "checkpoints"
     wait_until((ckpts / "latest").exists, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_STOPPED_RESUMABLE, err[-2000:]
-    named = re.search(r"the run resumes from (step-\d+)", err)
+    named = re.search(r"the run resumes from (step-\d+) \(its newest complete checkpoint\)", err)  # a worker
     assert named, err[-2000:]
+    assert f"launcher: SIGTERM: workers stopped before their stop checkpoint; the run resumes from {named.group(1)}" \
+        in err
     step = checkpoint.verify(ckpts / named.group(1)).step  # complete and whole
     assert step >= 3 and checkpoint.pointer(ckpts, "latest") == named.group(1)
     resumed = kubetrain("train", *sets(*args, f"train.max_steps={step + 2}"), cwd=tmp_path)
