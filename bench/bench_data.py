@@ -113,17 +113,22 @@ def xxh3_gbps(path: Path) -> float:
 
 # --- tokenize: kubetrain prepare against datasets.map -----------------------------------------------------
 
+# Workers started by spawn and no progress bars: with fork and tqdm's shared lock, a worker hung at 99% here
+# (a lock held at fork), in two runs out of two.
 HF_MAP = """
-import sys, time
+import sys
+import datasets, multiprocess
 from datasets import load_dataset
 from transformers import AutoTokenizer
-corpus, tokenizer, cache = sys.argv[1:4]
-tok = AutoTokenizer.from_pretrained(tokenizer)
-ds = load_dataset("text", data_files=corpus, split="train", cache_dir=cache)
-def encode(batch):
-    return tok(batch["text"])
-out = ds.map(encode, batched=True, num_proc=2, remove_columns=["text"])
-print(sum(len(x) for x in out["input_ids"]))
+if __name__ == "__main__":
+    multiprocess.set_start_method("spawn", force=True)
+    datasets.disable_progress_bars()
+    corpus, tokenizer, cache = sys.argv[1:4]
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    ds = load_dataset("text", data_files=corpus, split="train", cache_dir=cache)
+    out = ds.map(lambda batch, tok: tok(batch["text"]), batched=True, num_proc=2, remove_columns=["text"],
+                 fn_kwargs={"tok": tok})
+    print(sum(len(x) for x in out["input_ids"]))
 """
 
 
@@ -204,8 +209,7 @@ def run_tokenize(mb: int, folder: Path, out: str | None) -> None:
             runs[name]["tokens"] = json.loads((shard / "meta.json").read_text())["tokens"]
             shutil.rmtree(cache)
             print(name, json.dumps(runs[name]), file=sys.stderr, flush=True)
-        # TOKENIZERS_PARALLELISM=false, as the tokenizers library asks of forked workers: without it the map's
-        # workers hung here (a lock held at fork), and a user of num_proc sets it for that reason
+        # TOKENIZERS_PARALLELISM=false: one thread per worker, as ours with 2 processes
         runs["hf_datasets_map_2proc"] = measured([sys.executable, "-c", HF_MAP, str(corpus), str(tok),
                                                   str(folder / "hf-cache")], TOKENIZERS_PARALLELISM="false")
         runs["hf_datasets_map_2proc"]["tokens"] = int(runs["hf_datasets_map_2proc"].pop("stdout_tail").split()[-1])
