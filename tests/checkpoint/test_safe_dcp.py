@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pathlib
 import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -67,6 +69,29 @@ def test_sharded_optimizer_round_trips(tmp_path: Path) -> None:
     for i in theirs["state"]:
         assert mine["state"][i]["exp_avg"].equal(theirs["state"][i]["exp_avg"])
         assert mine["state"][i]["exp_avg_sq"].equal(theirs["state"][i]["exp_avg_sq"])
+
+
+def test_the_optimizer_files_are_not_hashed_again_after_the_resume_verified_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kubetrain.checkpoint import read
+
+    ckpt = _sharded_checkpoint(tmp_path)
+    old = time.time() - 60  # as a later start finds them: old enough for their mtimes to be trusted
+    for f in ckpt.path.rglob("*"):
+        os.utime(f, (old, old))
+    hashed: list[str] = []
+    digest = read.file_digest
+
+    def spy(path: Path) -> str:
+        hashed.append(path.name)
+        return digest(path)
+
+    monkeypatch.setattr(read, "file_digest", spy)
+    assert checkpoint.find_resumable(tmp_path) is not None
+    assert sorted(hashed) == sorted(Path(f).name for f in ckpt.meta["files"])
+    checkpoint.load_optimizer(*_model_and_optimizer(0), ckpt.path)
+    assert len(hashed) == len(ckpt.meta["files"])  # once, by the resume: not a second time by the load
 
 
 def test_forged_metadata_cannot_run_code(tmp_path: Path) -> None:
