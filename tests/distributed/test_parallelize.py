@@ -3,6 +3,7 @@ weights one process builds (gathered and compared bitwise on this machine), at 2
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +45,38 @@ def _sharded_builds(rank: int, world: int, store: str, out: str, models: dict[st
             full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             results[key] = {"state": full, "rng": rng, "rows": rows,
                             "dtypes": sorted({str(p.dtype) for p in model.parameters()})}
+        results["accumulation"] = _sharded_gradients_between_micro_batches(rank, world, Path(out).parent)
         if rank == 0:
             torch.save(results, out)
     finally:
         td.destroy_process_group()
+
+
+def _sharded_gradients_between_micro_batches(rank: int, world: int, root: Path) -> bool:
+    """One Trainer step of 2 micro-batches under FSDP (bf16 compute): when the second starts, does every weight
+    hold a sharded gradient already (reduce-scattered), rather than FSDP keeping the unsharded ones?"""
+    from torch.distributed.tensor import DTensor
+
+    from kubetrain.config.loading import validate
+    from kubetrain.train.trainer import RunOptions, Trainer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    cfg = validate({"run": {"name": "accum", "output_dir": str(root / "runs"), "threads": 1},
+                    "data": {"cache_dir": str(root / "cache")},
+                    "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16},
+                    "train": {"max_steps": 1, "micro_batch_size": 2, "grad_accum_steps": 2, "precision": "bf16"},
+                    "dist": {"strategy": "fsdp"}, "track": {"console": False}})
+    trainer = Trainer(cfg, RunOptions(argv=[]), log=lambda m: None)
+    trainer.setup()
+    trainer.open()
+    seen: list[bool] = []
+
+    def before_forward(module: torch.nn.Module, args: Any) -> None:
+        seen.append(all(isinstance(p.grad, DTensor) for p in module.parameters()))
+
+    trainer.model.register_forward_pre_hook(before_forward, prepend=True)  # before FSDP gathers the root
+    trainer.train_step()
+    return seen == [False, True]  # before the first micro-batch no gradient exists yet
 
 
 GPT_CFG = {"n_layer": GPT_SHAPE.n_layer, "n_head": GPT_SHAPE.n_head, "n_embd": GPT_SHAPE.n_embd,
@@ -56,7 +85,8 @@ GPT_CFG = {"n_layer": GPT_SHAPE.n_layer, "n_head": GPT_SHAPE.n_head, "n_embd": G
 
 @pytest.mark.slow
 def test_sharded_builds_hold_the_single_process_weights(tmp_path: Path) -> None:
-    """3 ranks (weights of 320 and 40 rows: uneven shards): our GPT's init, and a tiny Llama loaded in bf16."""
+    """3 ranks (weights of 320 and 40 rows: uneven shards): our GPT's init, a tiny Llama loaded in bf16, and a
+    Trainer step accumulating 2 micro-batches under FSDP."""
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
@@ -76,6 +106,8 @@ def test_sharded_builds_hold_the_single_process_weights(tmp_path: Path) -> None:
     assert torch.equal(got["gpt"]["rng"], torch.get_rng_state())  # dropout and sampling go on from the same stream
     assert got["gpt"]["dtypes"] == ["torch.float32"]  # bf16 compute, fp32 weights: the MixedPrecisionPolicy
     assert sum(got["gpt"]["rows"]) < sum(p.shape[0] for p in single.parameters())  # rank 0 holds a part
+
+    assert got["accumulation"]  # gradient accumulation keeps only sharded gradients between micro-batches
 
     hf = AutoModelForCausalLM.from_pretrained(str(llama), dtype=torch.bfloat16).state_dict()
     assert got["hf"]["dtypes"] == ["torch.bfloat16"]  # loaded in the configured dtype, no fp32 copy
