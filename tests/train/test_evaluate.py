@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kubetrain.config.schema import DistConfig, ModelConfig
 from kubetrain.data.loader import IGNORE_INDEX, TokenWindows
-from kubetrain.data.shards import MASK_FILE, TOKENS_FILE, Prepared
+from kubetrain.data.shards import Prepared
 from kubetrain.distributed.env import ProcessEnv
 from kubetrain.distributed.setup import wrap
 from kubetrain.models import build_model
@@ -58,20 +58,24 @@ def test_every_rank_runs_the_same_forwards_and_all_windows_are_counted_once(
     assert real == list(range(min(n_windows, batch * n_batches)))
 
 
+PART = "parts/00000"  # one part of the shard index holds the windows
+
+
 def _write_windows(root: Path) -> None:
     """For each case, n validation windows of random tokens, with a loss mask so windows count unequal tokens."""
     for n_windows, _, _ in CASES:
         folder = root / str(n_windows)
-        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "parts").mkdir(parents=True, exist_ok=True)
         n = n_windows * BLOCK + 1
         rng = np.random.default_rng(n_windows)
-        rng.integers(0, VOCAB, n, dtype=np.uint16).tofile(folder / TOKENS_FILE)
-        (rng.random(n) < 0.6).astype(np.uint8).tofile(folder / MASK_FILE)
+        rng.integers(0, VOCAB, n, dtype=np.uint16).tofile(folder / f"{PART}.bin")
+        (rng.random(n) < 0.6).astype(np.uint8).tofile(folder / f"{PART}.mask")
 
 
 def _windows(folder: Path, n_windows: int) -> TokenWindows:
     n = n_windows * BLOCK + 1
-    meta = {"dtype": "uint16", "tokens": n, "train_tokens": 0, "val_tokens": n, "masked": True}
+    meta = {"dtype": "uint16", "tokens": n, "train_tokens": 0, "val_tokens": n, "masked": True,
+            "parts": [{"part": PART, "tokens": n}]}
     return TokenWindows(Prepared(folder, meta), "val", BLOCK)
 
 
