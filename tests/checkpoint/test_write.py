@@ -149,7 +149,7 @@ def test_a_failed_background_save_is_raised_in_the_caller_and_keeps_the_previous
     (tmp_path / "step-000002.tmp").write_text("in the way")  # a file where the save needs its folder
     saver.save(tmp_path, 2, tiny_state(2), trainer, {}, keep_last=5)
     saver.wait()
-    with pytest.raises(CheckpointError, match=r"could not save checkpoint step-000002.*previous checkpoint is intact"):
+    with pytest.raises(CheckpointError, match=r"save checkpoint step-000002.*previous checkpoint step-000001 is"):
         saver.collect()
     assert checkpoint.pointer(tmp_path, "latest") == "step-000001"
     assert saver.collect() == []  # raised once
