@@ -105,3 +105,26 @@ def test_peak_memory_does_not_grow_with_the_file(tmp_path: Path) -> None:
     small, big = peak_kib(tmp_path, 8), peak_kib(tmp_path, 64)
     # Whole-file encoding held the text and its ids (~10 bytes a token): +500 MB for 56 MB more text.
     assert big < small * 1.25 + 20_000, (small, big)
+
+
+def test_a_process_waiting_for_the_tokenizer_sees_the_data_finished_elsewhere(tmp_path: Path) -> None:
+    # Another process holds the tokenizer, then finishes everything and moves the folder into place while this
+    # one waits (seen in a two-pod job: the waiting rank looked for the tokenizer in the moved folder forever).
+    import shutil
+    import threading
+
+    cfg = config(tmp_path, "cache", "data.tokenizer.kind=byte")
+    reference = prepare(config(tmp_path, "reference", "data.tokenizer.kind=byte"))
+    key = data_key(cfg)
+    work = tmp_path / "cache" / f".{key}.partial"
+    (work / "claims").mkdir(parents=True)
+    (work / "claims" / "tokenizer").write_text("otherhost:1")  # alive: its owner is at work
+    got: list[np.ndarray] = []
+    waiting = threading.Thread(target=lambda: got.append(np.asarray(prepare(cfg).tokens()[:])), daemon=True)
+    waiting.start()
+    time.sleep(1.0)
+    shutil.copytree(reference.folder, tmp_path / "cache" / ".copy")
+    os.rename(tmp_path / "cache" / ".copy", tmp_path / "cache" / key)
+    shutil.rmtree(work)
+    waiting.join(timeout=60)
+    assert not waiting.is_alive() and np.array_equal(got[0], np.asarray(reference.tokens()[:]))

@@ -196,7 +196,7 @@ def _build(cfg: Config, key: str, folder: Path, log: Log | None, first: int) -> 
         return Prepared(folder, json.loads(meta_file.read_text()))
     claims = Claims(work / "claims")
     try:
-        tok, info = _shared_tokenizer(cfg, work, claims, log)
+        tok, info = _shared_tokenizer(cfg, work, meta_file, claims, log)
         parts = plan(cfg)
         tasks = {f"part-{p.index:05d}": p for p in parts}
         dtype = np.dtype(np.uint16 if info["vocab_size"] <= 65535 else np.uint32)
@@ -226,7 +226,8 @@ def _build(cfg: Config, key: str, folder: Path, log: Log | None, first: int) -> 
     return Prepared(folder, json.loads(meta_file.read_text()))
 
 
-def _shared_tokenizer(cfg: Config, work: Path, claims: Claims, log: Log | None) -> tuple[Tokenizer, dict[str, Any]]:
+def _shared_tokenizer(cfg: Config, work: Path, meta_file: Path, claims: Claims,
+                      log: Log | None) -> tuple[Tokenizer, dict[str, Any]]:
     """The tokenizer, built (a BPE trained) by one process and saved for the others; what it is."""
     saved = work / "tokenizer"
 
@@ -248,10 +249,12 @@ def _shared_tokenizer(cfg: Config, work: Path, claims: Claims, log: Log | None) 
             if not (saved / TOKENIZER_INFO).is_file():
                 raise
 
-    def done() -> set[str]:
-        return {"tokenizer"} if (saved / TOKENIZER_INFO).is_file() else set()
+    def done() -> set[str]:  # saved here, or everything finished and moved into place meanwhile
+        return {"tokenizer"} if (saved / TOKENIZER_INFO).is_file() or meta_file.is_file() else set()
 
     share(["tokenizer"], done, lambda _: bool(done()), build, claims, log, "tokenizer")
+    if not (saved / TOKENIZER_INFO).is_file():
+        saved = meta_file.parent / "tokenizer"
     return load_saved_tokenizer(saved), json.loads((saved / TOKENIZER_INFO).read_text())
 
 
