@@ -82,7 +82,8 @@ def test_gauges_carry_values_and_labels(tmp_path: Path) -> None:
     try:
         sink.heartbeat(41)
         sink.log({"kind": "train", "step": 41, "loss": 2.5, "lr": 1e-4, "tokens": 4096,
-                  "tokens_per_second": 900.0, "mfu": 0.31, "memory_gib": 1.5, "eta_seconds": 12.0})
+                  "tokens_per_second": 900.0, "mfu": 0.31, "memory_gib": 1.5, "eta_seconds": 12.0,
+                  "upload_failures": 2})
         sink.log({"kind": "eval", "step": 41, "val_loss": 2.75, "val_ppl": 15.6, "tokens": 4096})
         sink.log({"kind": "checkpoint", "step": 41, "path": "x/step-000041", "best": True})
         m = scrape(sink.port)
@@ -94,7 +95,7 @@ def test_gauges_carry_values_and_labels(tmp_path: Path) -> None:
         "kubetrain_train_loss": 2.5, "kubetrain_learning_rate": 1e-4, "kubetrain_tokens_seen": 4096,
         "kubetrain_tokens_per_second": 900.0, "kubetrain_mfu": 0.31, "kubetrain_memory_bytes": 1.5 * 2**30,
         "kubetrain_eta_seconds": 12.0, "kubetrain_val_loss": 2.75, "kubetrain_val_perplexity": 15.6,
-        "kubetrain_last_checkpoint_step": 41,
+        "kubetrain_last_checkpoint_step": 41, "kubetrain_checkpoint_upload_failures": 2,
     }
     for name, value in expected.items():
         assert m[name] == {labels: pytest.approx(value)}, name

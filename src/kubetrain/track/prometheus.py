@@ -42,6 +42,7 @@ GAUGES = {
     "kubetrain_starts": "Times this run was started; above 1 the run resumed (pod restart, preemption).",
     "kubetrain_world_size": "Training processes.",
     "kubetrain_heartbeat_timestamp_seconds": "Unix time the last training step finished.",
+    "kubetrain_checkpoint_upload_failures": "Checkpoints of this run whose upload to checkpoint.uri failed so far.",
 }
 
 # name -> help; labelled with the rank as well (distributed runs, filled at log steps)
@@ -134,6 +135,7 @@ class PrometheusSink(Sink):
             self._set("kubetrain_memory_bytes", None if gib is None else gib * 2**30)
             self._set("kubetrain_eta_seconds", record.get("eta_seconds"))
             self._set_ranks(record.get("rank_compute_seconds"))
+            self._set("kubetrain_checkpoint_upload_failures", record.get("upload_failures"))
         elif kind == "eval":
             self._set("kubetrain_val_loss", record.get("val_loss"))
             self._set("kubetrain_val_perplexity", record.get("val_ppl"))

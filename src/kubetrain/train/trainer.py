@@ -451,6 +451,7 @@ class Trainer:
             **({"skipped_steps": state.skipped_steps, "loss_scale": self.scaler.get_scale()}
                if self.scaler.is_enabled() else {}),
             **(stragglers.record() if stragglers else {}),
+            **({"upload_failures": len(self.uploader.failed)} if self.uploader else {}),
         })
 
     def count_skipped_steps(self) -> None:

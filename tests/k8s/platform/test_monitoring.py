@@ -13,7 +13,6 @@ import yaml
 
 from kubetrain.k8s.platform.config import AlertsConfig, PlatformConfig
 from kubetrain.k8s.platform.monitoring import (
-    ASSUMED_METRICS,
     DASHBOARD_FILE,
     RANK0_LABELS,
     RANK0_REGEX,
@@ -42,7 +41,8 @@ HUNG = ("No training step for 15 minutes",
         "Rank 0 of ml/gpt (phase none) finished no step for 18m 0s: a hung collective or data loader. The liveness "
         "probe restarts the pod once /healthz goes stale; `kubetrain k8s logs` and <run>/incidents/ have the stacks.")
 STRAGGLER = ("A rank is more than 1.5x slower than the median",
-             "Rank 3 of ml/gpt (phase none) takes 2s per step, more than 1.5x the median rank: a slow node, a "
+             "Rank 3 of ml/gpt (phase none) spends 2s in data wait + forward per logging window, more than 1.5x "
+             "the median rank: a slow node, a "
              "throttled GPU or a noisy neighbour holds every rank back.")
 
 
@@ -102,7 +102,7 @@ ALERT_TESTS: dict[str, dict[str, Any]] = {
     },
     # four ranks: 1.0, 1.0, 1.4 and 2.0 s/step; the median is 1.2, so 2.0 straggles (> 1.8) and 1.4 does not
     "KubetrainStraggler": {
-        "input_series": [series("kubetrain_rank_step_seconds", f"{v}x30", rank=str(r))
+        "input_series": [series("kubetrain_rank_compute_seconds", f"{v}x30", rank=str(r))
                          for r, v in enumerate([1.0, 1.0, 1.4, 2.0])],
         "alert_rule_test": [{"eval_time": "5m", "alertname": "KubetrainStraggler", "exp_alerts": []},
                             {"eval_time": "15m", "alertname": "KubetrainStraggler",
@@ -170,7 +170,7 @@ def test_a_wrong_expectation_fails(promtool: str, tmp_path: Path) -> None:
 
 def test_rules_use_what_the_exporter_serves(exported: set[str]) -> None:  # noqa: F811
     used = {m for g in rule_groups(AlertsConfig()) for r in g["rules"] for m in metric_names(r["expr"])}
-    assert used - exported == set(ASSUMED_METRICS), "a rule names a metric nobody serves"
+    assert used <= exported, f"a rule names a metric nobody serves: {used - exported}"
 
 
 def test_objects_validate_strictly(monitoring_schemas: dict[tuple[str, str], dict[str, Any]]) -> None:

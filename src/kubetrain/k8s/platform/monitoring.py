@@ -2,8 +2,8 @@
 
 The PodMonitor scrapes only node rank 0 (the only pod whose exporter listens): every workload marks it with
 a label of its controller, kept by one relabeling (RANK0_LABELS, RANK0_REGEX). The alerts are written against
-what rank 0's exporter serves (track/prometheus.py), and two gauges it does not serve yet (ASSUMED_METRICS:
-until it does, those two alerts stay silent); `promtool test rules` fires each alert on a synthetic series.
+what rank 0's exporter serves (track/prometheus.py; a test checks that every name a rule reads is served);
+`promtool test rules` fires each alert on a synthetic series.
 """
 
 from __future__ import annotations
@@ -27,13 +27,6 @@ RANK0_LABELS = [
     "__meta_kubernetes_pod_label_training_kubeflow_org_replica_type",
 ]
 RANK0_REGEX = "0;;|;0;|;;(?i:master)"  # Prometheus anchors it; joined with the default separator ';'
-# Gauges the rules use that rank 0's exporter does not serve yet: name -> what it must hold.
-ASSUMED_METRICS = {
-    "kubetrain_rank_step_seconds": "seconds per step of each rank over the last logging window, label `rank` "
-    "(the per-rank straggler gauge of issue 17)",
-    "kubetrain_checkpoint_upload_failures": "checkpoints of this process whose upload to checkpoint.uri failed "
-    "(the uploader counts them in checkpoint/remote.py's Uploader.failed; no gauge carries it yet)",
-}
 
 
 def _meta(cfg: PlatformConfig, name: str, labels: dict[str, str] | None = None,
@@ -82,11 +75,12 @@ def rule_groups(alerts: AlertsConfig) -> list[dict[str, Any]]:
                "data loader. The liveness probe restarts the pod once /healthz goes stale; `kubetrain k8s logs` "
                "and <run>/incidents/ have the stacks.", sev),
         _alert("KubetrainStraggler",
-               f"kubetrain_rank_step_seconds > ignoring (rank) group_left () "
-               f"({a.straggler_ratio:g} * quantile without (rank) (0.5, kubetrain_rank_step_seconds))",
+               f"kubetrain_rank_compute_seconds > ignoring (rank) group_left () "
+               f"({a.straggler_ratio:g} * quantile without (rank) (0.5, kubetrain_rank_compute_seconds))",
                f"{a.straggler_minutes}m",
                f"A rank is more than {a.straggler_ratio:g}x slower than the median",
-               f"Rank {{{{ $labels.rank }}}} of {run} takes {{{{ $value | humanize }}}}s per step, more than "
+               f"Rank {{{{ $labels.rank }}}} of {run} spends {{{{ $value | humanize }}}}s in data wait + forward "
+               f"per logging window, more than "
                f"{a.straggler_ratio:g}x the median rank: a slow node, a throttled GPU or a noisy neighbour holds "
                "every rank back.", sev),
         _alert("KubetrainRestarted",
