@@ -15,7 +15,7 @@ import pytest
 from kubetrain.launch.watch import Beat, HangWatch, describe_exit, process_state
 from kubetrain.runs.incidents import read_all
 from kubetrain.train.heartbeat import HEARTBEAT_DIR_ENV, Heartbeat, beat_file
-from tests.train.conftest import STARTED, kubetrain, sets, start, wait_until
+from tests.train.conftest import STARTED, children, kubetrain, sets, start, wait_until
 
 # A worker stand-in: the real Heartbeat (faulthandler on SIGUSR1), one beat, then a wait in a named function.
 WORKER = """
@@ -111,19 +111,6 @@ def test_no_heartbeat_without_a_launcher(monkeypatch: pytest.MonkeyPatch) -> Non
     assert Heartbeat.from_env(0) is None
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.slow
 def test_a_stopped_worker_is_detected_dumped_restarted_and_the_run_completes(tmp_path: Path) -> None:
     proc = start("train", *sets("run.name=hang", "train.max_steps=40", "checkpoint.every_steps=5",
@@ -131,7 +118,7 @@ def test_a_stopped_worker_is_detected_dumped_restarted_and_the_run_completes(tmp
                  "--nproc", "3", "--max-restarts", "1", cwd=tmp_path)
     run = tmp_path / "runs" / "hang"
     wait_until((run / "checkpoints" / "latest").exists, proc)
-    workers = _children(proc.pid)
+    workers = children(proc.pid)
     assert len(workers) == 3
     os.kill(max(workers), signal.SIGSTOP)
     out, err = proc.communicate(timeout=300)
@@ -153,7 +140,7 @@ def test_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
     proc = start("train", *sets("run.name=orphan", "train.max_steps=100000", "checkpoint.every_steps=100000"),
                  "--nproc", "2", cwd=tmp_path)
     wait_until(lambda: (tmp_path / "runs" / "orphan" / "metrics.jsonl").exists(), proc)
-    workers = _children(proc.pid)
+    workers = children(proc.pid)
     assert len(workers) == 2
     proc.kill()
     proc.communicate()

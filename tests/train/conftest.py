@@ -75,7 +75,8 @@ def lines_in(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The pids of a process's children (read from /proc)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -90,7 +91,7 @@ def _children(pid: int) -> list[int]:
 
 def kill_tree(pid: int) -> None:
     """Kill a process and all its descendants (torchrun starts workers in sessions of their own)."""
-    for child in _children(pid):
+    for child in children(pid):
         kill_tree(child)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)

@@ -16,7 +16,7 @@ from torch import nn
 
 from kubetrain.errors import EXIT_STOPPED_RESUMABLE
 from kubetrain.train.straggler import ComputeTimer, Stragglers
-from tests.train.conftest import lines_in, sets, start, wait_until
+from tests.train.conftest import children, lines_in, sets, start, wait_until
 
 
 def test_the_slowest_rank_is_compared_with_the_median_rank() -> None:
@@ -47,17 +47,6 @@ def _rank_of(pid: int) -> int:
     return int(next(v for v in env if v.startswith(b"RANK=")).split(b"=", 1)[1])
 
 
-def _children(pid: int) -> list[int]:
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == pid]
-
-
-def _ppid(entry: Path) -> int:
-    try:
-        return int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return -1
-
-
 @pytest.mark.slow
 def test_a_worker_stopped_and_continued_in_a_loop_is_named_the_slowest_rank(tmp_path: Path) -> None:
     proc = start("train", *sets("run.name=slow", "train.max_steps=100000", "checkpoint.every_steps=100000",
@@ -65,7 +54,7 @@ def test_a_worker_stopped_and_continued_in_a_loop_is_named_the_slowest_rank(tmp_
                  "--nproc", "3", cwd=tmp_path)
     metrics = tmp_path / "runs" / "slow" / "metrics.jsonl"
     wait_until(lambda: lines_in(metrics) >= 2, proc)
-    target = next(pid for pid in _children(proc.pid) if _rank_of(pid) == 1)
+    target = next(pid for pid in children(proc.pid) if _rank_of(pid) == 1)
     done = threading.Event()
 
     def stop_and_continue() -> None:

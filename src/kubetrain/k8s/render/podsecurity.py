@@ -31,12 +31,7 @@ def restricted_violations(spec: dict[str, Any]) -> list[str]:
     """Every rule of the restricted profile that this PodSpec breaks (empty: it is admitted)."""
     out: list[str] = []
     pod_sc = spec.get("securityContext") or {}
-    for key in ("hostNetwork", "hostPID", "hostIPC"):
-        if spec.get(key):
-            out.append(f"{key} is true")
-    for sysctl in pod_sc.get("sysctls") or []:
-        if sysctl.get("name") not in SAFE_SYSCTLS:
-            out.append(f"sysctl {sysctl.get('name')} is not in the safe set")
+    out.extend(_host_violations(spec, pod_sc))
     for vol in spec.get("volumes") or []:
         bad = set(vol) - {"name"} - RESTRICTED_VOLUME_TYPES
         if bad:
@@ -71,6 +66,15 @@ def restricted_violations(spec: dict[str, Any]) -> list[str]:
     return out
 
 
+def _host_violations(spec: dict[str, Any], pod_sc: dict[str, Any]) -> list[str]:
+    """Rules of both profiles: no host namespaces, only the safe sysctls."""
+    out = [f"{key} is true" for key in ("hostNetwork", "hostPID", "hostIPC") if spec.get(key)]
+    for sysctl in pod_sc.get("sysctls") or []:
+        if sysctl.get("name") not in SAFE_SYSCTLS:
+            out.append(f"sysctl {sysctl.get('name')} is not in the safe set")
+    return out
+
+
 def _context_violations(where: str, sc: dict[str, Any]) -> list[str]:
     """Rules that apply alike to the pod's and to each container's security context."""
     out = []
@@ -99,12 +103,7 @@ def baseline_violations(spec: dict[str, Any]) -> list[str]:
     """Every rule of the baseline profile that this PodSpec breaks (empty: a 'baseline' namespace admits it)."""
     out: list[str] = []
     pod_sc = spec.get("securityContext") or {}
-    for key in ("hostNetwork", "hostPID", "hostIPC"):
-        if spec.get(key):
-            out.append(f"{key} is true")
-    for sysctl in pod_sc.get("sysctls") or []:
-        if sysctl.get("name") not in SAFE_SYSCTLS:
-            out.append(f"sysctl {sysctl.get('name')} is not in the safe set")
+    out.extend(_host_violations(spec, pod_sc))
     for vol in spec.get("volumes") or []:
         if "hostPath" in vol:
             out.append(f"volume {vol.get('name')} is a hostPath")
