@@ -311,12 +311,20 @@ def out_of_memory_advice(cfg: Config, device_type: str, where: str, world_size: 
 class MemoryPeak:
     """The peak memory of this process since the last reading (each log line shows its own window's peak).
 
-    CUDA: the allocator's peak, then reset_peak_memory_stats. CPU (Linux): the resident high-water mark VmHWM,
-    then reset by writing 5 to /proc/self/clear_refs; elsewhere the process's max RSS since it started.
+    CUDA: the allocator's peak, then reset_peak_memory_stats. CPU (Linux): the largest resident set seen by
+    `sample()` (once per step) or at the reading, from /proc/self/statm. Not by resetting the kernel's high-water
+    mark (writing 5 to /proc/self/clear_refs): that would also erase the peak that getrusage, `time -f %M`, the
+    benchmarks and the tests read from outside. Elsewhere: the process's max RSS since it started.
     """
 
     def __init__(self, device: torch.device, proc: Path = Path("/proc/self")) -> None:
         self.device, self.proc = device, proc
+        self.window_peak = 0  # bytes, CPU
+
+    def sample(self) -> None:
+        """CPU: note the resident memory now (one small read); CUDA keeps its own peak."""
+        if self.device.type != "cuda":
+            self.window_peak = max(self.window_peak, self._rss() or 0)
 
     def read_and_reset(self) -> float:
         """GiB at the peak since the previous call (or the start)."""
@@ -324,19 +332,17 @@ class MemoryPeak:
             peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return peak / 2**30
-        hwm = self._vm_hwm()
-        if hwm is None:
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            return rss / 2**30 if sys.platform == "darwin" else rss / 2**20
-        with contextlib.suppress(OSError):
-            (self.proc / "clear_refs").write_text("5")
-        return hwm / 2**30
+        rss = self._rss()
+        if rss is None:
+            maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            return maxrss / 2**30 if sys.platform == "darwin" else maxrss / 2**20
+        peak, self.window_peak = max(self.window_peak, rss), 0
+        return peak / 2**30
 
-    def _vm_hwm(self) -> int | None:
+    def _rss(self) -> int | None:
         try:
-            status = (self.proc / "status").read_text()
-        except OSError:
+            pages = int((self.proc / "statm").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
             return None
-        found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
-        return int(found.group(1)) * 1024 if found else None
+        return pages * os.sysconf("SC_PAGE_SIZE")
 

@@ -419,6 +419,7 @@ class Trainer:
             scaler.update()
         else:
             optimizer.step()
+        self.memory_peak.sample()  # CPU: resident memory with gradients and optimizer state in place
         optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.tokens += self.tokens_per_step
