@@ -30,6 +30,7 @@ NamespaceOpt = Annotated[
     typer.Option("--namespace", "-n", help="Namespace (default: k8s.namespace, else the context's)."),
 ]
 NoValidateOpt = Annotated[bool, typer.Option("--no-validate", help="Skip the offline schema validation.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Have the API server validate everything; store nothing.")]
 CrdsOpt = Annotated[
     Path | None,
     typer.Option("--crds", help="Folder of CRD *.yaml files to check custom resources against offline "
@@ -68,6 +69,18 @@ def _validate(objects: list[dict[str, Any]], schemas: Any) -> None:
                    f"{validate.CRD_DIR_ENV}; launch checks against the cluster's CRD)", err=True)
 
 
+def _print_or_write(objects: list[dict[str, Any]], output: Path | None) -> None:
+    """YAML on stdout, or one file per object plus a kustomization.yaml in `output` (their paths printed)."""
+    from kubetrain.k8s.platform.gitops import write_tree
+    from kubetrain.k8s.render.manifest import to_yaml
+
+    if output is None:
+        typer.echo(to_yaml(objects), nl=False)
+        return
+    for path in write_tree(objects, output):
+        typer.echo(str(path))
+
+
 def _cluster(kubeconfig: Path | None, context: str | None) -> Any:
     from kubetrain.k8s.cluster.api import connect
 
@@ -87,18 +100,12 @@ def render(
     crds: CrdsOpt = None,
 ) -> None:
     """Print the job's Kubernetes objects as YAML, validated strictly against their schemas."""
-    from kubetrain.k8s.platform.gitops import write_tree
-    from kubetrain.k8s.render.manifest import to_yaml
     from kubetrain.k8s.render.validate import offline_schemas
 
     objects = _rendered(config, preset, set_, workload, namespace)
     if not no_validate:
         _validate(objects, offline_schemas(crds))
-    if output is None:
-        typer.echo(to_yaml(objects), nl=False)
-        return
-    for path in write_tree(objects, output):
-        typer.echo(str(path))
+    _print_or_write(objects, output)
 
 
 @app.command()
@@ -111,8 +118,7 @@ def launch(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
     crds: CrdsOpt = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Have the API server validate everything; "
-                                          "store nothing.")] = False,
+    dry_run: DryRunOpt = False,
 ) -> None:
     """Apply the job's objects, after the API server accepted all of them in a dry run.
 
@@ -392,21 +398,15 @@ def platform_render(
 ) -> None:
     """Print the platform's objects as YAML, validated strictly (PodMonitor and PrometheusRule with --crds)."""
     from kubetrain.k8s.platform.config import load_platform
-    from kubetrain.k8s.platform.gitops import write_tree
     from kubetrain.k8s.platform.render import render_platform
     from kubetrain.k8s.platform.tracking import tracking_uri
-    from kubetrain.k8s.render.manifest import to_yaml
     from kubetrain.k8s.render.validate import offline_schemas
 
     cfg = load_platform(config, namespace)
     objects = render_platform(cfg)
     if not no_validate:
         _validate(objects, offline_schemas(crds))
-    if output is None:
-        typer.echo(to_yaml(objects), nl=False)
-    else:
-        for path in write_tree(objects, output):
-            typer.echo(str(path))
+    _print_or_write(objects, output)
     if cfg.mlflow.enabled:
         typer.echo(f"jobs log to it with track.mlflow.tracking_uri: {tracking_uri(cfg)}", err=True)
 
@@ -418,8 +418,7 @@ def platform_apply(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
     crds: CrdsOpt = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Have the API server validate everything; "
-                                          "store nothing.")] = False,
+    dry_run: DryRunOpt = False,
 ) -> None:
     """Apply the platform's objects, after the API server accepted all of them in a dry run.
 
