@@ -17,7 +17,7 @@ import pytest
 
 from kubetrain.errors import EXIT_BAD_INPUT, EXIT_STOPPED_RESUMABLE, UserInputError
 from kubetrain.runs.lock import JOB_ENV, LOCK_FILE, STALE_AFTER_SECONDS, Holder, hold, read_holder, this_process
-from tests.train.conftest import _children, kubetrain, sets, start, wait_until
+from tests.train.conftest import children, kubetrain, sets, start, wait_until
 
 
 def _write(run: Path, holder: Holder) -> Path:
@@ -129,7 +129,7 @@ def test_a_second_run_on_a_live_run_directory_is_refused_in_one_line(tmp_path: P
 
 def _rank0_worker(launcher: int) -> int | None:
     """The pid of the worker with RANK=0 among the launcher's descendants (torchrun starts them in sessions)."""
-    todo = list(_children(launcher))
+    todo = list(children(launcher))
     while todo:
         pid = todo.pop()
         try:
@@ -138,7 +138,7 @@ def _rank0_worker(launcher: int) -> int | None:
             continue
         if b"RANK=0" in env and b"TORCHELASTIC_RUN_ID" in b" ".join(env):
             return pid
-        todo += _children(pid)
+        todo += children(pid)
     return None
 
 
