@@ -43,6 +43,7 @@ def _register() -> None:
         export_cmd,
         generate_cmd,
         k8s_cmd,
+        platform_cmd,
         runs_cmd,
         train_cmd,
     )
@@ -54,6 +55,7 @@ def _register() -> None:
     doctor_cmd.register(app)
     app.add_typer(config_cmd.app, name="config")
     app.add_typer(runs_cmd.app, name="runs")
+    k8s_cmd.app.add_typer(platform_cmd.app, name="platform")
     app.add_typer(k8s_cmd.app, name="k8s")
 
 

@@ -1,4 +1,4 @@
-"""`kubetrain k8s render|launch|status|logs|stop|list|shell|fetch|doctor|simulate|entrypoint`."""
+"""`kubetrain k8s render|launch|status|logs|stop|list|shell|fetch|backup|doctor|simulate|entrypoint`."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _rendered(config: Path | None, preset: str | None, set_: list[str] | None, w
     return objects
 
 
-def _validate(objects: list[dict[str, Any]], schemas: Any) -> None:
+def validate_objects(objects: list[dict[str, Any]], schemas: Any) -> None:
     """Strict schema validation; one line on stderr for custom resources no CRD schema was given for."""
     from kubetrain.k8s.render import validate
 
@@ -69,7 +69,7 @@ def _validate(objects: list[dict[str, Any]], schemas: Any) -> None:
                    f"{validate.CRD_DIR_ENV}; launch checks against the cluster's CRD)", err=True)
 
 
-def _print_or_write(objects: list[dict[str, Any]], output: Path | None) -> None:
+def print_or_write(objects: list[dict[str, Any]], output: Path | None) -> None:
     """YAML on stdout, or one file per object plus a kustomization.yaml in `output` (their paths printed)."""
     from kubetrain.k8s.platform.gitops import write_tree
     from kubetrain.k8s.render.manifest import to_yaml
@@ -81,7 +81,7 @@ def _print_or_write(objects: list[dict[str, Any]], output: Path | None) -> None:
         typer.echo(str(path))
 
 
-def _cluster(kubeconfig: Path | None, context: str | None) -> Any:
+def cluster_for(kubeconfig: Path | None, context: str | None) -> Any:
     from kubetrain.k8s.cluster.api import connect
 
     return connect(kubeconfig, context)
@@ -104,8 +104,8 @@ def render(
 
     objects = _rendered(config, preset, set_, workload, namespace)
     if not no_validate:
-        _validate(objects, offline_schemas(crds))
-    _print_or_write(objects, output)
+        validate_objects(objects, offline_schemas(crds))
+    print_or_write(objects, output)
 
 
 @app.command()
@@ -129,8 +129,8 @@ def launch(
     from kubetrain.k8s.cluster.launch import launch as apply_job
 
     objects = _rendered(config, preset, set_, workload, namespace)
-    cluster = _cluster(kubeconfig, context)
-    _validate(objects, cr_schemas(cluster, objects, crds))
+    cluster = cluster_for(kubeconfig, context)
+    validate_objects(objects, cr_schemas(cluster, objects, crds))
     applied = apply_job(cluster, objects, dry_run=dry_run, log=typer.echo)
     if applied and not dry_run:
         name = objects[-1]["metadata"]["name"]
@@ -153,7 +153,7 @@ def status(
     """
     from kubetrain.k8s.cluster.status import format_status, job_status
 
-    cluster = _cluster(kubeconfig, context)
+    cluster = cluster_for(kubeconfig, context)
     result = job_status(cluster, name, namespace or cluster.default_namespace)
     typer.echo(json.dumps(result) if json_ else format_status(result))
 
@@ -175,7 +175,7 @@ def logs(
     """
     from kubetrain.k8s.cluster.logs import stream_logs
 
-    cluster = _cluster(kubeconfig, context)
+    cluster = cluster_for(kubeconfig, context)
     stream_logs(cluster, name, namespace or cluster.default_namespace, follow=follow, rank=rank, tail=tail,
                 emit=lambda line: typer.echo(line))
 
@@ -193,7 +193,7 @@ def stop(
     """
     from kubetrain.k8s.cluster.launch import stop as delete_job
 
-    cluster = _cluster(kubeconfig, context)
+    cluster = cluster_for(kubeconfig, context)
     delete_job(cluster, name, namespace or cluster.default_namespace, log=typer.echo)
 
 
@@ -208,7 +208,7 @@ def list_(
     """The jobs kubetrain launched, with their state."""
     from kubetrain.k8s.cluster.status import list_jobs
 
-    cluster = _cluster(kubeconfig, context)
+    cluster = cluster_for(kubeconfig, context)
     jobs = list_jobs(cluster, namespace or cluster.default_namespace, all_namespaces)
     if json_:
         typer.echo(json.dumps(jobs))
@@ -233,7 +233,7 @@ def shell(
 
     from kubetrain.k8s.cluster.status import job_ranks, main_container
 
-    cluster = _cluster(kubeconfig, context)
+    cluster = cluster_for(kubeconfig, context)
     ns = namespace or cluster.default_namespace
     pod = next((r.pod for r in job_ranks(cluster, name, ns) if r.rank == rank), None)
     if pod is None:
@@ -272,7 +272,7 @@ def fetch(
     """
     from kubetrain.k8s.fetch.pods import fetch_job
 
-    cluster = _cluster(kubeconfig, context)
+    cluster = cluster_for(kubeconfig, context)
     ns = namespace or cluster.default_namespace
     given = load(config, None, set_) if config else None
     local, result = fetch_job(cluster, name, ns, output, checkpoints, given, log=typer.echo)
@@ -315,7 +315,7 @@ def doctor(
     overrides = list(set_ or []) + ([f"k8s.namespace={namespace}"] if namespace else [])
     cfg = load(config, preset, overrides)
     failed = False
-    for check in run_checks(_cluster(kubeconfig, context), cfg, _workload(workload)):
+    for check in run_checks(cluster_for(kubeconfig, context), cfg, _workload(workload)):
         typer.echo(f"{check.status:<4}  {check.name}: {check.detail}")  # as found: a slow check holds none back
         failed |= check.status == "fail"
     if failed:
@@ -375,70 +375,6 @@ def entrypoint(
     raise typer.Exit(code)
 
 
-# --- the platform around the jobs (k8s/platform): one per namespace --------------------------------------------
-
-platform_app = typer.Typer(help="The platform around the jobs: MLflow on PostgreSQL, PodMonitor, alert rules and "
-                           "the Grafana dashboard, once per namespace.", no_args_is_help=True)
-app.add_typer(platform_app, name="platform")
-PlatformArg = Annotated[
-    Path | None,
-    typer.Argument(help="Platform config YAML (see deploy/platform/platform.yaml; default: every default).",
-                   show_default=False),
-]
-
-
-@platform_app.command("render")
-def platform_render(
-    config: PlatformArg = None,
-    namespace: NamespaceOpt = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write one file per object and a "
-                                                "kustomization.yaml into this folder instead of printing.")] = None,
-    no_validate: NoValidateOpt = False,
-    crds: CrdsOpt = None,
-) -> None:
-    """Print the platform's objects as YAML, validated strictly (PodMonitor and PrometheusRule with --crds)."""
-    from kubetrain.k8s.platform.config import load_platform
-    from kubetrain.k8s.platform.render import render_platform
-    from kubetrain.k8s.platform.tracking import tracking_uri
-    from kubetrain.k8s.render.validate import offline_schemas
-
-    cfg = load_platform(config, namespace)
-    objects = render_platform(cfg)
-    if not no_validate:
-        _validate(objects, offline_schemas(crds))
-    _print_or_write(objects, output)
-    if cfg.mlflow.enabled:
-        typer.echo(f"jobs log to it with track.mlflow.tracking_uri: {tracking_uri(cfg)}", err=True)
-
-
-@platform_app.command("apply")
-def platform_apply(
-    config: PlatformArg = None,
-    namespace: NamespaceOpt = None,
-    kubeconfig: KubeconfigOpt = None,
-    context: ContextOpt = None,
-    crds: CrdsOpt = None,
-    dry_run: DryRunOpt = False,
-) -> None:
-    """Apply the platform's objects, after the API server accepted all of them in a dry run.
-
-    The database password is never rendered: create the Secret (postgres.secret_name) first.
-    """
-    from kubetrain.k8s.cluster.launch import cr_schemas
-    from kubetrain.k8s.platform.config import load_platform
-    from kubetrain.k8s.platform.render import apply_platform, render_platform, require_operator
-    from kubetrain.k8s.platform.tracking import tracking_uri
-
-    cfg = load_platform(config, namespace)
-    objects = render_platform(cfg)
-    cluster = _cluster(kubeconfig, context)
-    require_operator(cluster, objects)
-    _validate(objects, cr_schemas(cluster, objects, crds))
-    apply_platform(cluster, objects, dry_run=dry_run, log=typer.echo)
-    if cfg.mlflow.enabled and not dry_run:
-        typer.echo(f"jobs log to it with track.mlflow.tracking_uri: {tracking_uri(cfg)}")
-
-
 @app.command()
 def backup(
     name: Annotated[str, typer.Argument(help="Job name.")],
@@ -464,7 +400,7 @@ def backup(
     """
     from kubetrain.k8s.platform.backup import backup_job
 
-    cluster = _cluster(kubeconfig, context)
+    cluster = cluster_for(kubeconfig, context)
     ns = namespace or cluster.default_namespace
     given = load(config, None, set_) if config else None
     result = backup_job(cluster, name, ns, uri, via=via, checkpoints=checkpoints, endpoint_url=endpoint_url,
@@ -479,18 +415,3 @@ def backup(
         typer.echo("checkpoints that failed their checksums (not backed up): " + "; ".join(result.fetched.failed),
                    err=True)
         raise typer.Exit(1)
-
-
-@platform_app.command("explain")
-def platform_explain(
-    key: Annotated[str | None, typer.Argument(help="A key (mlflow.postgres) or nothing for all.")] = None,
-) -> None:
-    """Every key of the platform config with its type, default and meaning (as `config explain` does)."""
-    from kubetrain.config.explain import field_docs
-    from kubetrain.config.explain import render as render_docs
-    from kubetrain.k8s.platform.config import PlatformConfig
-
-    docs = [d for d in field_docs(PlatformConfig) if not key or d.key == key or d.key.startswith(key + ".")]
-    if not docs:
-        raise UserInputError(f"unknown platform config key '{key}'; `kubetrain k8s platform explain` lists them")
-    typer.echo(render_docs(docs))

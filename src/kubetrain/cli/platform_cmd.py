@@ -1,0 +1,96 @@
+"""`kubetrain k8s platform render|apply|explain`: the platform around the jobs (k8s/platform), one per namespace."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kubetrain.cli.k8s_cmd import (
+    ContextOpt,
+    CrdsOpt,
+    DryRunOpt,
+    KubeconfigOpt,
+    NamespaceOpt,
+    NoValidateOpt,
+    cluster_for,
+    print_or_write,
+    validate_objects,
+)
+from kubetrain.errors import UserInputError
+
+app = typer.Typer(help="The platform around the jobs: MLflow on PostgreSQL, PodMonitor, alert rules and "
+                           "the Grafana dashboard, once per namespace.", no_args_is_help=True)
+PlatformArg = Annotated[
+    Path | None,
+    typer.Argument(help="Platform config YAML (see deploy/platform/platform.yaml; default: every default).",
+                   show_default=False),
+]
+
+
+@app.command("render")
+def platform_render(
+    config: PlatformArg = None,
+    namespace: NamespaceOpt = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write one file per object and a "
+                                                "kustomization.yaml into this folder instead of printing.")] = None,
+    no_validate: NoValidateOpt = False,
+    crds: CrdsOpt = None,
+) -> None:
+    """Print the platform's objects as YAML, validated strictly (PodMonitor and PrometheusRule with --crds)."""
+    from kubetrain.k8s.platform.config import load_platform
+    from kubetrain.k8s.platform.render import render_platform
+    from kubetrain.k8s.platform.tracking import tracking_uri
+    from kubetrain.k8s.render.validate import offline_schemas
+
+    cfg = load_platform(config, namespace)
+    objects = render_platform(cfg)
+    if not no_validate:
+        validate_objects(objects, offline_schemas(crds))
+    print_or_write(objects, output)
+    if cfg.mlflow.enabled:
+        typer.echo(f"jobs log to it with track.mlflow.tracking_uri: {tracking_uri(cfg)}", err=True)
+
+
+@app.command("apply")
+def platform_apply(
+    config: PlatformArg = None,
+    namespace: NamespaceOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+    crds: CrdsOpt = None,
+    dry_run: DryRunOpt = False,
+) -> None:
+    """Apply the platform's objects, after the API server accepted all of them in a dry run.
+
+    The database password is never rendered: create the Secret (postgres.secret_name) first.
+    """
+    from kubetrain.k8s.cluster.launch import cr_schemas
+    from kubetrain.k8s.platform.config import load_platform
+    from kubetrain.k8s.platform.render import apply_platform, render_platform, require_operator
+    from kubetrain.k8s.platform.tracking import tracking_uri
+
+    cfg = load_platform(config, namespace)
+    objects = render_platform(cfg)
+    cluster = cluster_for(kubeconfig, context)
+    require_operator(cluster, objects)
+    validate_objects(objects, cr_schemas(cluster, objects, crds))
+    apply_platform(cluster, objects, dry_run=dry_run, log=typer.echo)
+    if cfg.mlflow.enabled and not dry_run:
+        typer.echo(f"jobs log to it with track.mlflow.tracking_uri: {tracking_uri(cfg)}")
+
+
+@app.command("explain")
+def platform_explain(
+    key: Annotated[str | None, typer.Argument(help="A key (mlflow.postgres) or nothing for all.")] = None,
+) -> None:
+    """Every key of the platform config with its type, default and meaning (as `config explain` does)."""
+    from kubetrain.config.explain import field_docs
+    from kubetrain.config.explain import render as render_docs
+    from kubetrain.k8s.platform.config import PlatformConfig
+
+    docs = [d for d in field_docs(PlatformConfig) if not key or d.key == key or d.key.startswith(key + ".")]
+    if not docs:
+        raise UserInputError(f"unknown platform config key '{key}'; `kubetrain k8s platform explain` lists them")
+    typer.echo(render_docs(docs))
