@@ -62,6 +62,21 @@ class PrometheusConfig(_Section):
     )
 
 
+class KubeflowTrainerConfig(_Section):
+    enabled: bool = Field(
+        default=True,
+        description="In a TrainJob whose Kubeflow Trainer has the TrainJobStatus feature gate on (it injects "
+        "KUBEFLOW_TRAINER_SERVER_URL), report progress, ETA and metrics to its status server, shown in the "
+        "TrainJob's status.trainerStatus. Elsewhere it does nothing.",
+    )
+    interval_seconds: float = Field(
+        default=5.0,
+        ge=1.0,
+        description="At most one update per this many seconds (Kubeflow asks clients for 5 s or more); the "
+        "final status is sent when the run ends.",
+    )
+
+
 class TrackConfig(_Section):
     console: bool = Field(default=True, description="Progress on stdout (rich on a terminal).")
     mlflow: MlflowConfig = Field(default_factory=lambda: MlflowConfig(), description="MLflow tracking.")
@@ -70,4 +85,8 @@ class TrackConfig(_Section):
     )
     prometheus: PrometheusConfig = Field(
         default_factory=lambda: PrometheusConfig(), description="Prometheus /metrics and /healthz."
+    )
+    kubeflow_trainer: KubeflowTrainerConfig = Field(
+        default_factory=lambda: KubeflowTrainerConfig(),
+        description="Progress to Kubeflow Trainer's status server (TrainJob status.trainerStatus).",
     )
