@@ -75,6 +75,15 @@ class KubeflowTrainerConfig(_Section):
         description="At most one update per this many seconds (Kubeflow asks clients for 5 s or more); the "
         "final status is sent when the run ends.",
     )
+    controller_namespace: str = Field(
+        default="kubeflow-system",
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="Namespace of the Trainer controller, whose status server a TrainJob's pods may reach when "
+        "k8s.network_policy.egress is on.",
+    )
+    controller_port: int = Field(
+        default=10443, ge=1, le=65535, description="Port of the controller's status server (its default: 10443)."
+    )
 
 
 class TrackConfig(_Section):
