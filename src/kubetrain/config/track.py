@@ -62,6 +62,30 @@ class PrometheusConfig(_Section):
     )
 
 
+class KubeflowTrainerConfig(_Section):
+    enabled: bool = Field(
+        default=True,
+        description="In a TrainJob whose Kubeflow Trainer has the TrainJobStatus feature gate on (it injects "
+        "KUBEFLOW_TRAINER_SERVER_URL), report progress, ETA and metrics to its status server, shown in the "
+        "TrainJob's status.trainerStatus. Elsewhere it does nothing.",
+    )
+    interval_seconds: float = Field(
+        default=5.0,
+        ge=1.0,
+        description="At most one update per this many seconds (Kubeflow asks clients for 5 s or more); the "
+        "final status is sent when the run ends.",
+    )
+    controller_namespace: str = Field(
+        default="kubeflow-system",
+        pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+        description="Namespace of the Trainer controller, whose status server a TrainJob's pods may reach when "
+        "k8s.network_policy.egress is on.",
+    )
+    controller_port: int = Field(
+        default=10443, ge=1, le=65535, description="Port of the controller's status server (its default: 10443)."
+    )
+
+
 class TrackConfig(_Section):
     console: bool = Field(default=True, description="Progress on stdout (rich on a terminal).")
     mlflow: MlflowConfig = Field(default_factory=lambda: MlflowConfig(), description="MLflow tracking.")
@@ -70,4 +94,8 @@ class TrackConfig(_Section):
     )
     prometheus: PrometheusConfig = Field(
         default_factory=lambda: PrometheusConfig(), description="Prometheus /metrics and /healthz."
+    )
+    kubeflow_trainer: KubeflowTrainerConfig = Field(
+        default_factory=lambda: KubeflowTrainerConfig(),
+        description="Progress to Kubeflow Trainer's status server (TrainJob status.trainerStatus).",
     )

@@ -15,8 +15,9 @@ from kubetrain.track.jsonl import JsonlSink
 def build_sinks(
     cfg: Config, run_path: Path, total_steps: int, stream: Any = None, warn: Any = None, prefix: str = ""
 ) -> Fanout:
-    """metrics.jsonl always; MLflow, TensorBoard and Prometheus when switched on; the console last, so that
-    when a line is printed every other sink already holds the record."""
+    """metrics.jsonl always; MLflow, TensorBoard and Prometheus when switched on; Kubeflow Trainer's status
+    server when its controller named one; the console last, so that when a line is printed every other sink
+    already holds the record."""
     sinks: list[Sink] = [JsonlSink(run_path / METRICS_FILE)]
     track = cfg.track
     if track.mlflow.enabled:
@@ -35,6 +36,12 @@ def build_sinks(
 
         prom = track.prometheus
         sinks.append(PrometheusSink(prom.port, prom.host, prom.health_timeout_seconds, stream=stream))
+    if track.kubeflow_trainer.enabled:
+        from kubetrain.track.kubeflow_trainer import KubeflowTrainerSink, StatusServer
+
+        server = StatusServer.from_env()  # only a TrainJob's controller sets it
+        if server is not None:
+            sinks.append(KubeflowTrainerSink(server, track.kubeflow_trainer.interval_seconds, warn=warn, stream=stream))
     if track.console:
         sinks.append(ConsoleSink(total_steps, stream=stream, prefix=prefix))
     return Fanout(sinks, warn=warn)

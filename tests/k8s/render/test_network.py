@@ -86,3 +86,23 @@ def test_an_object_store_outside_the_cluster_needs_its_addresses() -> None:
     listed = policy(*STORE, 'k8s.network_policy.egress_cidrs=["52.216.0.0/15"]')
     assert listed["egress"][-1] == {"to": [{"ipBlock": {"cidr": "52.216.0.0/15"}}]}
     assert len(policy("checkpoint.uri=s3://ckpts/team")) == 3 and "egress" not in policy("checkpoint.uri=s3://a/b")
+
+
+def test_a_trainjob_with_egress_reaches_the_trainer_controllers_status_server() -> None:
+    def egress(*overrides: str) -> list[dict[str, Any]]:
+        objects = render(load_config(None, "tiny", ["k8s.network_policy.egress=true", *overrides]),
+                         workload="trainjob")
+        obj = next(o for o in objects if o["kind"] == "NetworkPolicy")
+        assert validate.problems([obj]) == []
+        return list(obj["spec"]["egress"])
+
+    _own, _dns, controller = egress()
+    trainer_namespace = {"kubernetes.io/metadata.name": "kubeflow-system"}  # where Trainer v2 installs
+    assert controller == {"to": [{"namespaceSelector": {"matchLabels": trainer_namespace}}],
+                          "ports": [{"port": 10443, "protocol": "TCP"}]}
+    moved = egress("track.kubeflow_trainer.controller_namespace=kubeflow",
+                   "track.kubeflow_trainer.controller_port=9444")
+    assert moved[2]["to"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kubeflow"}
+    assert moved[2]["ports"] == [{"port": 9444, "protocol": "TCP"}]
+    assert len(egress("track.kubeflow_trainer.enabled=false")) == 2
+    assert len(policy("k8s.network_policy.egress=true")["egress"]) == 2  # an Indexed Job has no such controller

@@ -1,10 +1,11 @@
 """The job's NetworkPolicy: who may reach its pods, and (with egress on) what its pods may reach.
 
 Ingress: the job's own pods on every port (gloo and NCCL open connections between ranks on ephemeral ports),
-and the metrics port from the monitoring namespace. Egress: the job's own pods, cluster DNS, and the
-endpoints the config names. A NetworkPolicy selects pods, namespaces and address blocks, never host names:
-a service inside the cluster (`svc.ns`, `svc.ns.svc.cluster.local`) becomes its namespace, an IP address its
-block, and a host outside the cluster needs its addresses in k8s.network_policy.egress_cidrs.
+and the metrics port from the monitoring namespace. Egress: the job's own pods, cluster DNS, the endpoints the
+config names, and for a TrainJob the Trainer controller's status server (progress reports). A NetworkPolicy
+selects pods, namespaces and address blocks, never host names: a service inside the cluster (`svc.ns`,
+`svc.ns.svc.cluster.local`) becomes its namespace, an IP address its block, and a host outside the cluster
+needs its addresses in k8s.network_policy.egress_cidrs.
 """
 
 from __future__ import annotations
@@ -88,6 +89,11 @@ def network_policy(ctx: RenderContext) -> dict[str, Any]:
             {"to": [dns], "ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]},
         ]
         egress += [rule for key, uri in _endpoints(ctx) if (rule := _peer(key, uri, ctx)) is not None]
+        status_server = ctx.cfg.track.kubeflow_trainer
+        if ctx.workload == "trainjob" and status_server.enabled:  # progress to Kubeflow Trainer's controller
+            controller = {"kubernetes.io/metadata.name": status_server.controller_namespace}
+            egress.append({"to": [{"namespaceSelector": {"matchLabels": controller}}],
+                           "ports": [{"port": status_server.controller_port, "protocol": "TCP"}]})
         if policy.egress_cidrs:
             egress.append({"to": [{"ipBlock": {"cidr": cidr}} for cidr in policy.egress_cidrs]})
         spec["policyTypes"] = ["Ingress", "Egress"]
