@@ -4,6 +4,7 @@ step run for real where bitsandbytes is installed (`pip install 'kubetrain[qlora
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,8 @@ def test_the_nf4_recipe() -> None:
                                      "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": torch.bfloat16}
 
 
-@pytest.mark.skipif(HAS_BNB, reason="bitsandbytes is installed here")
-def test_without_bitsandbytes_it_is_one_line(llama_dir: Path) -> None:
+def test_without_bitsandbytes_it_is_one_line(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what `import bitsandbytes` meets where it is absent
     cfg = ModelConfig(kind="hf", name_or_path=str(llama_dir), quantize="nf4", lora={"r": 8})  # type: ignore[arg-type]
     needs = r"^model\.quantize nf4 needs bitsandbytes: pip install 'kubetrain\[qlora\]'$"
     with pytest.raises(ConfigError, match=needs):
