@@ -63,3 +63,6 @@ def test_a_save_the_running_job_logged_is_named_with_how_to_follow_it(
     apiserver.logs[pod] = "checkpoint at step 300 written in 12.00s (training blocked 0.20s)\n"  # 38 s: 60 holds
     code, out, _ = doctor(cli, kubeconfig)
     assert grace_line(out).startswith("ok    grace: terminationGracePeriodSeconds 90 s from the default rule")
+    code, out, _ = doctor(cli, kubeconfig, "k8s.grace_period_seconds=60")  # explicit, and shorter than 38 + 30
+    assert grace_line(out).startswith("warn  grace: terminationGracePeriodSeconds 60 s from k8s.grace_period_seconds; "
+                                      "k8s.grace_period_seconds (60) is shorter than the 68 s a save needs")

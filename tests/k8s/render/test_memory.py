@@ -39,7 +39,7 @@ def test_a_cpu_pod_holds_every_process_s_training_state() -> None:
     assert str(refused.value) == (
         f"k8s.resources.memory (24Gi) cannot hold what a pod's processes need: about {2 * both / GIB:.1f} GiB "
         f"(2 x {both / GIB:.1f} GiB of training state on the CPU; `kubetrain doctor CONFIG` shows the estimate); "
-        "raise k8s.resources.memory; fewer processes per pod (k8s.nproc_per_node 2); lower train.micro_batch_size "
+        "raise k8s.resources.memory; run fewer processes per pod (k8s.nproc_per_node 2); lower train.micro_batch_size "
         "(raise train.grad_accum_steps to keep the batch) or model.block_size, or set "
         "model.gradient_checkpointing=true, or set run.check_memory=false to render anyway")
     render(gpt2("k8s.resources.memory=24Gi", "k8s.nproc_per_node=2", "train.micro_batch_size=4"))  # what it says

@@ -18,6 +18,9 @@ from kubetrain.k8s.render.grace import MeasuredSave, too_short
 
 # train/trainer.py (Trainer.saved): "checkpoint at step 400 written in 61.93s (training blocked 0.41s)"
 SAVED_LINE = re.compile(r"\bcheckpoint at step (\d+) written in (\d+(?:\.\d+)?)s\b")
+# Lines of the log read back: a checkpoint line comes every checkpoint.every_steps / train.log_every_steps
+# progress lines (25 to 100 in the examples), so this holds the newest save without reading a week of log.
+LOG_TAIL = 5000
 
 
 def saves_in(lines: Iterable[str], source: str) -> MeasuredSave | None:
@@ -40,7 +43,7 @@ def logged_save(cluster: Cluster, name: str, namespace: str) -> MeasuredSave | N
         if rank.rank not in (0, None) or rank.phase not in ("Running", "Succeeded", "Failed"):
             continue
         try:
-            save = saves_in(cluster.log_lines(rank.name, namespace, main_container(rank.pod)),
+            save = saves_in(cluster.log_lines(rank.name, namespace, main_container(rank.pod), tail=LOG_TAIL),
                             f"pod {rank.name}'s log")
         except ClusterError:
             continue
@@ -53,10 +56,10 @@ def grace_verdict(cluster: Cluster, ctx: RenderContext) -> tuple[str, str]:
     """(ok | warn, one line): the grace and its origin; a warning when an explicit k8s.grace_period_seconds is
     shorter than the measured save, or when the job's pods logged a save that needs more than it gives."""
     detail = f"terminationGracePeriodSeconds {ctx.grace_seconds} s from {ctx.grace_origin}"
-    short = too_short(ctx.cfg, ctx.measured)
-    if short is not None:
-        return "warn", f"{detail}; {short.removeprefix('warning: ')}"
     logged = logged_save(cluster, ctx.name, ctx.namespace)
+    short = too_short(ctx.cfg, ctx.measured) or too_short(ctx.cfg, logged)
+    if short is not None:  # an explicit k8s.grace_period_seconds: the user's to raise
+        return "warn", f"{detail}; {short.removeprefix('warning: ')}"
     if logged is not None and ctx.k.grace_period_seconds is None and logged.needs > ctx.checkpoint_grace:
         return "warn", (f"{detail}; {logged.describe()} needs {logged.needs} s to save: "
                         f"`kubetrain k8s fetch {ctx.name}`, and render follows it")
