@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +12,7 @@ from kubetrain.config.schema import Config
 from kubetrain.doctor import estimate_memory, model_shape
 from kubetrain.k8s.render.context import RenderError
 from kubetrain.k8s.render.manifest import render
-from kubetrain.k8s.render.memory import GIB, host_need
+from kubetrain.k8s.render.memory import GIB, host_need, size
 
 Cli = Callable[..., tuple[int, str, str]]
 # GPT-2 small's shape at micro-batch 16: about 20.6 GiB of training state per process on the CPU (doctor)
@@ -61,6 +62,17 @@ def test_a_gpu_pod_holds_the_host_copies_of_the_weights_only() -> None:
     assert "build the model sharded with dist.strategy=fsdp" in str(refused.value)
     render(gpt2(*big, "dist.strategy=fsdp"))  # built on the meta device: only rank 0 gathers a copy, to save
     render(gpt2(*big, "run.check_memory=false"))
+
+
+def test_a_hugging_face_model_is_counted_from_its_config_json(llama_dir: Path) -> None:
+    hf = ["model.kind=hf", f"model.name_or_path={llama_dir}", "model.dtype=bfloat16", "data.tokenizer.kind=hf",
+          f"data.tokenizer.path={llama_dir}", "k8s.resources.gpu=2", "k8s.nproc_per_node=2"]
+    shape = model_shape(load_config(None, "tiny", hf))
+    weights = shape["params"] * 2  # bf16 on the host, as from_pretrained loads it
+    with pytest.raises(RenderError) as refused:
+        render(load_config(None, "tiny", [*hf, "k8s.resources.memory=1Ki"]))
+    assert f"about {size(2 * weights)} (2 x {size(weights)} of weights in host memory" in str(refused.value)
+    render(load_config(None, "tiny", [*hf, f"k8s.resources.memory={-(-2 * weights // 1024)}Ki"]))  # just enough
 
 
 def test_a_model_of_unknown_size_renders() -> None:

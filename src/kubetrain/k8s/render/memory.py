@@ -26,6 +26,11 @@ from kubetrain.k8s.render.context import RenderError
 GIB = 2**30
 
 
+def size(n: float) -> str:
+    """Bytes in GiB, or MiB below a tenth of one (a tiny model is not "0.0 GiB")."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
 def host_need(cfg: Config, shape: dict[str, Any]) -> tuple[int, str, dict[str, int] | None]:
     """Bytes of host memory one pod needs, what they are in words, and the per-process parts on the CPU."""
     from kubetrain.doctor import estimate_memory
@@ -38,12 +43,12 @@ def host_need(cfg: Config, shape: dict[str, Any]) -> tuple[int, str, dict[str, i
         precision = choose_precision(cfg.train.precision, Accelerator("cpu")).name
         parts = estimate_memory(cfg, shape, world, precision=precision, attention="flash")
         each = sum(parts.values())
-        return procs * each, f"{procs} x {each / GIB:.1f} GiB of training state on the CPU", parts
+        return procs * each, f"{procs} x {size(each)} of training state on the CPU", parts
     weights = shape["params"] * shape["weight_bytes"]
     sharded = world > 1 and cfg.dist.strategy == "fsdp" and builds_on_meta(cfg.model)
     copies = 1 if sharded else procs
-    why = "rank 0 gathers them to save (FSDP)" if sharded else "each process builds the model on the CPU"
-    return copies * weights, f"{copies} x {weights / GIB:.1f} GiB of weights in host memory ({why})", None
+    why = "under FSDP, rank 0 gathers them to save" if sharded else "each process builds the model on the CPU"
+    return copies * weights, f"{copies} x {size(weights)} of weights in host memory ({why})", None
 
 
 def on_gpu(cfg: Config) -> bool:
@@ -67,7 +72,7 @@ def check_pod_memory(cfg: Config) -> None:
     if need <= quantity(memory):
         return
     raise RenderError(
-        f"k8s.resources.memory ({memory}) cannot hold what a pod's processes need: about {need / GIB:.1f} GiB "
+        f"k8s.resources.memory ({memory}) cannot hold what a pod's processes need: about {size(need)} "
         f"({what}; `kubetrain doctor CONFIG` shows the estimate); {_what_to_change(cfg, parts)}, or set "
         "run.check_memory=false to render anyway")
 
