@@ -103,7 +103,11 @@ def render(
     no_validate: NoValidateOpt = False,
     crds: CrdsOpt = None,
 ) -> None:
-    """Print the job's Kubernetes objects as YAML, validated strictly against their schemas."""
+    """Print the job's Kubernetes objects as YAML, validated strictly against their schemas.
+
+    The grace period follows the save time a local or fetched run of the config measured (runs/<run.name>);
+    a note on stderr says so, since the manifest then changes with it.
+    """
     from kubetrain.k8s.render.validate import offline_schemas
 
     objects = _rendered(config, preset, set_, workload, namespace)
@@ -311,9 +315,10 @@ def doctor(
     and admit the pod (taints); they are counted in pod slots: pods of the job's requests that still fit beside
     the running pods;
     storage is a storage class or a free static PersistentVolume; the bucket of checkpoint.uri is listed from
-    here when this shell has credentials; the grace period a stopped pod gets to save, and where it came from (the
-save a local or fetched run of the config measured, or the default rule). Checks this user may not run (a namespace
-    editor cannot list nodes or storage classes) print "cannot check ...: forbidden"; the others still run.
+    here when this shell has credentials; the grace period a stopped pod gets to save, and where it came from
+    (the save a local or fetched run of the config measured, or the default rule). Checks this user may not run
+    (a namespace editor cannot list nodes or storage classes) print "cannot check ...: forbidden"; the others
+    still run.
     """
     from kubetrain.k8s.cluster.doctor import run_checks
     from kubetrain.k8s.render.grace import measured_locally
