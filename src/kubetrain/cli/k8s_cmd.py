@@ -46,15 +46,19 @@ def _workload(name: str | None) -> str | None:
 
 def _rendered(config: Path | None, preset: str | None, set_: list[str] | None, workload: str | None,
               namespace: str | None) -> list[dict[str, Any]]:
+    from kubetrain.k8s.render.grace import measured_locally, render_note
     from kubetrain.k8s.render.manifest import pod_security_note, render
 
     overrides = list(set_ or [])
     if namespace:
         overrides.append(f"k8s.namespace={namespace}")
-    objects = render(load(config, preset, overrides), _workload(workload))
-    note = pod_security_note(objects)  # RDMA opt-ins leave "restricted": say which level the pods meet
-    if note:
-        typer.echo(note, err=True)
+    cfg = load(config, preset, overrides)
+    measured = measured_locally(cfg)  # a local or fetched run's save time lengthens the grace period
+    objects = render(cfg, _workload(workload), measured)
+    # RDMA opt-ins leave "restricted": say which level the pods meet; a measured save: why the grace changed
+    for note in (pod_security_note(objects), render_note(cfg, measured)):
+        if note:
+            typer.echo(note, err=True)
     return objects
 
 
@@ -99,7 +103,11 @@ def render(
     no_validate: NoValidateOpt = False,
     crds: CrdsOpt = None,
 ) -> None:
-    """Print the job's Kubernetes objects as YAML, validated strictly against their schemas."""
+    """Print the job's Kubernetes objects as YAML, validated strictly against their schemas.
+
+    The grace period follows the save time a local or fetched run of the config measured (runs/<run.name>);
+    a note on stderr says so, since the manifest then changes with it.
+    """
     from kubetrain.k8s.render.validate import offline_schemas
 
     objects = _rendered(config, preset, set_, workload, namespace)
@@ -307,15 +315,19 @@ def doctor(
     and admit the pod (taints); they are counted in pod slots: pods of the job's requests that still fit beside
     the running pods;
     storage is a storage class or a free static PersistentVolume; the bucket of checkpoint.uri is listed from
-    here when this shell has credentials. Checks this user may not run (a namespace
-    editor cannot list nodes or storage classes) print "cannot check ...: forbidden"; the others still run.
+    here when this shell has credentials; the grace period a stopped pod gets to save, and where it came from
+    (the save a local or fetched run of the config measured, or the default rule). Checks this user may not run
+    (a namespace editor cannot list nodes or storage classes) print "cannot check ...: forbidden"; the others
+    still run.
     """
     from kubetrain.k8s.cluster.doctor import run_checks
+    from kubetrain.k8s.render.grace import measured_locally
 
     overrides = list(set_ or []) + ([f"k8s.namespace={namespace}"] if namespace else [])
     cfg = load(config, preset, overrides)
     failed = False
-    for check in run_checks(cluster_for(kubeconfig, context), cfg, _workload(workload)):
+    checks = run_checks(cluster_for(kubeconfig, context), cfg, _workload(workload), measured_locally(cfg))
+    for check in checks:
         typer.echo(f"{check.status:<4}  {check.name}: {check.detail}")  # as found: a slow check holds none back
         failed |= check.status == "fail"
     if failed:

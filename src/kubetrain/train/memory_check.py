@@ -46,10 +46,10 @@ def check_memory(cfg: Config, local_processes: int = 1, launcher: bool = False) 
     raise UserInputError(
         f"this run needs about {need / GIB:.1f} GiB ({parts} GiB{each}; {fit['params']:,} parameters, "
         f"`kubetrain doctor CONFIG` shows the estimate) but {free / GIB:.1f} GiB is free on {device['kind']}; "
-        f"{_what_to_change(fit['parts'])}, or set run.check_memory=false to start anyway")
+        f"{what_to_change(fit['parts'])}, or set run.check_memory=false to start anyway")
 
 
-def _what_to_change(parts: dict[str, int]) -> str:
+def what_to_change(parts: dict[str, int]) -> str:
     """The settings that shrink the largest part of the estimate."""
     largest = max(parts, key=lambda name: parts[name])
     if largest in ("activations", "logits"):

@@ -548,6 +548,8 @@ class Trainer:
                          last_checkpoint=saved.path.name, best_val_loss=saved.meta["best_val_loss"])
         if self.uploader:  # in the background: training goes on while it uploads
             self.uploader.submit(saved, done.is_best)
+        self.say(f"checkpoint at step {saved.meta['step']} written in {done.write_seconds:.2f}s (training blocked "
+                 f"{done.blocked_seconds:.2f}s)")  # k8s doctor reads the save time back from the pod's log
         if self.sinks:
             self.sinks.log({"kind": "checkpoint", "step": saved.meta["step"], "path": str(saved.path),
                             "best": done.is_best, "blocked_seconds": round(done.blocked_seconds, 4),

@@ -115,6 +115,7 @@ def test_a_namespace_editor_gets_every_check_it_can_have(tmp_path: Path, apiserv
         "warn  nodes: cannot check nodes: forbidden",
         "warn  volume checkpoints: cannot check storage classes for the 100Gi claim: forbidden",
         "ok    secret HF_TOKEN: Secret hf-token has key token",
+        "ok    grace: terminationGracePeriodSeconds 90 s from the default rule: checkpoint.grace_seconds 60 + 30",
     ]
 
 

@@ -4,7 +4,8 @@ Checks: the API server answers; the namespace exists; the workload's CRD (and Tr
 this user may create the workload (SelfSubjectAccessReview); nodes have room for nnodes pods (pod slots: what
 one pod requests, beside what running pods request) and their taints are tolerated; storage classes exist and
 claims fit several nodes (ReadWriteMany); the Secrets and keys the pods read exist (their values are never
-shown); the bucket of checkpoint.uri can be listed from this machine, when it has credentials.
+shown); the bucket of checkpoint.uri can be listed from this machine, when it has credentials; the grace period
+a stopped pod gets to save, and where it came from (a measured save, or the default rule).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Any
 
 from kubetrain.config.schema import Config
 from kubetrain.k8s.cluster.api import CUSTOM_KINDS, RESOURCES, Cluster, ClusterError, Forbidden, NotFound
+from kubetrain.k8s.quantities import quantity
 from kubetrain.k8s.render.context import RenderContext, context
+from kubetrain.k8s.render.grace import MeasuredSave
 
 # Provisioners of block storage: their volumes attach to one node at a time (ReadWriteOnce).
 BLOCK_PROVISIONERS = (
@@ -51,19 +54,6 @@ def _tolerated(taint: dict[str, Any], tolerations: list[dict[str, Any]]) -> bool
         if t.get("key") == taint.get("key") and t.get("value") == taint.get("value"):
             return True
     return False
-
-
-_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "m": 1e-3, "k": 1e3, "K": 1e3,
-           "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
-
-
-def quantity(text: object) -> float:
-    """A Kubernetes quantity ('500m', '16Gi', '4') as a number."""
-    value = str(text)
-    for suffix in sorted(_SUFFIX, key=len, reverse=True):
-        if value.endswith(suffix):
-            return float(value[: -len(suffix)]) * _SUFFIX[suffix]
-    return float(value)
 
 
 def _requests(ctx: RenderContext) -> dict[str, str]:
@@ -365,11 +355,21 @@ def _guarded(name: str, what: str, check: Callable[[], Check | list[Check]]) -> 
     return found if isinstance(found, list) else [found]
 
 
-def run_checks(cluster: Cluster, cfg: Config, workload: str | None = None) -> Iterator[Check]:
-    """Each check as soon as it is known (a slow or forbidden one does not hold back the others)."""
+def _grace(cluster: Cluster, ctx: RenderContext) -> Check:
+    from kubetrain.k8s.cluster.grace import grace_verdict
+
+    return Check("grace", *grace_verdict(cluster, ctx))
+
+
+def run_checks(cluster: Cluster, cfg: Config, workload: str | None = None,
+               measured: MeasuredSave | None = None) -> Iterator[Check]:
+    """Each check as soon as it is known (a slow or forbidden one does not hold back the others).
+
+    `measured`: the save time of a local copy of the run (render/grace.py), as launch would render it.
+    """
     from kubetrain.k8s.render.podspec import tolerations
 
-    ctx = context(cfg, workload)
+    ctx = context(cfg, workload, measured)
     version = cluster.request("GET", "/version", what="get the server version")
     yield Check("cluster", "ok", f"Kubernetes {version.get('gitVersion', '?')} at {cluster.where}")
     try:
@@ -388,6 +388,7 @@ def run_checks(cluster: Cluster, cfg: Config, workload: str | None = None) -> It
     yield from _guarded("nodes", "nodes", lambda: _nodes(cluster, ctx, tolerations(ctx)))
     yield from _guarded("storage", "storage classes and volumes", lambda: _storage(cluster, ctx))
     yield from _secrets(cluster, ctx)
+    yield from _guarded("grace", "the job's logs", lambda: _grace(cluster, ctx))
     store = store_check(cfg)
     if store is not None:
         yield store

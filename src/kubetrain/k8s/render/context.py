@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 from kubetrain.config.k8s import K8sConfig, VolumeConfig
 from kubetrain.config.schema import Config
 from kubetrain.errors import UserInputError
+from kubetrain.k8s.render.grace import MeasuredSave, checkpoint_grace, grace_origin, pod_grace
 from kubetrain.k8s.workloads import JOB_LABEL, MANAGED_BY, WORKLOAD_LABEL, WORKLOADS, Workload
 
 CONFIG_MOUNT = "/etc/kubetrain"
@@ -23,9 +23,6 @@ ROLE_MOUNTS = {
     "models": "/models",
     "hf_cache": "/cache/huggingface",
 }
-# Seconds a pod gets beyond the checkpoint grace: torchrun's shutdown and process exit after the save.
-GRACE_MARGIN = 30
-
 
 class RenderError(UserInputError):
     """The config cannot be turned into Kubernetes objects as asked."""
@@ -51,6 +48,7 @@ class RenderContext:
     name: str
     workload: str
     volumes: list[Volume] = field(default_factory=list)
+    measured: MeasuredSave | None = None  # the save an earlier run of this config measured (grace.py)
 
     @property
     def kind(self) -> Workload:
@@ -100,7 +98,16 @@ class RenderContext:
     @property
     def grace_seconds(self) -> int:
         """terminationGracePeriodSeconds: long enough for the loop to save a checkpoint after SIGTERM."""
-        return self.k.grace_period_seconds or math.ceil(self.cfg.checkpoint.grace_seconds) + GRACE_MARGIN
+        return pod_grace(self.cfg, self.measured)
+
+    @property
+    def checkpoint_grace(self) -> float:
+        """checkpoint.grace_seconds inside the pods: the configured one, or longer for a measured slow save."""
+        return checkpoint_grace(self.cfg, self.measured)
+
+    @property
+    def grace_origin(self) -> str:
+        return grace_origin(self.cfg, self.measured)
 
     @property
     def checkpoint_mount(self) -> str:
@@ -140,8 +147,12 @@ def _check_store_secret(cfg: Config) -> None:
         raise RenderError(f"checkpoint.secret_name: {ckpt.uri} takes no credentials from a Secret; {hint}")
 
 
-def context(cfg: Config, workload: str | None = None) -> RenderContext:
-    """Check the parts of the config that span sections, and resolve names, volumes and modes."""
+def context(cfg: Config, workload: str | None = None, measured: MeasuredSave | None = None) -> RenderContext:
+    """Check the parts of the config that span sections, and resolve names, volumes and modes.
+
+    `measured`: the save time an earlier run of this config recorded (grace.measured_locally); it lengthens
+    the grace period, so the same config renders differently once a run has measured a slow save.
+    """
     k = cfg.k8s
     wl = workload or k.workload
     name = job_name(cfg)
@@ -181,4 +192,4 @@ def context(cfg: Config, workload: str | None = None) -> RenderContext:
         raise RenderError(
             "k8s.priority_class_name cannot be set on a TrainJob: the training runtime's pod template owns it"
         )
-    return RenderContext(cfg, name, wl, volumes)
+    return RenderContext(cfg, name, wl, volumes, measured)

@@ -16,6 +16,8 @@ import yaml
 
 from kubetrain.config.schema import Config
 from kubetrain.k8s.render.context import context
+from kubetrain.k8s.render.grace import MeasuredSave
+from kubetrain.k8s.render.memory import check_pod_memory
 from kubetrain.k8s.render.network import network_policy
 from kubetrain.k8s.render.objects import claims, config_map
 from kubetrain.k8s.render.podsecurity import level_note
@@ -23,9 +25,13 @@ from kubetrain.k8s.render.renderers import RENDERERS
 from kubetrain.k8s.workloads import SPEC_HASH
 
 
-def render(cfg: Config, workload: str | None = None) -> list[dict[str, Any]]:
-    """Every object of the job, in the order they are applied (the workload last)."""
-    ctx = context(cfg, workload)
+def render(cfg: Config, workload: str | None = None, measured: MeasuredSave | None = None) -> list[dict[str, Any]]:
+    """Every object of the job, in the order they are applied (the workload last).
+
+    The same config (and `measured` save, see grace.py) renders the same objects, byte for byte.
+    """
+    ctx = context(cfg, workload, measured)
+    check_pod_memory(cfg)
     objects = [config_map(ctx), *claims(ctx)]
     if ctx.k.network_policy.enabled:
         objects.append(network_policy(ctx))

@@ -13,9 +13,12 @@ from kubetrain.secrets import redact, redact_text
 
 
 def pod_config(ctx: RenderContext) -> Config:
-    """The config the pods train with: the same one, with run.output_dir on the checkpoint volume."""
+    """The config the pods train with: the same one, with run.output_dir on the checkpoint volume, and the
+    checkpoint grace a measured slow save asks for (the loop's stop watchdog must not give up mid-save)."""
     raw = ctx.cfg.model_dump(mode="json")
     raw["run"]["output_dir"] = ctx.checkpoint_mount
+    if ctx.checkpoint_grace != ctx.cfg.checkpoint.grace_seconds:
+        raw["checkpoint"]["grace_seconds"] = ctx.checkpoint_grace
     if ctx.k.metrics.enabled:
         _enable_exporter(raw, ctx.k.metrics.port)
     return validate_config(raw, source="pod config")

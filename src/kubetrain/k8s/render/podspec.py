@@ -36,8 +36,8 @@ def image(k: K8sConfig) -> str:
 
 def entrypoint_args(ctx: RenderContext, *extra: str) -> list[str]:
     """Arguments of `kubetrain k8s entrypoint` in the pod."""
-    # torchrun waits this long for its workers after SIGTERM before killing them: >= the checkpoint grace.
-    shutdown = max(math.ceil(ctx.cfg.checkpoint.grace_seconds), ctx.grace_seconds - 10)
+    # torchrun waits this long for its workers after SIGTERM before killing them: >= the pods' checkpoint grace
+    shutdown = max(math.ceil(ctx.checkpoint_grace), ctx.grace_seconds - 10)
     return [
         "--config",
         f"{CONFIG_MOUNT}/{CONFIG_FILE}",

@@ -1,0 +1,88 @@
+"""Can one pod's memory hold what its `nproc_per_node` processes keep in host memory? Refused at render.
+
+The pod's memory request is also its limit: a pod that needs more is OOM-killed (exit 137, no message) minutes
+after it was scheduled. The estimate is `kubetrain doctor`'s (doctor.estimate_memory), made on the meta device.
+
+- CPU pods train in host memory: each process holds its whole training state (weights, gradients, AdamW,
+  activations, logits; divided by the world size under FSDP), so the pod needs nproc_per_node times that.
+  Counted with a fused attention kernel (torch has one on the CPU): the smaller figure, so a config the pod's
+  own check (train/memory_check.py, against its cgroup) would accept is never refused here.
+- GPU pods keep the training state in GPU memory; the host still holds a whole copy of the weights per process
+  while the model is built (on the CPU, then moved) and rank 0's gathered copy when it saves. The check asks
+  for that much only: nproc_per_node copies of the weights, or one under FSDP where the model is built on the
+  meta device (only rank 0 gathers the whole model, to save it). The GPU side is `kubetrain doctor`'s, in the
+  pod; asking less of the host than it may use (CUDA context, async-save staging) keeps valid configs rendering.
+
+`run.check_memory: false` turns it off, as it turns off the pod's own check.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubetrain.config.schema import Config
+from kubetrain.k8s.render.context import RenderError
+
+GIB = 2**30
+
+
+def size(n: float) -> str:
+    """Bytes in GiB, or MiB below a tenth of one (a tiny model is not "0.0 GiB")."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def host_need(cfg: Config, shape: dict[str, Any]) -> tuple[int, str, dict[str, int] | None]:
+    """Bytes of host memory one pod needs, what they are in words, and the per-process parts on the CPU."""
+    from kubetrain.doctor import estimate_memory
+    from kubetrain.hardware import Accelerator, choose_precision
+    from kubetrain.models import builds_on_meta
+
+    k = cfg.k8s
+    procs, world = k.nproc_per_node, k.nnodes * k.nproc_per_node
+    if not on_gpu(cfg):
+        precision = choose_precision(cfg.train.precision, Accelerator("cpu")).name
+        parts = estimate_memory(cfg, shape, world, precision=precision, attention="flash")
+        each = sum(parts.values())
+        return procs * each, f"{procs} x {size(each)} of training state on the CPU", parts
+    weights = shape["params"] * shape["weight_bytes"]
+    sharded = world > 1 and cfg.dist.strategy == "fsdp" and builds_on_meta(cfg.model)
+    copies = 1 if sharded else procs
+    why = "under FSDP, rank 0 gathers them to save" if sharded else "each process builds the model on the CPU"
+    return copies * weights, f"{copies} x {size(weights)} of weights in host memory ({why})", None
+
+
+def on_gpu(cfg: Config) -> bool:
+    """Whether the pods train on their GPUs (requested, and not run.device: cpu)."""
+    return cfg.k8s.resources.gpu > 0 and cfg.run.device != "cpu"
+
+
+def check_pod_memory(cfg: Config) -> None:
+    """Raise RenderError (one line: the request, the estimate, what to change) when a pod cannot hold its
+    processes; silent when the model's size is not known here (a Hugging Face folder only the pods mount)."""
+    from kubetrain.doctor import model_shape
+    from kubetrain.k8s.quantities import quantity
+
+    memory = cfg.k8s.resources.memory
+    if not cfg.run.check_memory or memory is None:
+        return
+    shape = model_shape(cfg)
+    if "error" in shape:
+        return
+    need, what, parts = host_need(cfg, shape)
+    if need <= quantity(memory):
+        return
+    raise RenderError(
+        f"k8s.resources.memory ({memory}) cannot hold what a pod's processes need: about {size(need)} "
+        f"({what}; `kubetrain doctor CONFIG` shows the estimate); {_what_to_change(cfg, parts)}, or set "
+        "run.check_memory=false to render anyway")
+
+
+def _what_to_change(cfg: Config, parts: dict[str, int] | None) -> str:
+    """More memory first; then what shrinks the largest part (CPU), or the host copies (GPU)."""
+    from kubetrain.train.memory_check import what_to_change
+
+    k = cfg.k8s
+    fewer = f"run fewer processes per pod (k8s.nproc_per_node {k.nproc_per_node})" if k.nproc_per_node > 1 else None
+    shrink: str | None = what_to_change(parts) if parts is not None else (
+        "build the model sharded with dist.strategy=fsdp" if cfg.dist.strategy != "fsdp" else None)
+    return "; ".join(x for x in ("raise k8s.resources.memory", fewer, shrink) if x)
