@@ -6,6 +6,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +15,14 @@ import pytest
 from safetensors.torch import load_file
 
 from kubetrain.errors import EXIT_STOPPED_RESUMABLE, UserInputError
-from kubetrain.launch.elastic import LaunchOptions, root_failure, torchrun_args
+from kubetrain.launch.elastic import (
+    LaunchOptions,
+    flight_recorder_env,
+    installed_torch_version,
+    root_failure,
+    torchrun_args,
+)
+from tests.conftest import cli_env
 from tests.train.conftest import kubetrain, lines_in, sets, start, wait_until
 
 
@@ -178,3 +187,49 @@ def test_the_root_failure_is_the_killed_worker_not_the_peer_that_lost_it() -> No
     # among causes, the earliest; with no cause at all, the earliest effect
     assert root_failure({0: Failure("ValueError: bad", 101), 1: Failure(killed, 100)})[0] == 1
     assert root_failure({0: Failure(gloo, 101), 1: Failure(gloo, 100)})[0] == 1
+
+
+def test_flight_recorder_names_follow_the_torch_that_runs_the_workers(tmp_path: Path) -> None:
+    prefix = str((tmp_path / "incidents" / "nccl_trace_rank_").resolve())
+    env: dict[str, str] = {}
+    flight_recorder_env(tmp_path, env, torch_version=(2, 13))
+    assert env == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix}
+    assert (tmp_path / "incidents").is_dir()
+    old: dict[str, str] = {}
+    flight_recorder_env(tmp_path, old, torch_version=(2, 4))
+    assert old == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+    # a pod spec (rendered elsewhere) or k8s.env set the other name: its value is kept, under the name torch reads
+    pod = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/ckpt/r/incidents/x-",
+           "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    flight_recorder_env(tmp_path, pod, torch_version=(2, 15))
+    assert pod == {"TORCH_FR_BUFFER_SIZE": "20000", "TORCH_FR_DUMP_TEMP_FILE": "/ckpt/r/incidents/x-",
+                   "TORCH_FR_DUMP_ON_TIMEOUT": "1"}
+    both = {"TORCH_FR_BUFFER_SIZE": "10", "TORCH_NCCL_TRACE_BUFFER_SIZE": "20"}
+    flight_recorder_env(tmp_path, both, torch_version=(2, 13))
+    assert both["TORCH_FR_BUFFER_SIZE"] == "10" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in both  # the one read wins
+
+
+GROUP = """
+import sys, torch, torch.distributed as td
+td.init_process_group("gloo", rank=0, world_size=1, init_method="file://" + sys.argv[1])
+t = torch.ones(1)
+td.all_reduce(t)
+td.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_the_launchers_flight_recorder_names_draw_no_deprecation_warning(tmp_path: Path) -> None:
+    def group_stderr(extra: dict[str, str], store: str) -> str:
+        env = {k: v for k, v in cli_env().items() if not k.startswith(("TORCH_FR_", "TORCH_NCCL_"))}
+        done = subprocess.run([sys.executable, "-c", GROUP, str(tmp_path / store)], env={**env, **extra},
+                              capture_output=True, text=True, timeout=120, check=True)
+        return done.stderr
+
+    launcher: dict[str, str] = {}
+    flight_recorder_env(tmp_path, launcher)  # the installed torch decides
+    assert "deprecated" not in group_stderr(launcher, "a"), launcher
+    if installed_torch_version() >= (2, 13):  # seen there: the old name is read even under gloo, and warned about
+        assert "TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated" in group_stderr(
+            {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}, "b")

@@ -16,7 +16,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,26 +133,53 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     return 0
 
 
-def flight_recorder_env(run_dir: Path) -> None:
+# NCCL's flight recorder, by the name each torch reads (c10d's getCvar* lists: the first name is read first, and a
+# later one that is set only warns "Environment variable X is deprecated; use Y instead"). torch 2.13 warns for
+# TORCH_NCCL_TRACE_BUFFER_SIZE even under gloo (checked: tests/launch/test_elastic.py); TORCH_FR_BUFFER_SIZE and
+# TORCH_FR_DUMP_TEMP_FILE are read from 2.8 (NVIDIA/nvidia-resiliency-ext#163 gates on it), TORCH_FR_DUMP_ON_TIMEOUT
+# from 2.15 (torch <= 2.14 reads only TORCH_NCCL_DUMP_ON_TIMEOUT). (current name, the name before it, from version)
+FLIGHT_RECORDER_NAMES = (
+    ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", (2, 8)),
+    ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", (2, 8)),
+    ("TORCH_FR_DUMP_ON_TIMEOUT", "TORCH_NCCL_DUMP_ON_TIMEOUT", (2, 15)),
+)
+FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"  # one file per rank in <run>/incidents/
+
+
+def flight_recorder_env(run_dir: Path, env: MutableMapping[str, str] | None = None,
+                        torch_version: tuple[int, int] | None = None) -> None:
     """On NCCL, keep the flight recorder's ring buffer and dump it into incidents/ when a collective times out.
 
-    Environment only (https://docs.pytorch.org/docs/stable/torch_nccl_environment_variables.html; torchtitan
-    sets the same): TORCH_NCCL_TRACE_BUFFER_SIZE (TORCH_FR_BUFFER_SIZE in newer torch) > 0 records,
-    TORCH_NCCL_DUMP_ON_TIMEOUT=1 dumps on a watchdog timeout, TORCH_FR_DUMP_TEMP_FILE (formerly
-    TORCH_NCCL_DEBUG_INFO_TEMP_FILE) is the file prefix, one file per rank. Gloo ignores all of them.
+    Environment only (torchtitan sets the same), under the names the torch of this process reads: its workers run
+    the same torch, so a pod decides by its image's torch, not by the laptop that rendered it. A value already set
+    under the other name of a pair (k8s.env, a pod spec) is kept and moved to the name read, so torch warns about
+    no deprecated name (torch 2.13 reads the buffer size under gloo too, and warned about the old name there).
     """
     from kubetrain.runs.incidents import incidents_dir
 
+    env = os.environ if env is None else env
+    version = torch_version or installed_torch_version()
+    names = {current: current if version >= since else before for current, before, since in FLIGHT_RECORDER_NAMES}
+    for current, before, _ in FLIGHT_RECORDER_NAMES:
+        other = before if names[current] == current else current
+        if other in env:  # both set: the one this torch reads stays
+            env.setdefault(names[current], env.pop(other))
     folder = incidents_dir(run_dir).resolve()
     try:
         folder.mkdir(parents=True, exist_ok=True)  # the dump does not create it
     except OSError:
         return
-    prefix = str(folder / "nccl_trace_rank_")
-    for name, value in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), ("TORCH_FR_BUFFER_SIZE", "2000"),
-                        ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"), ("TORCH_FR_DUMP_TEMP_FILE", prefix),
-                        ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix)):
-        os.environ.setdefault(name, value)
+    env.setdefault(names["TORCH_FR_BUFFER_SIZE"], "2000")
+    env.setdefault(names["TORCH_FR_DUMP_ON_TIMEOUT"], "1")
+    env.setdefault(names["TORCH_FR_DUMP_TEMP_FILE"], str(folder / FLIGHT_RECORDER_PREFIX))
+
+
+def installed_torch_version() -> tuple[int, int]:
+    """(major, minor) of the torch this process imports (and its workers run)."""
+    import torch
+
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def _sync_incidents(run_dir: Path) -> None:
