@@ -233,3 +233,29 @@ def test_the_launchers_flight_recorder_names_draw_no_deprecation_warning(tmp_pat
     if installed_torch_version() >= (2, 13):  # seen there: the old name is read even under gloo, and warned about
         assert "TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated" in group_stderr(
             {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}, "b")
+
+
+@pytest.mark.slow
+def test_a_worker_with_bad_input_ends_the_group_at_once_with_its_line(tmp_path: Path) -> None:
+    # found only inside the workers (the launcher checked the config): the checkpoint to resume does not exist
+    done = kubetrain("train", *sets("run.name=bad"), "--nproc", "2", "--resume", "nope/step-000001",
+                     cwd=tmp_path, check=False)  # --max-restarts left at its default (3)
+    assert done.returncode == 2, done.stderr[-3000:]
+    starts = sum("process 0/2" in line for line in done.stdout.splitlines())
+    assert starts == 1, done.stdout[-3000:]  # rank 0 started once: the group was not restarted
+    assert done.stderr.rstrip().splitlines()[-1] == (
+        "error: --resume: no such checkpoint or run directory: nope/step-000001"), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_a_worker_stopped_by_its_own_signal_is_not_restarted(tmp_path: Path) -> None:
+    proc = start("train", *sets("run.name=stopped", "train.max_steps=10000", "checkpoint.every_steps=5"),
+                 "--nproc", "2", cwd=tmp_path)  # --max-restarts left at its default (3)
+    wait_until((tmp_path / "runs" / "stopped" / "checkpoints" / "latest").exists, proc)
+    os.kill(min(_workers(proc.pid)), signal.SIGTERM)  # one worker only: the stop vote stops both
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_STOPPED_RESUMABLE, err[-3000:]
+    assert sum("process 0/2" in line for line in out.splitlines()) == 1, out[-3000:]  # not restarted
+    meta = json.loads((tmp_path / "runs" / "stopped" / "meta.json").read_text())
+    assert meta["status"] == "stopped"

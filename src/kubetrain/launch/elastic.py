@@ -1,14 +1,16 @@
 """Run `kubetrain train` as several processes through torch.distributed.run (the elastic agent, c10d rendezvous).
 
 The agent restarts the workers when one dies (up to --max-restarts); each restart resumes from the latest
-checkpoint (`--resume auto`). SIGTERM/SIGINT to the launcher reach the workers, which finish their step,
-save a checkpoint and exit; the launcher then exits with EXIT_STOPPED_RESUMABLE. While the agent runs, a thread
-watches the workers' heartbeats (launch/watch.py): a hang is dumped, ended and restarted; every incident is
-recorded in `<run>/incidents/` and meta.json.
+checkpoint (`--resume auto`). A worker that exits 2 (bad input) or 75 (stopped on request) ends the group instead:
+a restart cannot change either, and the launcher exits with that code. SIGTERM/SIGINT to the launcher reach the
+workers, which finish their step, save a checkpoint and exit; the launcher then exits with EXIT_STOPPED_RESUMABLE.
+While the agent runs, a thread watches the workers' heartbeats (launch/watch.py): a hang is dumped, ended and
+restarted; every incident is recorded in `<run>/incidents/` and meta.json.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,7 +18,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,7 +100,8 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     os.environ[HEARTBEAT_DIR_ENV], os.environ[LAUNCHER_PID_ENV] = str(beats), str(os.getpid())
     watch = HangWatch(beats, run_dir, opts.hang_timeout, say=_say).start()
     try:
-        run(args)
+        with final_exits_end_the_group():
+            run(args)
     except SignalException as e:
         watch.stop()
         status, latest = _run_status(run_dir)
@@ -124,13 +127,51 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
             hang = watch.last_incident
             _say(f"error: hang at step {hang['step']}: {hang['message']}; stacks in {run_dir / hang['stacks']}")
             return EXIT_FAILURE
+        if failure.exitcode == EXIT_BAD_INPUT:  # the worker's own line, as one process would end
+            _say(f"error: {message}")
+            return EXIT_BAD_INPUT
         _say(f"error: rank {rank} failed with exit code {failure.exitcode}: {message}")
-        return EXIT_BAD_INPUT if failure.exitcode == EXIT_BAD_INPUT else EXIT_FAILURE
+        return EXIT_FAILURE
     finally:
         watch.stop()
         shutil.rmtree(beats, ignore_errors=True)
         _sync_incidents(run_dir)
     return 0
+
+
+# A worker's exit that a restart cannot change: bad input (the same config fails the same way again) and a stop it
+# was asked for (a restart would resume and train on). Any other failure restarts the group, up to --max-restarts.
+FINAL_EXIT_CODES = frozenset({EXIT_BAD_INPUT, EXIT_STOPPED_RESUMABLE})
+
+
+@contextlib.contextmanager
+def final_exits_end_the_group() -> Iterator[None]:
+    """While torch.distributed.run runs here, its agent ends the group instead of restarting it after a final exit.
+
+    torch has no option for it: `launch_agent` builds a LocalElasticAgent by its module name, so the class is swapped
+    for a subclass for this call only (the launcher's own process). The subclass does what torch's agent does itself
+    for a worker stuck in the D state: no restarts left, so `_invoke_run` stops the workers and reports the failure.
+    """
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher import api
+
+    class FinalExitAgent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.FAILED and any(
+                    f.exitcode in FINAL_EXIT_CODES for f in result.failures.values()):
+                self._remaining_restarts = 0
+            return result
+
+    if getattr(api, "LocalElasticAgent", None) is not LocalElasticAgent:  # a torch built differently: restarts
+        yield
+        return
+    api.LocalElasticAgent = FinalExitAgent  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        api.LocalElasticAgent = LocalElasticAgent  # type: ignore[misc]
 
 
 # NCCL's flight recorder, by the name each torch reads (c10d's getCvar* lists: the first name is read first, and a
