@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kubetrain.config import load_config
-from kubetrain.data.loader import IGNORE_INDEX, Batch, TokenWindows, TrainLoader, val_batches
+from kubetrain.data.loader import IGNORE_INDEX, Batch, TokenWindows, TrainLoader
 from kubetrain.data.shards import Prepared, prepare
 
 BLOCK = 8
@@ -52,17 +52,6 @@ def test_val_windows_come_from_the_tail(prepared: Prepared) -> None:
     assert val.n_windows == (prepared.n_val - 1) // BLOCK
     first = val.batch([0]).input_ids[0].tolist()
     assert first == all_tokens[prepared.n_train : prepared.n_train + BLOCK].tolist()
-
-
-def test_val_batches_are_the_same_every_time_and_split_over_ranks(prepared: Prepared) -> None:
-    val = windows_of(prepared, "val")
-    once = [b.input_ids for b in val_batches(val, 2, 3)]
-    again = [b.input_ids for b in val_batches(val, 2, 3)]
-    assert all(torch.equal(a, b) for a, b in zip(once, again, strict=True))
-    n = min(val.n_windows, 2 * 3 * 2)
-    ranks = [[row for b in val_batches(val, 2, 3, rank, 2) for row in rows(b)] for rank in (0, 1)]
-    assert not set(ranks[0]) & set(ranks[1])
-    assert len(ranks[0]) + len(ranks[1]) == n
 
 
 def rows(batch: Batch) -> list[tuple[int, ...]]:

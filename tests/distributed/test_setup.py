@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,3 +65,64 @@ def test_the_short_timeout_applies_only_after_start_up(tmp_path: Path) -> None:
         results[row["rank"]] = row
     assert results[0]["startup_all_reduce"] == 2.0  # waited 2.5 s for rank 1: the start-up timeout (60 s)
     assert "timed out" in results[0]["late_all_reduce"].lower(), results  # 1 s after the first step
+
+
+# Three ranks leave the group. "late": rank 0 arrives 2 s after the others, who must wait for it in teardown.
+# "absent": rank 2 never calls teardown (it waits for the others' files instead); 0 and 1 must still get out,
+# within the 2 s barrier bound, long before the group's own timeout (300 s).
+TEARDOWN = """
+import json, os, sys, time
+from pathlib import Path
+import torch, torch.distributed as td
+from kubetrain.config.schema import DistConfig
+from kubetrain.distributed import setup
+scenario, root = sys.argv[1], Path(sys.argv[2])
+setup.init(DistConfig(backend="gloo", timeout_seconds=300, init_timeout_seconds=300), torch.device("cpu"))
+rank = td.get_rank()
+t = torch.ones(1)
+td.all_reduce(t)
+out = {"rank": rank}
+if scenario == "absent" and rank == 2:
+    deadline = time.time() + 45
+    while time.time() < deadline and not all((root / f"left-{r}").exists() for r in (0, 1)):
+        time.sleep(0.1)
+    out["others_left"] = all((root / f"left-{r}").exists() for r in (0, 1))
+    print(json.dumps(out), flush=True)
+    os._exit(0)
+if scenario == "late" and rank == 0:
+    time.sleep(2)
+out["arrived"] = time.time()
+setup.teardown(healthy=True, barrier_seconds=2 if scenario == "absent" else 60)
+out["left"] = time.time()
+(root / f"left-{rank}").write_text("")
+print(json.dumps(out), flush=True)
+"""
+
+
+def _ranks(root: Path, scenario: str, world: int = 3) -> dict[int, dict[str, Any]]:
+    """Run the three ranks of `scenario`; each must exit 0 without gloo's abort."""
+    tmp_path = root / scenario
+    tmp_path.mkdir()
+    port = _free_port()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", TEARDOWN, scenario, str(tmp_path)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
+                         env=cli_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                                     MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+        for r in range(world)
+    ]
+    results = {}
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0 and "terminate called" not in err, err[-3000:]
+        row = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+        results[row["rank"]] = row
+    return results
+
+
+@pytest.mark.slow
+def test_teardown_waits_for_a_late_peer_and_never_for_an_absent_one(tmp_path: Path) -> None:
+    late = _ranks(tmp_path, "late")
+    assert all(late[r]["left"] >= late[0]["arrived"] for r in (1, 2)), late
+    absent = _ranks(tmp_path, "absent")
+    assert absent[2]["others_left"] is True, absent  # out within the 2 s bound, the group's timeout is 300 s

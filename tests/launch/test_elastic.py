@@ -6,6 +6,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +15,14 @@ import pytest
 from safetensors.torch import load_file
 
 from kubetrain.errors import EXIT_STOPPED_RESUMABLE, UserInputError
-from kubetrain.launch.elastic import LaunchOptions, root_failure, torchrun_args
+from kubetrain.launch.elastic import (
+    LaunchOptions,
+    flight_recorder_env,
+    installed_torch_version,
+    root_failure,
+    torchrun_args,
+)
+from tests.conftest import cli_env
 from tests.train.conftest import kubetrain, lines_in, sets, start, wait_until
 
 
@@ -178,3 +187,75 @@ def test_the_root_failure_is_the_killed_worker_not_the_peer_that_lost_it() -> No
     # among causes, the earliest; with no cause at all, the earliest effect
     assert root_failure({0: Failure("ValueError: bad", 101), 1: Failure(killed, 100)})[0] == 1
     assert root_failure({0: Failure(gloo, 101), 1: Failure(gloo, 100)})[0] == 1
+
+
+def test_flight_recorder_names_follow_the_torch_that_runs_the_workers(tmp_path: Path) -> None:
+    prefix = str((tmp_path / "incidents" / "nccl_trace_rank_").resolve())
+    env: dict[str, str] = {}
+    flight_recorder_env(tmp_path, env, torch_version=(2, 13))
+    assert env == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix}
+    assert (tmp_path / "incidents").is_dir()
+    old: dict[str, str] = {}
+    flight_recorder_env(tmp_path, old, torch_version=(2, 4))
+    assert old == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+    # a pod spec (rendered elsewhere) or k8s.env set the other name: its value is kept, under the name torch reads
+    pod = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "20000", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/ckpt/r/incidents/x-",
+           "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    flight_recorder_env(tmp_path, pod, torch_version=(2, 15))
+    assert pod == {"TORCH_FR_BUFFER_SIZE": "20000", "TORCH_FR_DUMP_TEMP_FILE": "/ckpt/r/incidents/x-",
+                   "TORCH_FR_DUMP_ON_TIMEOUT": "1"}
+    both = {"TORCH_FR_BUFFER_SIZE": "10", "TORCH_NCCL_TRACE_BUFFER_SIZE": "20"}
+    flight_recorder_env(tmp_path, both, torch_version=(2, 13))
+    assert both["TORCH_FR_BUFFER_SIZE"] == "10" and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in both  # the one read wins
+
+
+GROUP = """
+import sys, torch, torch.distributed as td
+td.init_process_group("gloo", rank=0, world_size=1, init_method="file://" + sys.argv[1])
+t = torch.ones(1)
+td.all_reduce(t)
+td.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_the_launchers_flight_recorder_names_draw_no_deprecation_warning(tmp_path: Path) -> None:
+    def group_stderr(extra: dict[str, str], store: str) -> str:
+        env = {k: v for k, v in cli_env().items() if not k.startswith(("TORCH_FR_", "TORCH_NCCL_"))}
+        done = subprocess.run([sys.executable, "-c", GROUP, str(tmp_path / store)], env={**env, **extra},
+                              capture_output=True, text=True, timeout=120, check=True)
+        return done.stderr
+
+    launcher: dict[str, str] = {}
+    flight_recorder_env(tmp_path, launcher)  # the installed torch decides
+    assert "deprecated" not in group_stderr(launcher, "a"), launcher
+    if installed_torch_version() >= (2, 13):  # seen there: the old name is read even under gloo, and warned about
+        assert "TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated" in group_stderr(
+            {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}, "b")
+
+
+@pytest.mark.slow
+def test_a_worker_with_bad_input_ends_the_group_at_once_with_its_line(tmp_path: Path) -> None:
+    # found only inside the workers (the launcher checked the config): the checkpoint to resume does not exist
+    done = kubetrain("train", *sets("run.name=bad"), "--nproc", "2", "--resume", "nope/step-000001",
+                     cwd=tmp_path, check=False)  # --max-restarts left at its default (3)
+    assert done.returncode == 2, done.stderr[-3000:]
+    starts = sum("process 0/2" in line for line in done.stdout.splitlines())
+    assert starts == 1, done.stdout[-3000:]  # rank 0 started once: the group was not restarted
+    assert done.stderr.rstrip().splitlines()[-1] == (
+        "error: --resume: no such checkpoint or run directory: nope/step-000001"), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_a_worker_stopped_by_its_own_signal_is_not_restarted(tmp_path: Path) -> None:
+    proc = start("train", *sets("run.name=stopped", "train.max_steps=10000", "checkpoint.every_steps=5"),
+                 "--nproc", "2", cwd=tmp_path)  # --max-restarts left at its default (3)
+    wait_until((tmp_path / "runs" / "stopped" / "checkpoints" / "latest").exists, proc)
+    os.kill(min(_workers(proc.pid)), signal.SIGTERM)  # one worker only: the stop vote stops both
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_STOPPED_RESUMABLE, err[-3000:]
+    assert sum("process 0/2" in line for line in out.splitlines()) == 1, out[-3000:]  # not restarted
+    meta = json.loads((tmp_path / "runs" / "stopped" / "meta.json").read_text())
+    assert meta["status"] == "stopped"

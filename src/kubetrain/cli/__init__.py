@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from typing import NoReturn
 
 import typer
 
 from kubetrain.distributed.peers import lost_peer
-from kubetrain.errors import EXIT_BAD_INPUT, EXIT_FAILURE, KubetrainError, TrainingFailed
+from kubetrain.errors import EXIT_BAD_INPUT, EXIT_FAILURE, KubetrainError, TrainingFailed, UserInputError
 from kubetrain.launch.elastic import record_worker_error
 
 app = typer.Typer(
@@ -81,14 +82,11 @@ def main(argv: list[str] | None = None) -> None:
             raise
         if debug:
             traceback.print_exc()
-        print(f"error: this needs the optional package '{e.name}': pip install 'kubetrain[{extra}]'",
-              file=sys.stderr, flush=True)
-        sys.exit(EXIT_BAD_INPUT)
+        _bad_input(f"this needs the optional package '{e.name}': pip install 'kubetrain[{extra}]'")
     except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
         if debug:
             traceback.print_exc()
-        print(f"error: {e.strerror}: {e.filename}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_BAD_INPUT)
+        _bad_input(f"{e.strerror}: {e.filename}")
     except RuntimeError as e:  # torch.distributed's errors are RuntimeErrors
         lost = lost_peer(e)
         if lost is None:  # a bug: keep the traceback, and tell the elastic launcher which rank failed
@@ -102,3 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:  # a bug: keep the traceback, and tell the elastic launcher which rank failed
         record_worker_error(e)
         raise
+
+
+def _bad_input(message: str) -> NoReturn:
+    """One `error:` line and exit 2; under the elastic launcher, also the line its failure summary repeats."""
+    record_worker_error(UserInputError(message))
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_BAD_INPUT)

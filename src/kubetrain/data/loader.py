@@ -8,7 +8,6 @@ depend on the world size, and a resume with another world size simply continues 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,13 +112,3 @@ class TrainLoader:
                 f"then, {self.windows.n_windows} of {self.windows.block_size} now)"
             )
         self.cursor = int(state["cursor"])
-
-
-def val_batches(
-    windows: TokenWindows, batch_size: int, n_batches: int, rank: int = 0, world: int = 1
-) -> Iterator[Batch]:
-    """The same first validation windows every time, split over ranks."""
-    total = min(windows.n_windows, batch_size * n_batches * world)
-    mine = list(range(rank, total, world))
-    for i in range(0, len(mine), batch_size):
-        yield windows.batch(mine[i : i + batch_size])

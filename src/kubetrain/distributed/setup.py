@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 
@@ -51,9 +52,40 @@ def use_step_timeout(cfg: DistConfig, device: torch.device) -> None:
     distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=cfg.timeout_seconds), None)
 
 
-def teardown() -> None:
-    if td.is_initialized():
-        td.destroy_process_group()
+# Ranks that ended cleanly reach teardown within seconds of each other; rank 0 may still be uploading checkpoints,
+# and a peer that leaves after this wait is harmless then (no collective is in flight).
+TEARDOWN_BARRIER_SECONDS = 30.0
+
+
+def teardown(healthy: bool = True, barrier_seconds: float = TEARDOWN_BARRIER_SECONDS) -> None:
+    """Leave the process group; after a clean end (finished, stopped together, dry run) meet the peers first.
+
+    gloo aborted a peer ('terminate called without an active exception') when a rank closed its connections while
+    the peer still talked to it, so a healthy group passes a barrier before it is destroyed. The barrier waits at
+    most `barrier_seconds`, and a peer that is gone only skips it. After an error (`healthy` False) a peer may be
+    inside a collective that a barrier would cut across, or never arrive: the group is left at once.
+    """
+    if not td.is_initialized():
+        return
+    if healthy and td.get_world_size() > 1:
+        with contextlib.suppress(RuntimeError):  # timed out, or a peer closed its connection: leave anyway
+            bounded_barrier(datetime.timedelta(seconds=barrier_seconds))
+    td.destroy_process_group()
+
+
+def bounded_barrier(timeout: datetime.timedelta) -> None:
+    """A barrier that raises after `timeout` instead of waiting for the group's (long start-up) timeout.
+
+    gloo: monitored_barrier, whose send/recv are waited for in this thread with this timeout (td.barrier's work
+    would stay queued in gloo's worker thread until the group's own timeout). NCCL: an async barrier whose wait
+    blocks this thread at most `timeout` (Work.wait's documented behaviour with a timeout).
+    """
+    if td.get_backend() == td.Backend.GLOO:
+        td.monitored_barrier(timeout=timeout)
+        return
+    work = td.barrier(async_op=True)
+    if work is not None:
+        work.wait(timeout)
 
 
 def barrier() -> None:
@@ -68,15 +100,6 @@ def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
         td.all_reduce(value, op=td.ReduceOp.SUM)
         value /= td.get_world_size()
     return value
-
-
-def broadcast_flag(flag: bool, device: torch.device) -> bool:
-    """True on every rank if it is true on any rank (a stop request seen by one rank stops all)."""
-    if not td.is_initialized():
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    td.all_reduce(t, op=td.ReduceOp.MAX)
-    return bool(t.item() > 0)
 
 
 def wrap(model: nn.Module, cfg: DistConfig, penv: ProcessEnv, device: torch.device, precision: str = "fp32"

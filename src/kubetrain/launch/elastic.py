@@ -1,14 +1,16 @@
 """Run `kubetrain train` as several processes through torch.distributed.run (the elastic agent, c10d rendezvous).
 
 The agent restarts the workers when one dies (up to --max-restarts); each restart resumes from the latest
-checkpoint (`--resume auto`). SIGTERM/SIGINT to the launcher reach the workers, which finish their step,
-save a checkpoint and exit; the launcher then exits with EXIT_STOPPED_RESUMABLE. While the agent runs, a thread
-watches the workers' heartbeats (launch/watch.py): a hang is dumped, ended and restarted; every incident is
-recorded in `<run>/incidents/` and meta.json.
+checkpoint (`--resume auto`). A worker that exits 2 (bad input) or 75 (stopped on request) ends the group instead:
+a restart cannot change either, and the launcher exits with that code. SIGTERM/SIGINT to the launcher reach the
+workers, which finish their step, save a checkpoint and exit; the launcher then exits with EXIT_STOPPED_RESUMABLE.
+While the agent runs, a thread watches the workers' heartbeats (launch/watch.py): a hang is dumped, ended and
+restarted; every incident is recorded in `<run>/incidents/` and meta.json.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,7 +18,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,7 +100,8 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     os.environ[HEARTBEAT_DIR_ENV], os.environ[LAUNCHER_PID_ENV] = str(beats), str(os.getpid())
     watch = HangWatch(beats, run_dir, opts.hang_timeout, say=_say).start()
     try:
-        run(args)
+        with final_exits_end_the_group():
+            run(args)
     except SignalException as e:
         watch.stop()
         status, latest = _run_status(run_dir)
@@ -124,8 +127,11 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
             hang = watch.last_incident
             _say(f"error: hang at step {hang['step']}: {hang['message']}; stacks in {run_dir / hang['stacks']}")
             return EXIT_FAILURE
+        if failure.exitcode == EXIT_BAD_INPUT:  # the worker's own line, as one process would end
+            _say(f"error: {message}")
+            return EXIT_BAD_INPUT
         _say(f"error: rank {rank} failed with exit code {failure.exitcode}: {message}")
-        return EXIT_BAD_INPUT if failure.exitcode == EXIT_BAD_INPUT else EXIT_FAILURE
+        return EXIT_FAILURE
     finally:
         watch.stop()
         shutil.rmtree(beats, ignore_errors=True)
@@ -133,26 +139,88 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     return 0
 
 
-def flight_recorder_env(run_dir: Path) -> None:
+# A worker's exit that a restart cannot change: bad input (the same config fails the same way again) and a stop it
+# was asked for (a restart would resume and train on). Any other failure restarts the group, up to --max-restarts.
+FINAL_EXIT_CODES = frozenset({EXIT_BAD_INPUT, EXIT_STOPPED_RESUMABLE})
+
+
+@contextlib.contextmanager
+def final_exits_end_the_group() -> Iterator[None]:
+    """While torch.distributed.run runs here, its agent ends the group instead of restarting it after a final exit.
+
+    torch has no option for it: `launch_agent` builds a LocalElasticAgent by its module name, so the class is swapped
+    for a subclass for this call only (the launcher's own process). The subclass does what torch's agent does itself
+    for a worker stuck in the D state: no restarts left, so `_invoke_run` stops the workers and reports the failure.
+    """
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher import api
+
+    class FinalExitAgent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.FAILED and any(
+                    f.exitcode in FINAL_EXIT_CODES for f in result.failures.values()):
+                self._remaining_restarts = 0
+            return result
+
+    if getattr(api, "LocalElasticAgent", None) is not LocalElasticAgent:  # a torch built differently: restarts
+        yield
+        return
+    api.LocalElasticAgent = FinalExitAgent  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        api.LocalElasticAgent = LocalElasticAgent  # type: ignore[misc]
+
+
+# NCCL's flight recorder, by the name each torch reads (c10d's getCvar* lists: the first name is read first, and a
+# later one that is set only warns "Environment variable X is deprecated; use Y instead"). torch 2.13 warns for
+# TORCH_NCCL_TRACE_BUFFER_SIZE even under gloo (checked: tests/launch/test_elastic.py); TORCH_FR_BUFFER_SIZE and
+# TORCH_FR_DUMP_TEMP_FILE are read from 2.8 (NVIDIA/nvidia-resiliency-ext#163 gates on it), TORCH_FR_DUMP_ON_TIMEOUT
+# from 2.15 (torch <= 2.14 reads only TORCH_NCCL_DUMP_ON_TIMEOUT). (current name, the name before it, from version)
+FLIGHT_RECORDER_NAMES = (
+    ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", (2, 8)),
+    ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", (2, 8)),
+    ("TORCH_FR_DUMP_ON_TIMEOUT", "TORCH_NCCL_DUMP_ON_TIMEOUT", (2, 15)),
+)
+FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"  # one file per rank in <run>/incidents/
+
+
+def flight_recorder_env(run_dir: Path, env: MutableMapping[str, str] | None = None,
+                        torch_version: tuple[int, int] | None = None) -> None:
     """On NCCL, keep the flight recorder's ring buffer and dump it into incidents/ when a collective times out.
 
-    Environment only (https://docs.pytorch.org/docs/stable/torch_nccl_environment_variables.html; torchtitan
-    sets the same): TORCH_NCCL_TRACE_BUFFER_SIZE (TORCH_FR_BUFFER_SIZE in newer torch) > 0 records,
-    TORCH_NCCL_DUMP_ON_TIMEOUT=1 dumps on a watchdog timeout, TORCH_FR_DUMP_TEMP_FILE (formerly
-    TORCH_NCCL_DEBUG_INFO_TEMP_FILE) is the file prefix, one file per rank. Gloo ignores all of them.
+    Environment only (torchtitan sets the same), under the names the torch of this process reads: its workers run
+    the same torch, so a pod decides by its image's torch, not by the laptop that rendered it. A value already set
+    under the other name of a pair (k8s.env, a pod spec) is kept and moved to the name read, so torch warns about
+    no deprecated name (torch 2.13 reads the buffer size under gloo too, and warned about the old name there).
     """
     from kubetrain.runs.incidents import incidents_dir
 
+    env = os.environ if env is None else env
+    version = torch_version or installed_torch_version()
+    names = {current: current if version >= since else before for current, before, since in FLIGHT_RECORDER_NAMES}
+    for current, before, _ in FLIGHT_RECORDER_NAMES:
+        other = before if names[current] == current else current
+        if other in env:  # both set: the one this torch reads stays
+            env.setdefault(names[current], env.pop(other))
     folder = incidents_dir(run_dir).resolve()
     try:
         folder.mkdir(parents=True, exist_ok=True)  # the dump does not create it
     except OSError:
         return
-    prefix = str(folder / "nccl_trace_rank_")
-    for name, value in (("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"), ("TORCH_FR_BUFFER_SIZE", "2000"),
-                        ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"), ("TORCH_FR_DUMP_TEMP_FILE", prefix),
-                        ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", prefix)):
-        os.environ.setdefault(name, value)
+    env.setdefault(names["TORCH_FR_BUFFER_SIZE"], "2000")
+    env.setdefault(names["TORCH_FR_DUMP_ON_TIMEOUT"], "1")
+    env.setdefault(names["TORCH_FR_DUMP_TEMP_FILE"], str(folder / FLIGHT_RECORDER_PREFIX))
+
+
+def installed_torch_version() -> tuple[int, int]:
+    """(major, minor) of the torch this process imports (and its workers run)."""
+    import torch
+
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def _sync_incidents(run_dir: Path) -> None:

@@ -11,7 +11,7 @@ from kubetrain.config.loading import phase_config
 from kubetrain.config.schema import Config
 from kubetrain.distributed import setup as dist
 from kubetrain.distributed.env import process_env
-from kubetrain.errors import UserInputError
+from kubetrain.errors import TrainingStopped, UserInputError
 from kubetrain.runs.lock import hold as hold_run
 from kubetrain.runs.lock import job_identity
 from kubetrain.track.console import console_log
@@ -31,11 +31,17 @@ def train_all(
     held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
     if not dry_run and process_env().is_main:
         held = hold_run(runs.run_dir(cfg), job_identity(), say)
+    healthy = False  # an error on this rank: a peer may be inside a collective, so no barrier on the way out
     try:
         with held:
-            return _train_phases(cfg, argv=argv, resume=resume, dry_run=dry_run, only_phase=only_phase, log=log)
+            result = _train_phases(cfg, argv=argv, resume=resume, dry_run=dry_run, only_phase=only_phase, log=log)
+        healthy = True
+        return result
+    except TrainingStopped:
+        healthy = True  # every rank stopped at the same step (the trainer's stop vote)
+        raise
     finally:
-        dist.teardown()
+        dist.teardown(healthy)
 
 
 def _train_phases(

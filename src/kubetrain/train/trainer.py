@@ -8,7 +8,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,31 +17,24 @@ from torch import nn
 
 from kubetrain import checkpoint, hardware, runs
 from kubetrain.checkpoint import remote
-from kubetrain.checkpoint.sharded import full_model_state
-from kubetrain.checkpoint.sharded import save_optimizer as save_sharded_optimizer
-from kubetrain.config.loading import config_hash
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import Prepared, prepare
 from kubetrain.data.tokenizers import prompt_ids
-from kubetrain.distributed import parallelize
 from kubetrain.distributed import setup as dist
-from kubetrain.errors import IncompatibleCheckpointError, TrainingFailed, TrainingStopped, UserInputError
-from kubetrain.models import build_model, builds_on_meta, fill_weights
-from kubetrain.models.lora import apply_lora
+from kubetrain.errors import TrainingFailed, TrainingStopped
 from kubetrain.models.sampling import generate
 from kubetrain.secrets import redact_text
 from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
 from kubetrain.track.console import Throughput, console_log, count
 from kubetrain.track.jsonl import truncate_after
-from kubetrain.train.compile import compile_blocks
+from kubetrain.train.checkpointing import Checkpointing
 from kubetrain.train.device import (
     MemoryPeak,
     apply_torch_settings,
     autocast,
     device_name,
-    hf_weight_dtype,
     is_out_of_memory,
     model_flops_per_token,
     out_of_memory_advice,
@@ -51,16 +44,13 @@ from kubetrain.train.device import (
 from kubetrain.train.evaluate import evaluate, lm_loss, perplexity
 from kubetrain.train.heartbeat import Heartbeat
 from kubetrain.train.memory_check import check_memory
+from kubetrain.train.model_for_world import build_model_for_world
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
 from kubetrain.train.state import (
     TrainResult,
     TrainState,
-    gather_rng,
-    load_model_state,
     load_optimizer,
-    model_state,
     optimizer_steps,
-    set_rng_state,
     unwrap,
     weight_shapes,
 )
@@ -92,8 +82,11 @@ def train(cfg: Config, *, log: Log | None = None, **options: Any) -> TrainResult
     return Trainer(cfg, RunOptions(**options), log=log).run()
 
 
-class Trainer:
-    """One run of a config. `run` is the spine; each other method is one part of it, usable on its own."""
+class Trainer(Checkpointing):
+    """One run of a config. `run` is the spine; each other method is one part of it, usable on its own.
+
+    What goes into a checkpoint and comes back from one (save, its bookkeeping, resume) is in checkpointing.py.
+    """
 
     # setup(): data and model
     prepared: Prepared
@@ -216,7 +209,8 @@ class Trainer:
         if choice.warning:
             self.say(f"warning: {choice.warning}")
         self.precision = choice.name
-        self.model = self.build_model()
+        self.model = build_model_for_world(cfg, self.tokenizer.vocab_size, self.device, self.precision,
+                                           self.sharded)
         self.base = unwrap(self.model)
         n_params = sum(p.numel() for p in self.model.parameters())
         n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -239,39 +233,6 @@ class Trainer:
             f"{t.grad_accum_steps} accum x {penv.world_size} ranks) | steps {self.max_steps} | "
             f"data {prepared.n_train:,} train / {prepared.n_val:,} val tokens ({self.tokenizer.kind} tokenizer)"
         )
-
-    def build_model(self) -> nn.Module:
-        """The model for this world. Under FSDP (torchtitan's order): built with meta parameters, activation
-        checkpointing and FSDP applied per block, then each process materialises and fills only its shards;
-        otherwise built whole on the device (DDP wraps it in open()). The weights are the same either way."""
-        cfg = self.cfg
-        vocab = self.tokenizer.vocab_size
-        if self.sharded and self.device.type == "cpu":
-            parallelize.return_freed_memory()
-        if self.sharded and builds_on_meta(cfg.model):
-            with parallelize.params_on_meta():
-                model = build_model(cfg.model, vocab, load_weights=False)
-            self.checkpoint_activations(model)
-            if cfg.train.compile:  # torchtitan's order: activation checkpointing, compile each block, then FSDP
-                compile_blocks(model)
-            parallelize.shard(model, self.precision)
-            parallelize.materialise(model, self.device)
-            fill_weights(model, cfg.model, parallelize.keep_part)
-            return model
-        # a frozen Hugging Face base (LoRA) loads straight in the training precision (model.dtype auto)
-        model_cfg = cfg.model.model_copy(update={"dtype": hf_weight_dtype(cfg, self.precision, self.sharded)})
-        model = build_model(model_cfg, vocab, device=self.device).to(self.device)
-        if cfg.model.lora is not None:
-            model = apply_lora(model, cfg.model.lora)
-        self.checkpoint_activations(model)
-        if cfg.train.compile and self.sharded:  # torchtitan: each block before fully_shard (in open)
-            compile_blocks(model)
-        return model
-
-    def checkpoint_activations(self, model: nn.Module) -> None:
-        """model.gradient_checkpointing for our GPT, per block from outside (an HF model does its own)."""
-        if self.cfg.model.gradient_checkpointing and self.cfg.model.kind == "gpt":
-            parallelize.checkpoint_blocks(model)
 
     def dry_run(self) -> TrainResult:
         """One forward pass on the first batch; nothing is written."""
@@ -322,52 +283,6 @@ class Trainer:
         self.meter.tokens0 = self.state.tokens
         self.loss_sum = torch.tensor(self.state.window_loss_sum, device=self.device)
         self.loss_count = self.state.window_steps
-
-    def restore_weights(self) -> checkpoint.Checkpoint | None:
-        """Load the checkpoint to resume from (or the initial weights) into the single-device model."""
-        mode = self.opts.resume
-        if mode == "never" and checkpoint.complete_checkpoints(self.ckpt_root):
-            raise UserInputError(
-                f"{self.path} already has checkpoints; resume it (--resume auto), or choose another run.name"
-            )
-        if mode == "auto":
-            if self.penv.local_rank == 0:  # a local folder without checkpoints resumes from object storage
-                remote.restore_newest(self.cfg, self.opts.phase, self.ckpt_root, self.say)
-            dist.barrier()
-            self.resumed = checkpoint.find_resumable(self.ckpt_root, warn=lambda m: self.say(f"warning: {m}"))
-        elif mode != "never":
-            if not Path(mode).exists():
-                raise UserInputError(f"--resume: no such checkpoint or run directory: {mode}")
-            self.resumed = checkpoint.resolve(Path(mode))
-        init = self.opts.init_weights
-        source = self.resumed or (checkpoint.resolve(init) if init is not None else None)
-        if source is not None:
-            checkpoint.check_compatible(source, self.shapes, tokenizer_fingerprint(self.prepared))
-            if parallelize.is_sharded(self.base):  # each rank reads only the bytes of its shards
-                parallelize.load_safetensors(self.base, [source.path / checkpoint.MODEL_FILE])
-            else:
-                load_model_state(self.base, source.model_state())
-        return source
-
-    def restore_trainer(self, ckpt: checkpoint.Checkpoint) -> None:
-        """Optimizer, data cursor, counters and RNG streams of the checkpoint we resume."""
-        trainer = ckpt.trainer_state()
-        load_optimizer(self.model, self.optimizer, ckpt, trainer, self.sharded)
-        try:
-            self.loader.load_state_dict(trainer["loader"])
-        except ValueError as e:
-            raise IncompatibleCheckpointError(f"cannot resume {ckpt.path}: {e}") from None
-        self.state = TrainState(**trainer["state"])
-        if "best_saved_val_loss" not in trainer["state"]:  # saved when every improvement was saved, as `best`
-            self.state.best_saved_val_loss = self.state.best_val_loss
-        if self.scaler.is_enabled() and trainer.get("scaler"):
-            self.scaler.load_state_dict(trainer["scaler"])
-        rngs = trainer["rng"]
-        if len(rngs) == self.penv.world_size:
-            set_rng_state(rngs[self.penv.rank])
-        else:
-            self.say(f"note: the checkpoint has RNG states of {len(rngs)} ranks, this run has {self.penv.world_size}")
-        self.say(f"resuming from {ckpt.path} (step {self.state.step}, {self.state.tokens:,} tokens)")
 
     def start_run_files(self) -> None:
         """Rank 0: meta.json, metrics and samples cut back to the resumed step, the tokenizer, the sinks."""
@@ -455,19 +370,6 @@ class Trainer:
             **({"upload_failures": len(self.uploader.failed)} if self.uploader else {}),
         })
 
-    def count_skipped_steps(self) -> None:
-        """fp16: add the steps since the last count that the scaler skipped (inf/nan gradients).
-
-        Read from the optimizer's own step counter at log and save time only: comparing the loss scale before
-        and after every step (scaler.get_scale) synchronised the host with the GPU twice per step.
-        """
-        if not self.scaler.is_enabled():
-            return
-        taken = optimizer_steps(self.optimizer)
-        steps, last_taken = self.state.step - self.counted_at[0], taken - self.counted_at[1]
-        self.state.skipped_steps += steps - last_taken
-        self.counted_at = (self.state.step, taken)
-
     def evaluate(self) -> bool:
         """Validation loss on every rank (and a sample on rank 0); True when it is the best so far."""
         if self.val_windows is None:
@@ -484,78 +386,6 @@ class Trainer:
                             "tokens": state.tokens, "phase": self.opts.phase, "time": time.time()})
             self.write_sample()
         return improved
-
-    def save(self, is_best: bool | None = None, background: bool = False) -> checkpoint.Checkpoint | None:
-        """A checkpoint of this step (collective: every rank calls it); rank 0 gets it back.
-
-        `best` moves only among saved checkpoints: to this one when it was evaluated at this step with a lower
-        val loss than every saved one (`is_best` overrides that). `background` (with checkpoint.async_save):
-        staged to host memory and written by a thread; None comes back and `collect_saves` records it once
-        written. Otherwise the save in flight is waited for first.
-        """
-        state, cfg = self.state, self.cfg
-        t0 = time.perf_counter()
-        self.count_skipped_steps()
-        if is_best is None:
-            is_best = self.evaluated_step == state.step and state.last_val_loss is not None and (
-                state.best_saved_val_loss is None or state.last_val_loss < state.best_saved_val_loss)
-        if is_best:
-            state.best_saved_val_loss = state.last_val_loss
-        state.window_loss_sum, state.window_steps = float(self.loss_sum), self.loss_count
-        rngs = gather_rng(self.penv.world_size)
-        saved = None
-        if self.sharded:  # every rank writes its optimizer shard into the temporary folder rank 0 made
-            if self.main:
-                checkpoint.begin(self.ckpt_root, state.step)
-            dist.barrier()
-            save_sharded_optimizer(self.model, self.optimizer, checkpoint.tmp_dir(self.ckpt_root, state.step))
-            # gathered tied weights come back as separate tensors: keep the names the model checkpoints
-            weights = {k: v for k, v in full_model_state(self.model).items() if k in self.shapes}
-        else:
-            weights = model_state(self.base) if self.main else {}
-        if self.main:
-            trainer = {"optimizer": None if self.sharded else self.optimizer.state_dict(),
-                       "loader": self.loader.state_dict(), "state": asdict(state), "rng": rngs,
-                       "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
-            meta = {"tokens": state.tokens, "train_loss": state.last_train_loss, "val_loss": state.last_val_loss,
-                    "best_val_loss": state.best_val_loss, "config_hash": config_hash(cfg), "phase": self.opts.phase,
-                    "tokenizer": tokenizer_fingerprint(self.prepared), "world_size": self.penv.world_size}
-            if self.saver is not None and background:  # staged to host memory here, written in the background
-                self.saver.save(self.ckpt_root, state.step, weights, trainer, meta,
-                                keep_last=cfg.checkpoint.keep_last, is_best=is_best, waited=time.perf_counter() - t0)
-            else:
-                self.collect_saves(wait=True)  # the one in flight first: `latest` moves in step order
-                saved = checkpoint.save(self.ckpt_root, state.step, weights, trainer, meta,
-                                        keep_last=cfg.checkpoint.keep_last, is_best=is_best, prepared=self.sharded)
-                seconds = time.perf_counter() - t0
-                self.saved(checkpoint.Saved(saved, is_best, seconds, seconds))
-        dist.barrier()
-        return saved
-
-    def collect_saves(self, wait: bool = False) -> None:
-        """Rank 0: record the background saves that finished (waiting for the one in flight when asked)."""
-        if self.saver is None:
-            return
-        if wait:
-            self.saver.wait()
-        for done in self.saver.collect():
-            self.saved(done)
-
-    def saved(self, done: checkpoint.Saved) -> None:
-        """A checkpoint is complete: meta.json, the upload, its line in metrics.jsonl."""
-        saved = done.checkpoint
-        runs.update_meta(self.path, step=saved.meta["step"], tokens=saved.meta["tokens"],
-                         last_checkpoint=saved.path.name, best_val_loss=saved.meta["best_val_loss"])
-        if self.uploader:  # in the background: training goes on while it uploads
-            self.uploader.submit(saved, done.is_best)
-        self.say(f"checkpoint at step {saved.meta['step']} written in {done.write_seconds:.2f}s (training blocked "
-                 f"{done.blocked_seconds:.2f}s)")  # k8s doctor reads the save time back from the pod's log
-        if self.sinks:
-            self.sinks.log({"kind": "checkpoint", "step": saved.meta["step"], "path": str(saved.path),
-                            "best": done.is_best, "blocked_seconds": round(done.blocked_seconds, 4),
-                            "write_seconds": round(done.write_seconds, 4), "phase": self.opts.phase,
-                            "time": time.time()})
-        self.last_checkpoint = saved
 
     def finish(self, status: str) -> None:
         """Record how the run ended: meta.json first (sinks such as MLflow keep it as an artifact), then sinks."""
@@ -606,7 +436,3 @@ class Trainer:
         text = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens)
         with open(self.path / runs.SAMPLES_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": self.state.step, "sample": redact_text(text)}) + "\n")
-
-
-def tokenizer_fingerprint(prepared: Prepared) -> str:
-    return str(prepared.meta["tokenizer"])
