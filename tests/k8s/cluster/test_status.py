@@ -246,6 +246,10 @@ def test_the_last_incident_is_the_newest_line_of_any_pod_or_its_previous_contain
                                    "killed by SIGKILL [tiny-1, previous container]")
     assert [r["query"].get("previous") for r in apiserver.requests if r["path"].endswith("/log")] == [
         None, None, ["true"]]  # only the container that restarted is asked for its previous instance
+    asked = len(apiserver.requests)
+    code, out, _ = cli("k8s", "list", "--kubeconfig", str(kubeconfig))  # the idle marker's logs, no earlier ones
+    assert code == 0 and out.startswith("ml/tiny  statefulset  running")
+    assert not any(r["query"].get("previous") for r in apiserver.requests[asked:])
     apiserver.write_log(first, _incident("preempted", None, 350, T0 + 120, "SIGTERM to the launcher; run status "
                                          "stopped; latest checkpoint step-000350"))
     status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])

@@ -271,7 +271,9 @@ def list_jobs(cluster: Cluster, namespace: str, all_namespaces: bool = False) ->
     for cm in cluster.list("ConfigMap", namespace, selector, all_namespaces=all_namespaces):
         labels = cm["metadata"].get("labels") or {}
         ns, name = cm["metadata"]["namespace"], labels[JOB_LABEL]
-        status = job_status(cluster, name, ns, with_step=labels.get(WORKLOAD_LABEL) == "statefulset")
+        # a StatefulSet's state needs its logs (the idle marker); nobody's needs the earlier ones
+        status = job_status(cluster, name, ns, with_step=labels.get(WORKLOAD_LABEL) == "statefulset",
+                            with_incident=False)
         out.append({"name": name, "namespace": ns, "workload": labels.get(WORKLOAD_LABEL),
                     "state": status["state"], "created": cm["metadata"].get("creationTimestamp")})
     return out
