@@ -28,6 +28,8 @@ def test_an_incident_without_rank_or_step_and_a_message_of_several_lines(tmp_pat
     assert "\n" not in line and line.endswith("): SIGTERM to the launcher")
     back = parse_log_line(line)
     assert back is not None and (back["kind"], back["rank"], back["step"]) == ("preempted", None, None)
+    quiet = parse_log_line(log_line({**entry, "kind": "worker-exit", "rank": 1, "message": ""}))  # said nothing
+    assert quiet is not None and (quiet["kind"], quiet["rank"], quiet["message"]) == ("worker-exit", 1, "")
 
 
 def test_other_lines_are_not_incidents() -> None:

@@ -24,7 +24,7 @@ Kind = Literal["hang", "timeout", "worker-exit", "oom", "preempted"]
 # is on a claim it cannot read). Kept stable: log_line writes it, parse_log_line reads it.
 _LINE = re.compile(
     r"^incident: (?P<kind>" + "|".join(KINDS) + r")(?: on rank (?P<rank>\d+))?(?: at step (?P<step>\d+))?"
-    r" \((?P<time>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)\): (?P<message>.*)$"
+    r" \((?P<time>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)\):\s*(?P<message>.*)$"
 )
 
 
