@@ -75,6 +75,7 @@ class ApiServer(Controllers):
     def __init__(self) -> None:
         self.objects: dict[str, dict[str, Any]] = {}
         self.logs: dict[str, str] = {}  # pod name -> what its container wrote
+        self.previous_logs: dict[str, str] = {}  # pod name -> what its container's previous instance wrote
         self.answers: dict[tuple[str, str], Answer] = {}
         self.requests: list[dict[str, Any]] = []
         self.crds: dict[str, dict[str, Any]] = {}
@@ -376,9 +377,15 @@ class ApiServer(Controllers):
                        f'{state["waiting"]["reason"]}')
             return _json(400, status(400, "BadRequest", message))
         text = self.logs.get(name, "")
+        if query.get("previous") == ["true"]:  # the last terminated instance, or 400 (validateContainerLogStatus)
+            if not (pod["status"]["containerStatuses"][0].get("lastState") or {}).get("terminated"):
+                message = (f'previous terminated container "{pod["spec"]["containers"][0]["name"]}" in pod '
+                           f'"{name}" not found')
+                return _json(400, status(400, "BadRequest", message))
+            text = self.previous_logs.get(name, "")
         if "tailLines" in query:
             text = "".join(text.splitlines(keepends=True)[-int(query["tailLines"][0]):])
-        if query.get("follow") != ["true"]:
+        if query.get("follow") != ["true"] or query.get("previous") == ["true"]:
             return 200, text.encode(), "text/plain"
         return self._follow(pod, name)
 

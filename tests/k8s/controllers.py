@@ -23,6 +23,7 @@ class Controllers:
 
     objects: dict[str, dict[str, Any]]
     logs: dict[str, str]
+    previous_logs: dict[str, str]
     changed: threading.Condition
     crds: dict[str, dict[str, Any]]
     serial: int
@@ -123,6 +124,20 @@ class Controllers:
         def change(pod: dict[str, Any]) -> None:
             pod["status"].update(phase="Succeeded" if code == 0 else "Failed", containerStatuses=[
                 _container(pod, {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}})])
+        self._change_pod(name, change)
+
+    def restart(self, name: str, code: int, log: str = "") -> None:
+        """The kubelet restarts the container in place (restartPolicy Always or OnFailure): the instance that ended
+        becomes `lastState.terminated` and its log stays readable with `previous=true` (one instance back); the new
+        one starts an empty log (pkg/kubelet/kuberuntime/kuberuntime_container.go, kubelet_pods.go)."""
+        self.write_log(name, log)
+
+        def change(pod: dict[str, Any]) -> None:
+            [container] = pod["status"]["containerStatuses"]
+            container.update(state={"running": {"startedAt": self._now()}}, restartCount=container["restartCount"] + 1,
+                             lastState={"terminated": {"exitCode": code, "reason": "Error" if code else "Completed",
+                                                       "containerID": f"containerd://{self._next('container')}"}})
+            self.previous_logs[name] = self.logs.pop(name, "")
         self._change_pod(name, change)
 
     def _change_pod(self, name: str, change: Callable[[dict[str, Any]], None]) -> None:

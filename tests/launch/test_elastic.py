@@ -15,6 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from kubetrain.errors import EXIT_STOPPED_RESUMABLE, UserInputError
+from kubetrain.k8s.cluster.status import last_incident
 from kubetrain.launch.elastic import (
     LaunchOptions,
     flight_recorder_env,
@@ -148,6 +149,9 @@ def test_sigterm_to_the_launcher_saves_and_exits_resumable(tmp_path: Path) -> No
     meta = json.loads((tmp_path / "runs" / "term" / "meta.json").read_text())
     assert meta["status"] == "stopped"
     assert [e["kind"] for e in meta["incidents"]] == ["preempted"]
+    incident = last_incident({"launcher": err.splitlines()})  # the line `k8s status` finds in a pod's log
+    assert incident is not None and (incident["kind"], incident["rank"]) == ("preempted", None)
+    assert incident["step"] == meta["incidents"][0]["step"] and "SIGTERM to the launcher" in incident["message"]
     step = meta["step"]
     assert (tmp_path / "runs" / "term" / "checkpoints" / f"step-{step:06d}" / "meta.json").is_file()
 

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from kubetrain.k8s.cluster.status import last_incident
 from kubetrain.launch.watch import Beat, HangWatch, describe_exit, process_state
-from kubetrain.runs.incidents import read_all
+from kubetrain.runs.incidents import parse_log_line, read_all
+from kubetrain.track.console import parse_progress
 from kubetrain.train.heartbeat import HEARTBEAT_DIR_ENV, Heartbeat, beat_file
 from tests.train.conftest import STARTED, children, kubetrain, sets, start, wait_until
 
@@ -48,13 +50,17 @@ def test_a_hang_dumps_the_stacks_of_the_ranks_that_answer_names_the_stopped_one_
     os.kill(workers[1].pid, signal.SIGSTOP)
     while process_state(workers[1].pid)[0] != "T":  # delivered a moment later
         time.sleep(0.01)
-    watch = HangWatch(beats, run, hang_timeout=30.0, say=lambda m: None)
+    said: list[str] = []
+    watch = HangWatch(beats, run, hang_timeout=30.0, say=said.append)
     watch.check(now=time.time())  # fresh beats: nothing happens
     assert not read_all(run) and all(w.poll() is None for w in workers)
     watch.check(now=time.time() + 60)
     for w in workers:
         assert w.wait(timeout=30) == -signal.SIGKILL
     [hang] = read_all(run)
+    [line] = said  # one line per incident, the one `k8s status` reads from a pod's log
+    assert parse_log_line(line) == {**{k: hang[k] for k in ("kind", "rank", "step")}, "time": int(hang["time"]),
+                                    "message": f"{hang['message']}; stacks in {run / hang['stacks']}"}
     assert hang["kind"] == "hang" and hang["rank"] == 1 and hang["step"] == 6
     assert "did not answer" in hang["message"]
     stacks = (run / hang["stacks"]).read_text()
@@ -76,13 +82,17 @@ def test_a_worker_that_dies_on_its_own_is_recorded_once_with_its_rank_and_step(t
     proc.kill()
     while process_state(proc.pid)[0] != "Z":
         time.sleep(0.01)
-    watch = HangWatch(beats, run, hang_timeout=None, say=lambda m: None)
+    said: list[str] = []
+    watch = HangWatch(beats, run, hang_timeout=None, say=said.append)
     watch.check()
     watch.check()
     proc.wait()
     [entry] = read_all(run)
     assert entry["kind"] in ("worker-exit", "oom") and entry["rank"] == 3 and entry["step"] == 11
     assert "SIGKILL" in entry["message"]
+    [line] = said
+    assert line.startswith(f"incident: {entry['kind']} on rank 3 at step 11 (")
+    assert line.endswith("): killed by SIGKILL")
     assert worker.poll() is None  # only the hang path ends workers
 
 
@@ -123,8 +133,15 @@ def test_a_stopped_worker_is_detected_dumped_restarted_and_the_run_completes(tmp
     os.kill(max(workers), signal.SIGSTOP)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    assert "launcher: hang: no rank advanced" in err and "resuming from" in out
+    assert "resuming from" in out
     [hang] = [e for e in read_all(run) if e["kind"] == "hang"]
+    # what `k8s status` reads from a pod's log: the launcher's incident line, rank 0's last progress line
+    incident = last_incident({"pod": err.splitlines()})
+    assert incident is not None
+    assert (incident["kind"], incident["rank"], incident["step"]) == ("hang", hang["rank"], hang["step"])
+    assert incident["message"].startswith("no rank advanced for")
+    progress = [p for line in out.splitlines() if (p := parse_progress(line)) is not None]
+    assert (progress[-1]["step"], progress[-1]["max_steps"]) == (40, 40) and progress[-1]["slowest_rank"] in (0, 1, 2)
     stacks = (run / hang["stacks"]).read_text()
     assert stacks.count("=== rank") == 3 and "no stacks: it is stopped" in stacks
     assert stacks.count("File ") >= 2  # two ranks answered with their Python frames

@@ -153,7 +153,10 @@ def status(
     context: ContextOpt = None,
     json_: JsonOpt = False,
 ) -> None:
-    """The job's state, one line per rank from its newest pod, and the step the live pods logged.
+    """The job's state, progress (step/max, %, tokens/s, ETA), slowest rank, last incident, one line per rank.
+
+    Progress and the last incident are read from the last 1000 lines of the pods' logs (and of a restarted
+    container's previous instance, and of the pod a rank's newest pod replaced).
 
     States: pending (with the scheduler's reason, or why a rank has no pod), queued (by Kueue, with its
     Workload's reason), suspended, running, succeeded, failed, finished (a StatefulSet idling after training),

@@ -106,8 +106,9 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         watch.stop()
         status, latest = _run_status(run_dir)
         if e.sigval == signal.SIGTERM:
-            incidents.record(run_dir, "preempted", rank=None, step=watch.last_step(),
-                             message=f"SIGTERM to the launcher; run status {status}; latest checkpoint {latest}")
+            _say(incidents.log_line(incidents.record(
+                run_dir, "preempted", rank=None, step=watch.last_step(),
+                message=f"SIGTERM to the launcher; run status {status}; latest checkpoint {latest}")))
         if status != "stopped" and latest is not None:  # the stop save did not finish in the grace period
             _say(f"launcher: {e.sigval.name}: workers stopped before their stop checkpoint; the run resumes from "
                  f"{latest}")

@@ -5,7 +5,9 @@ this node has finished a step for `dist.hang_timeout_seconds`, it asks every wor
 (SIGUSR1: faulthandler), gives them a moment, writes them to `<run>/incidents/`, and SIGKILLs the workers;
 torch's elastic agent sees them fail and restarts them (they resume from the latest checkpoint) while
 restarts are left. A SIGSTOPped worker cannot answer: it is named as the suspect, with its process state.
-A worker that exits on its own is recorded too (worker-exit, oom, timeout), once per restart round.
+A worker that exits on its own is recorded too (worker-exit, oom, timeout), once per restart round. Each
+incident is also one `incident: ...` line on the launcher's stderr (incidents.log_line): in a pod, the log is
+where `k8s status` finds it.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ class HangWatch:
         self._oom_at_start = oom_now
         self.last_incident = incidents.record(self.run_dir, kind, rank=beat.rank, step=beat.step,
                                               message=message.splitlines()[0][:500] if message else "")
-        self.say(f"launcher: {kind}: rank {beat.rank} {message.splitlines()[0][:200]} after step {beat.step}")
+        self.say(incidents.log_line(self.last_incident, self.run_dir))
 
     def heal_hang(self, live: list[Beat], silent_for: float) -> None:
         """Dump every rank's stacks into incidents/, name the rank that did not answer (or advanced least), kill."""
@@ -193,7 +195,7 @@ class HangWatch:
                    f"(process state {states[suspect.rank]}); workers ended")
         self.last_incident = incidents.record(self.run_dir, "hang", rank=suspect.rank, step=suspect.step,
                                               message=message, stacks=out)
-        self.say(f"launcher: hang: {message}; stacks in {out}")
+        self.say(incidents.log_line(self.last_incident, self.run_dir))
 
     def finish(self, failure_rank: int | None, failure_message: str | None) -> None:
         """After the agent gave up: record the failure that ended the last round, unless it was already."""

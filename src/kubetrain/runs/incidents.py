@@ -7,8 +7,10 @@ never races rank 0 on meta.json); meta.json's `incidents` is the same list, copi
 
 from __future__ import annotations
 
+import calendar
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +20,12 @@ from kubetrain.files import write_atomic
 INCIDENTS = "incidents"
 KINDS = ("hang", "timeout", "worker-exit", "oom", "preempted")
 Kind = Literal["hang", "timeout", "worker-exit", "oom", "preempted"]
+# The one line the launcher prints per incident; `k8s status` finds the newest in the pods' logs (the run folder
+# is on a claim it cannot read). Kept stable: log_line writes it, parse_log_line reads it.
+_LINE = re.compile(
+    r"^incident: (?P<kind>" + "|".join(KINDS) + r")(?: on rank (?P<rank>\d+))?(?: at step (?P<step>\d+))?"
+    r" \((?P<time>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)\):\s*(?P<message>.*)$"
+)
 
 
 def incidents_dir(run_dir: Path) -> Path:
@@ -65,3 +73,29 @@ def describe(entry: dict[str, Any]) -> str:
     who = f" (rank {entry['rank']})" if entry.get("rank") is not None else ""
     stacks = f"; stacks: {entry['stacks']}" if entry.get("stacks") else ""
     return f"{when} {entry['kind']}{where}{who}: {entry.get('message', '')}{stacks}"
+
+
+def log_line(entry: dict[str, Any], run_dir: Path | None = None) -> str:
+    """The launcher's line for an incident: `incident: hang on rank 2 at step 340 (2026-11-24T05:12:40Z): ...`.
+
+    One line (the message's first), parsed back by `parse_log_line`; `run_dir` makes the stacks path one a
+    reader of the log can open.
+    """
+    who = f" on rank {entry['rank']}" if entry.get("rank") is not None else ""
+    where = f" at step {entry['step']}" if entry.get("step") is not None else ""
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(entry.get("time", 0))))
+    message = (str(entry.get("message") or "").splitlines() or [""])[0]
+    if entry.get("stacks"):
+        message += f"; stacks in {run_dir / entry['stacks'] if run_dir else entry['stacks']}"
+    return f"incident: {entry['kind']}{who}{where} ({when}): {message}"
+
+
+def parse_log_line(line: str) -> dict[str, Any] | None:
+    """An incident (kind, rank, step, time, message) from a line `log_line` wrote, or None for any other line."""
+    found = _LINE.match(line.strip())
+    if found is None:
+        return None
+    rank, step = found.group("rank"), found.group("step")
+    return {"kind": found.group("kind"), "rank": int(rank) if rank else None, "step": int(step) if step else None,
+            "time": float(calendar.timegm(time.strptime(found.group("time"), "%Y-%m-%dT%H:%M:%SZ"))),
+            "message": found.group("message")}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -9,6 +10,12 @@ from typing import Any
 
 from kubetrain.secrets import redact_text
 from kubetrain.track import Sink
+
+# The fields of a `train` line that parse_progress reads back (the same text format_record writes).
+_STEP = re.compile(r"\bstep (\d+)/(\d+)\b")
+_RATE = re.compile(r"\btok/s ([\d,]+)")
+_ETA = re.compile(r"\beta (?:(\d+):)?(\d+):(\d\d)\b")
+_SLOWEST = re.compile(r"\bslowest rank (\d+) \((\d+(?:\.\d+)?)x\)")
 
 
 def format_record(rec: dict[str, Any], total: int) -> str:
@@ -23,9 +30,28 @@ def format_record(rec: dict[str, Any], total: int) -> str:
     if rec.get("mfu") is not None:
         parts.append(f"mfu {100 * rec['mfu']:.1f}%")
     parts.append(f"mem {rec['memory_gib']:.2f}GiB")
+    if rec.get("slowest_rank") is not None:  # distributed runs: the rank the others wait for
+        parts.append(f"slowest rank {rec['slowest_rank']} ({rec['straggler_ratio']:.1f}x)")
     if rec.get("eta_seconds") is not None:
-        parts.append(f"eta {_duration(rec['eta_seconds'])}")
+        parts.append(f"eta {duration(rec['eta_seconds'])}")
     return " | ".join(parts)
+
+
+def parse_progress(line: str) -> dict[str, Any] | None:
+    """What a `train` line of `format_record` says (step, max_steps, tokens_per_second, eta_seconds, slowest_rank,
+    straggler_ratio; None where the line has none), or None for any other line. `k8s status` reads pod logs so."""
+    step = _STEP.search(line)
+    if step is None:
+        return None
+    rate, eta, slowest = _RATE.search(line), _ETA.search(line), _SLOWEST.search(line)
+    return {
+        "step": int(step.group(1)),
+        "max_steps": int(step.group(2)),
+        "tokens_per_second": float(rate.group(1).replace(",", "")) if rate else None,
+        "eta_seconds": (int(eta.group(1) or 0) * 3600 + int(eta.group(2)) * 60 + int(eta.group(3))) if eta else None,
+        "slowest_rank": int(slowest.group(1)) if slowest else None,
+        "straggler_ratio": float(slowest.group(2)) if slowest else None,
+    }
 
 
 def count(n: int) -> str:
@@ -39,7 +65,7 @@ def count(n: int) -> str:
     return str(n)
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     seconds = int(seconds)
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)

@@ -46,7 +46,7 @@ def test_status_shows_state_ranks_and_last_step(tmp_path: Path, apiserver: Any, 
     code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
     assert code == 0, err
     assert out.splitlines() == [
-        "tiny (indexed-job, namespace ml): running, step 120/200",
+        "tiny (indexed-job, namespace ml): running, step 120/200 (60%)",
         "  rank 0: tiny-0-4mq9d Running on gpu-a, 0 restarts",
         "  rank 1: tiny-1-x7k2p Running on gpu-b, 2 restarts",
     ]
@@ -96,7 +96,7 @@ def test_one_line_per_rank_from_its_newest_pod(tmp_path: Path, apiserver: Any, c
     code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
     assert code == 0, err
     assert out.splitlines() == [
-        "tiny (indexed-job, namespace ml): running, step 14/20",
+        "tiny (indexed-job, namespace ml): running, step 14/20 (70%)",
         f"  rank 0: {replacement} Running on node-a, 0 restarts, 1 earlier failed pod",
         f"  rank 1: {other} Running on node-b, 0 restarts",
     ]
@@ -132,7 +132,8 @@ def test_a_finished_run_says_so(tmp_path: Path, apiserver: Any, cli: Cli) -> Non
         apiserver.start(apiserver.pod("tiny", rank), "step 20/20 | loss 2.0\n[entrypoint] training finished; "
                         "idling so the StatefulSet does not restart it\n")
     code, out, _ = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
-    assert code == 0 and out.splitlines()[0] == "tiny (statefulset, namespace ml): finished, step 20/20"
+    assert code == 0 and out.splitlines()[0] == ("tiny (statefulset, namespace ml): finished, step 20/20 (100%), "
+                                          "training finished")
     launch(cli, kubeconfig, "k8s.name=job2")
     apiserver.start(apiserver.pod("job2", 0), "step 200/200\n")
     apiserver.exit(apiserver.pod("job2", 0), 0)
@@ -162,3 +163,118 @@ def test_shell_execs_kubectl_into_the_ranks_pod(tmp_path: Path, apiserver: Any, 
                            "--kubeconfig", kubeconfig], env=env, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"kubectl {expected}"
+
+
+def _progress(step: int, eta: float, total: int = 200, slowest: int | None = 1) -> str:
+    """Rank 0's console line, as the trainer prints it."""
+    from kubetrain.track.console import format_record
+
+    return format_record({"kind": "train", "step": step, "loss": 2.5, "lr": 1e-3, "tokens_per_second": 12345.0,
+                          "memory_gib": 1.0, "slowest_rank": slowest, "straggler_ratio": 1.83,
+                          "eta_seconds": eta}, total) + "\n"
+
+
+def test_progress_percent_tokens_eta_and_slowest_rank_from_the_newest_console_line(
+    tmp_path: Path, apiserver: Any, cli: Cli
+) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, "k8s.nnodes=2")
+    apiserver.start(apiserver.pod("tiny", 0), "[entrypoint] node 0/2\n")
+    # global rank 0 may run in node rank 1's pod: c10d numbers ranks by the order nodes join
+    apiserver.start(apiserver.pod("tiny", 1), _progress(110, 900) + "eval step 110: val_loss 2.0 ppl 7.39\n"
+                    + _progress(120, 800) + "saved checkpoint step-000120\n", node="node-b")
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    assert out.splitlines()[:2] == [
+        "tiny (indexed-job, namespace ml): running, step 120/200 (60%), 12,345 tok/s, eta 13:20",
+        "  slowest rank: 1 (1.8x the median rank)",
+    ]
+    code, out, _ = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")
+    status = json.loads(out)
+    assert {k: status[k] for k in ("step", "max_steps", "percent", "tokens_per_second", "eta_seconds",
+                                   "training_finished", "slowest_rank", "straggler_ratio", "last_incident")} == {
+        "step": 120, "max_steps": 200, "percent": 60.0, "tokens_per_second": 12345.0, "eta_seconds": 800,
+        "training_finished": False, "slowest_rank": 1, "straggler_ratio": 1.8, "last_incident": None}
+    logs = [r for r in apiserver.requests if r["path"].endswith("/log")]
+    assert logs and all(r["query"]["tailLines"] == ["1000"] and "previous" not in r["query"] for r in logs)
+    code, out, _ = cli("k8s", "list", "--kubeconfig", str(kubeconfig))  # list reads no logs: state only
+    assert code == 0 and out.startswith("ml/tiny  indexed-job  running")
+
+
+def test_a_finished_job_says_so_instead_of_an_eta(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig)
+    pod = apiserver.pod("tiny", 0)
+    apiserver.start(pod, _progress(199, 2, slowest=None))
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    assert out.splitlines()[0] == ("tiny (indexed-job, namespace ml): running, step 199/200 (99.5%), 12,345 tok/s, "
+                                   "eta 0:02")
+    apiserver.exit(pod, 0, _progress(200, 0, slowest=None) + "exported runs/tiny/hf\n")
+    _, out, _ = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert out.splitlines()[0] == ("tiny (indexed-job, namespace ml): succeeded, step 200/200 (100%), 12,345 tok/s, "
+                                   "training finished")
+    status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])
+    assert status["training_finished"] and status["eta_seconds"] is None and status["slowest_rank"] is None
+
+
+def _incident(kind: str, rank: int | None, step: int, at: float, message: str) -> str:
+    """The launcher's line for an incident, as launch/watch.py prints it."""
+    from kubetrain.runs.incidents import log_line
+
+    return log_line({"kind": kind, "rank": rank, "step": step, "time": at, "message": message}) + "\n"
+
+
+T0 = 1795000000.0  # 2026-11-18T11:06:40Z
+
+
+def test_the_last_incident_is_the_newest_line_of_any_pod_or_its_previous_container(
+    tmp_path: Path, apiserver: Any, cli: Cli
+) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, "k8s.nnodes=2", "k8s.workload=statefulset")  # restartPolicy Always: in-place restarts
+    first, second = apiserver.pod("tiny", 0), apiserver.pod("tiny", 1)
+    hang = _incident("hang", 3, 330, T0, "no rank advanced for 30s; rank 3 did not answer (process state T); "
+                     "workers ended")
+    apiserver.start(first, _progress(330, 600) + hang + "resuming from step 320\n" + _progress(340, 500))
+    apiserver.start(second, "[entrypoint] node 1/2\n", node="node-b")
+    apiserver.restart(second, 1, _incident("oom", 5, 352, T0 + 60, "killed by SIGKILL"))  # its launcher died
+    apiserver.write_log(second, "[entrypoint] node 1/2\n")
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    assert out.splitlines()[2] == ("  last incident: oom on rank 5 at step 352 (2026-11-18T11:07:40Z): "
+                                   "killed by SIGKILL [tiny-1, previous container]")
+    assert [r["query"].get("previous") for r in apiserver.requests if r["path"].endswith("/log")] == [
+        None, None, ["true"]]  # only the container that restarted is asked for its previous instance
+    asked = len(apiserver.requests)
+    code, out, _ = cli("k8s", "list", "--kubeconfig", str(kubeconfig))  # the idle marker's logs, no earlier ones
+    assert code == 0 and out.startswith("ml/tiny  statefulset  running")
+    assert not any(r["query"].get("previous") for r in apiserver.requests[asked:])
+    apiserver.write_log(first, _incident("preempted", None, 350, T0 + 120, "SIGTERM to the launcher; run status "
+                                         "stopped; latest checkpoint step-000350"))
+    status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])
+    assert status["last_incident"] == {
+        "kind": "preempted", "rank": None, "step": 350, "time": T0 + 120, "log": "tiny-0",
+        "message": "SIGTERM to the launcher; run status stopped; latest checkpoint step-000350"}
+
+
+def test_the_incident_that_ended_a_replaced_pod_is_read_from_its_log(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig)
+    first = apiserver.pod("tiny", 0)
+    apiserver.start(first, _progress(130, 600, slowest=None))
+    apiserver.exit(first, 1, _incident("hang", 0, 130, T0, "no rank advanced for 30s; rank 0 advanced least "
+                                       "(process state S); workers ended") + "error: hang at step 130: ...\n")
+    replacement = apiserver.pod("tiny", 0)
+    apiserver.start(replacement, "resuming from step 120\n" + _progress(121, 700, slowest=None))
+    status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])
+    assert (status["step"], status["pods"][0]["earlier_failed"]) == (121, 1)
+    incident = status["last_incident"]
+    assert (incident["kind"], incident["rank"], incident["step"], incident["log"]) == ("hang", 0, 130,
+                                                                                        f"{first}, replaced")
+    apiserver.answer("GET", f"{PODS}/{first}/log", 500, {"kind": "Status", "message": "node gone"})
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err  # an earlier log that cannot be read is history: the status goes on without it
+    assert out.splitlines()[0] == ("tiny (indexed-job, namespace ml): running, step 121/200 (60.5%), 12,345 tok/s, "
+                                   "eta 11:40")
+    assert "last incident" not in out

@@ -155,7 +155,7 @@ def test_a_rank_the_quota_holds_back_is_named_then_followed(tmp_path: Path, apis
     assert one_said[0].startswith(f"[rank 1] (no pod yet: {refused}")  # "(N times)" as the controller retries
     assert one_said[-1] == "[rank 1] [entrypoint] node 1/2" and "[rank 0] step 2/2" in out.splitlines()
     code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
-    assert out.splitlines()[0] == "tiny (indexed-job, namespace ml): succeeded, step 2/2"
+    assert out.splitlines()[0] == "tiny (indexed-job, namespace ml): succeeded, step 2/2 (100%), training finished"
 
 
 def test_losing_the_rendezvous_host_follows_both_replacements(tmp_path: Path, apiserver: Any, cli: Cli) -> None:

@@ -324,11 +324,17 @@ class Cluster:
         container: str | None = None,
         follow: bool = False,
         tail: int | None = None,
+        previous: bool = False,
     ) -> Iterator[str]:
-        """A pod's log line by line as it arrives, never read whole."""
+        """A pod's log line by line as it arrives, never read whole.
+
+        `previous`: the container's previous instance (the kubelet keeps the last one that terminated; it answers
+        400 when there is none, see `lastState.terminated`)."""
         query = [("follow", "true" if follow else "false")]
         if container:
             query.append(("container", container))
+        if previous:
+            query.append(("previous", "true"))
         if tail is not None:
             query.append(("tailLines", str(tail)))
         path = RESOURCES["Pod"].path(namespace or self.default_namespace, pod, "log")

@@ -1,9 +1,13 @@
 """What a launched job is doing: its state, each rank's newest pod (phase, node, restarts, earlier failures),
-and the last step the live pods logged."""
+its progress (step, %, tokens/s, ETA, slowest rank) and its last incident, read from the pods' logs.
+
+The run folder is on a claim this command cannot read, so the logs are the channel: rank 0's console line
+(track.console) and the launcher's `incident: ...` line (runs.incidents), found in the last TAIL_LINES lines of
+each live pod's log, of its previous container (a restart) and of the pod it replaced.
+"""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +23,10 @@ from kubetrain.k8s.workloads import (
     node_rank,
     pod_selector,
 )
+from kubetrain.runs.incidents import log_line, parse_log_line
+from kubetrain.track.console import duration, parse_progress
 
-_STEP = re.compile(r"\bstep (\d+)/(\d+)\b")
+TAIL_LINES = 1000  # of each log read: enough for an incident an hour old at one progress line every few seconds
 
 
 @dataclass
@@ -28,6 +34,7 @@ class Rank:
     rank: int | None
     pod: dict[str, Any]  # the newest pod of this rank: the one that runs (or ran last)
     earlier_failed: int  # pods of this rank the controller replaced after they failed
+    replaced: dict[str, Any] | None = None  # the pod this one replaced (its log may hold the incident that ended it)
 
     @property
     def phase(self) -> str:
@@ -54,7 +61,7 @@ def ranks(pods: list[dict[str, Any]]) -> list[Rank]:
     for rank, group in by_rank.items():
         group.sort(key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"]))
         failed = sum((p.get("status") or {}).get("phase") == "Failed" for p in group[:-1])
-        out.append(Rank(rank, group[-1], failed))
+        out.append(Rank(rank, group[-1], failed, group[-2] if len(group) > 1 else None))
     return sorted(out, key=lambda r: (r.rank is None, r.rank or 0, r.name))
 
 
@@ -75,10 +82,34 @@ def waiting_reason(pod: dict[str, Any]) -> str | None:
     return None if pod.get("spec", {}).get("nodeName") else "not scheduled yet"
 
 
-def _tail(cluster: Cluster, namespace: str, rank: Rank) -> list[str]:
-    if rank.phase not in ("Running", "Succeeded", "Failed"):
+def _tail(cluster: Cluster, namespace: str, pod: dict[str, Any], previous: bool = False) -> list[str]:
+    if (pod.get("status") or {}).get("phase") not in ("Running", "Succeeded", "Failed"):
         return []
-    return list(cluster.log_lines(rank.name, namespace, main_container(rank.pod), tail=200))
+    return list(cluster.log_lines(pod["metadata"]["name"], namespace, main_container(pod), tail=TAIL_LINES,
+                                  previous=previous))
+
+
+def restarted(pod: dict[str, Any]) -> bool:
+    """The main container ran before (`lastState.terminated`): the kubelet still has that instance's log."""
+    name = main_container(pod)
+    return any(c.get("name") == name and (c.get("lastState") or {}).get("terminated")
+               for c in (pod.get("status") or {}).get("containerStatuses") or [])
+
+
+def earlier_logs(cluster: Cluster, namespace: str, live: list[Rank]) -> dict[str, list[str]]:
+    """The tails of each rank's previous container and of the pod it replaced: where the incident that ended
+    them was printed. A log that is gone (node removed, rotated) is skipped: it is history, not state."""
+    out: dict[str, list[str]] = {}
+    for rank in live:
+        sources = [(f"{rank.name}, previous container", rank.pod, True)] if restarted(rank.pod) else []
+        if rank.replaced is not None:
+            sources.append((f"{rank.replaced['metadata']['name']}, replaced", rank.replaced, False))
+        for label, pod, previous in sources:
+            try:
+                out[label] = _tail(cluster, namespace, pod, previous)
+            except ClusterError:
+                continue
+    return out
 
 
 def state(obj: dict[str, Any] | None, live: list[Rank], tails: dict[str, list[str]],
@@ -112,36 +143,71 @@ def state(obj: dict[str, Any] | None, live: list[Rank], tails: dict[str, list[st
     return "running"
 
 
-def last_step(live: list[Rank], tails: dict[str, list[str]]) -> tuple[int, int] | None:
-    """(step, max_steps) from the newest progress line of the live pods (global rank 0 logs progress)."""
+def last_progress(live: list[Rank], tails: dict[str, list[str]]) -> dict[str, Any] | None:
+    """The newest progress line of the live pods, parsed (global rank 0 logs progress, on whichever pod it runs)."""
     for rank in live:
-        steps = [m for line in tails.get(rank.name, []) for m in _STEP.finditer(line)]
-        if steps:
-            return int(steps[-1].group(1)), int(steps[-1].group(2))
+        for line in reversed(tails.get(rank.name, [])):
+            progress = parse_progress(line)
+            if progress is not None:
+                return progress
     return None
 
 
-def job_status(cluster: Cluster, name: str, namespace: str, with_step: bool = True) -> dict[str, Any]:
+def last_incident(logs: dict[str, list[str]]) -> dict[str, Any] | None:
+    """The newest `incident: ...` line of these logs (by the time it carries: each node's launcher prints its own),
+    with the log it came from."""
+    newest: dict[str, Any] | None = None
+    for source, lines in logs.items():
+        for line in lines:
+            entry = parse_log_line(line)
+            if entry is not None and (newest is None or entry["time"] >= newest["time"]):
+                newest = {**entry, "log": source}
+    return newest
+
+
+def progress_fields(progress: dict[str, Any] | None, state: str) -> dict[str, Any]:
+    """step, max_steps, percent, tokens_per_second, eta_seconds (only while running), slowest rank, and whether
+    training is finished (the job succeeded or finished, or the last step is logged): then there is no ETA."""
+    p = progress or dict.fromkeys(("step", "max_steps", "tokens_per_second", "eta_seconds", "slowest_rank",
+                                   "straggler_ratio"))
+    done = state in ("succeeded", "finished") or (p["step"] is not None and p["step"] >= p["max_steps"])
+    return {
+        "step": p["step"],
+        "max_steps": p["max_steps"],
+        "percent": round(100 * p["step"] / p["max_steps"], 1) if p["step"] is not None and p["max_steps"] else None,
+        "tokens_per_second": p["tokens_per_second"],
+        "eta_seconds": p["eta_seconds"] if state == "running" and not done else None,
+        "training_finished": done,
+        "slowest_rank": p["slowest_rank"],
+        "straggler_ratio": p["straggler_ratio"],
+    }
+
+
+def job_status(cluster: Cluster, name: str, namespace: str, with_step: bool = True,
+               with_incident: bool = True) -> dict[str, Any]:
+    """The job's state, pods and (with_step) its progress read from the live pods' logs; with_incident also reads
+    the logs of restarted containers and replaced pods for the last incident."""
     config_map = cluster.find("ConfigMap", f"{name}-config", namespace)
     live = job_ranks(cluster, name, namespace)
     if config_map is None and not live:
         raise ClusterError(f"no kubetrain job '{name}' in namespace {namespace} on {cluster.where}")
     workload = ((config_map or {}).get("metadata", {}).get("labels") or {}).get(WORKLOAD_LABEL, "indexed-job")
     obj = workload_object(cluster, name, namespace, config_map)
-    tails = {r.name: _tail(cluster, namespace, r) for r in live} if with_step else {}
-    step = last_step(live, tails)
+    tails = {r.name: _tail(cluster, namespace, r.pod) for r in live} if with_step else {}
+    earlier = earlier_logs(cluster, namespace, live) if with_step and with_incident else {}
     have = {r.rank for r in live}
     wanted = [n for n in range(expected_ranks(config_map) or 0) if n not in have]
     held = wanted or not live or (obj or {}).get("spec", {}).get("suspend")  # suspended: Kueue may hold it
     waiting = Waiting(cluster, obj) if obj is not None and finished(obj) is None and held else None
     missing = {n: waiting.why(n) for n in wanted} if waiting is not None else {}
+    now = state(obj, live, tails, missing, waiting.queued if waiting is not None else None)
     return {
         "name": name,
         "namespace": namespace,
         "workload": workload,
-        "state": state(obj, live, tails, missing, waiting.queued if waiting is not None else None),
-        "step": step[0] if step else None,
-        "max_steps": step[1] if step else None,
+        "state": now,
+        **progress_fields(last_progress(live, tails), now),
+        "last_incident": last_incident({**earlier, **tails}),
         "pods": [
             {
                 "rank": r.rank,
@@ -159,11 +225,29 @@ def job_status(cluster: Cluster, name: str, namespace: str, with_step: bool = Tr
     }
 
 
+def progress_text(status: dict[str, Any]) -> str:
+    """`step 120/200 (60%), 12,345 tok/s, eta 1:02:03`; `training finished` in place of the ETA once it is."""
+    if status["step"] is None:
+        return "step unknown"
+    parts = [f"step {status['step']}/{status['max_steps']}"
+             + (f" ({status['percent']:g}%)" if status.get("percent") is not None else "")]
+    if status.get("tokens_per_second") is not None:
+        parts.append(f"{status['tokens_per_second']:,.0f} tok/s")
+    if status.get("training_finished"):
+        parts.append("training finished")
+    elif status.get("eta_seconds") is not None:
+        parts.append(f"eta {duration(status['eta_seconds'])}")
+    return ", ".join(parts)
+
+
 def format_status(status: dict[str, Any]) -> str:
-    step = f"step {status['step']}/{status['max_steps']}" if status["step"] is not None else "step unknown"
-    lines = [
-        f"{status['name']} ({status['workload']}, namespace {status['namespace']}): {status['state']}, {step}"
-    ]
+    lines = [f"{status['name']} ({status['workload']}, namespace {status['namespace']}): {status['state']}, "
+             f"{progress_text(status)}"]
+    if status.get("slowest_rank") is not None:
+        lines.append(f"  slowest rank: {status['slowest_rank']} ({status['straggler_ratio']:g}x the median rank)")
+    incident = status.get("last_incident")
+    if incident:
+        lines.append(f"  last incident: {log_line(incident).removeprefix('incident: ')} [{incident['log']}]")
     for pod in status["pods"]:
         rank = "?" if pod["rank"] is None else pod["rank"]
         line = (f"  rank {rank}: {pod['name']} {pod['phase']} on {pod['node'] or '(not scheduled)'}, "
@@ -187,7 +271,9 @@ def list_jobs(cluster: Cluster, namespace: str, all_namespaces: bool = False) ->
     for cm in cluster.list("ConfigMap", namespace, selector, all_namespaces=all_namespaces):
         labels = cm["metadata"].get("labels") or {}
         ns, name = cm["metadata"]["namespace"], labels[JOB_LABEL]
-        status = job_status(cluster, name, ns, with_step=labels.get(WORKLOAD_LABEL) == "statefulset")
+        # a StatefulSet's state needs its logs (the idle marker); nobody's needs the earlier ones
+        status = job_status(cluster, name, ns, with_step=labels.get(WORKLOAD_LABEL) == "statefulset",
+                            with_incident=False)
         out.append({"name": name, "namespace": ns, "workload": labels.get(WORKLOAD_LABEL),
                     "state": status["state"], "created": cm["metadata"].get("creationTimestamp")})
     return out
