@@ -52,6 +52,20 @@ def use_step_timeout(cfg: DistConfig, device: torch.device) -> None:
     distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=cfg.timeout_seconds), None)
 
 
+def checkpoint_group(cfg: DistConfig) -> td.ProcessGroup | None:
+    """A gloo group of every rank for the collectives of background checkpoint writes (collective: all ranks call it).
+
+    DCP's async save plans and gathers its write results in its own thread; on a group of their own those
+    collectives never interleave with the training loop's on the main group (torchtitan and PyTorch's async
+    checkpoint recipe do the same). gloo: DCP needs a CPU backend for it. The timeout stays the generous start-up
+    one: the final gather waits for the slowest rank's write, which may take longer than a step.
+    """
+    if not td.is_initialized():
+        return None
+    seconds = max(cfg.init_timeout_seconds, cfg.timeout_seconds)
+    return td.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+
+
 # Ranks that ended cleanly reach teardown within seconds of each other; rank 0 may still be uploading checkpoints,
 # and a peer that leaves after this wait is harmless then (no collective is in flight).
 TEARDOWN_BARRIER_SECONDS = 30.0
