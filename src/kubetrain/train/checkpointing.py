@@ -103,6 +103,10 @@ class Checkpointing:
         rngs = gather_rng(self.penv.world_size)
         saved, shards = None, None
         if self.sharded:  # every rank writes its optimizer shard into the temporary folder rank 0 made
+            # The weights first: a collective of the training group, so on this thread; done before DCP's write
+            # thread starts, which would compete with it for the CPU. Gathered tied weights come back as separate
+            # tensors: keep the names the model checkpoints.
+            weights = {k: v for k, v in full_model_state(self.model).items() if k in self.shapes}
             if self.main:
                 checkpoint.begin(self.ckpt_root, state.step)
             dist.barrier()
@@ -113,8 +117,6 @@ class Checkpointing:
                     self.shards_written = shards
             else:
                 save_sharded_optimizer(self.model, self.optimizer, folder)
-            # gathered tied weights come back as separate tensors: keep the names the model checkpoints
-            weights = {k: v for k, v in full_model_state(self.model).items() if k in self.shapes}
         else:
             weights = model_state(self.base) if self.main else {}
         if self.main:
