@@ -36,8 +36,11 @@ def _checkpoint_lines(run: Path) -> list[dict[str, Any]]:
     return [r for r in records if r["kind"] == "checkpoint"]
 
 
-def _rank(pid: int) -> int:
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+def _rank(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:  # it ended meanwhile
+        return None
     return int(next(v for v in env if v.startswith(b"RANK=")).split(b"=", 1)[1])
 
 
@@ -86,9 +89,9 @@ def test_sigkill_during_a_background_fsdp_save_keeps_the_previous_checkpoint_and
         while proc.poll() is None and not killed_during:
             torn = [p.name for p in ckpts.glob("*.tmp")] if (ckpts / "latest").exists() else []
             if torn and torn[0] != checkpoint.step_name(STEPS) + ".tmp":  # not the final, synchronous save
-                workers = _workers(proc.pid)
-                if len(workers) == 2:
-                    os.kill(next(p for p in workers if _rank(p) == 0), signal.SIGKILL)  # the rank that finishes it
+                rank0 = [p for p in _workers(proc.pid) if _rank(p) == 0]
+                if rank0:
+                    os.kill(rank0[0], signal.SIGKILL)  # the rank that finishes the checkpoint
                     killed_during = torn
         proc.communicate(timeout=300)
         if killed_during:
