@@ -4,9 +4,10 @@ Two runs of the gpt2-124m preset (124M parameters + AdamW: 1.5 GB per checkpoint
 one with `checkpoint.async_save=false` and one with `true`, with the same shortened context and steps so it
 fits a laptop CPU. Each checkpoint line in metrics.jsonl carries `blocked_seconds` (the loop was stopped) and
 `write_seconds` (staging to the last fsync); the result is the async run's median blocked time over the sync
-run's median save time (the issue asks for <= 0.20), plus each run's wall time. Usage:
+run's median save time (the issue asks for <= 0.20), plus each run's wall time. `--fsdp N`: the same under
+FSDP on N local processes (each rank's optimizer shard through DCP's async_save; rank 0's lines). Usage:
 
-    .venv/bin/python bench/bench_async_checkpoint.py [--steps 5 --every 2 --context 128] [--out bench/results]
+    .venv/bin/python bench/bench_async_checkpoint.py [--steps 5 --every 2 --context 128] [--fsdp 2] [--out DIR]
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def run(folder: Path, name: str, async_save: bool, args: argparse.Namespace) -> 
             f"run.threads={args.threads}",
             "train.log_every_steps=1"]
     cmd = [sys.executable, "-m", "kubetrain", "train", "--preset", "gpt2-124m"]
+    if args.fsdp:
+        sets.append("dist.strategy=fsdp")
+        cmd += ["--nproc", str(args.fsdp)]
     for item in sets:
         cmd += ["--set", item]
     t = time.perf_counter()
@@ -55,6 +59,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=2)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--fsdp", type=int, default=0, help="Ranks of an FSDP run (0: one process).")
     ap.add_argument("--dir", default=None, help="Folder on the disk to measure (default: a temp folder).")
     ap.add_argument("--out", default=None, help="Write the result JSON into this folder.")
     args = ap.parse_args()
@@ -71,14 +76,16 @@ def main() -> None:
     result = {
         "bench": "bench/bench_async_checkpoint.py", "commit": sha, "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__, "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-        "model": "gpt2-124m preset (124M params + AdamW)", "args": vars(args),
+        "model": "gpt2-124m preset (124M params + AdamW)" + (f", FSDP on {args.fsdp} ranks" if args.fsdp else ""),
+        "args": vars(args),
         "sync": sync, "async": asynchronous,
         "sync_save_seconds_median": sync_save, "async_blocked_seconds_median": async_blocked,
         "blocked_ratio": round(async_blocked / sync_save, 4),
     }
     print(json.dumps(result, indent=2))
     if args.out:
-        out = Path(args.out) / f"async-checkpoint-gpt2-124m_cpu-{os.cpu_count()}core_{time.strftime('%Y-%m-%d')}.json"
+        kind = f"async-checkpoint-fsdp{args.fsdp}" if args.fsdp else "async-checkpoint"
+        out = Path(args.out) / f"{kind}-gpt2-124m_cpu-{os.cpu_count()}core_{time.strftime('%Y-%m-%d')}.json"
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
 

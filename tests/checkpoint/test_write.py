@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import subprocess
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,41 @@ def test_a_failed_background_save_is_raised_in_the_caller_and_keeps_the_previous
         saver.collect()
     assert checkpoint.pointer(tmp_path, "latest") == "step-000001"
     assert saver.collect() == []  # raised once
+
+
+def test_a_background_save_with_shards_finishes_only_once_every_shard_is_written(tmp_path: Path) -> None:
+    saver = write.BackgroundSaver()
+    trainer: dict[str, object] = {"optimizer": None}
+    saver.save(tmp_path, 1, tiny_state(1), trainer, {}, keep_last=5)
+    saver.wait()
+    saver.collect()
+    folder = checkpoint.begin(tmp_path, 2)
+    shards: Future[None] = Future()  # what DCP's async_save hands back: done once every rank wrote its shard
+    saver.save(tmp_path, 2, tiny_state(2), trainer, {}, keep_last=5, shards=shards)
+    saver.wait_staged()
+    assert not saver.wait(timeout=0.2)  # held by the shards: nothing renamed, `latest` unmoved
+    assert checkpoint.pointer(tmp_path, "latest") == "step-000001" and folder.is_dir()
+    (folder / "optimizer").mkdir()
+    (folder / "optimizer" / "__0_0.distcp").write_bytes(b"shard")
+    shards.set_result(None)
+    assert saver.wait()
+    [done] = saver.collect()
+    assert checkpoint.pointer(tmp_path, "latest") == "step-000002"
+    assert "optimizer/__0_0.distcp" in checkpoint.verify(done.checkpoint.path).meta["files"]  # hashed with the rest
+
+
+def test_a_shard_that_failed_fails_the_background_save_and_keeps_the_previous(tmp_path: Path) -> None:
+    saver = write.BackgroundSaver()
+    trainer: dict[str, object] = {"optimizer": None}
+    saver.save(tmp_path, 1, tiny_state(1), trainer, {}, keep_last=5)
+    saver.wait()
+    saver.collect()
+    checkpoint.begin(tmp_path, 2)
+    shards: Future[None] = Future()
+    shards.set_exception(OSError(28, "No space left on device"))  # a rank could not write its shard
+    saver.save(tmp_path, 2, tiny_state(2), trainer, {}, keep_last=5, shards=shards)
+    saver.wait()
+    with pytest.raises(CheckpointError, match=r"step-000002.*optimizer shard.*previous checkpoint step-000001 is"):
+        saver.collect()
+    assert checkpoint.pointer(tmp_path, "latest") == "step-000001"
+    assert not (tmp_path / "step-000002.tmp").exists() and not (tmp_path / "step-000002").exists()

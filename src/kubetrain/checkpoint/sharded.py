@@ -3,9 +3,12 @@ sharded (each rank writes its own part; DCP reshards on load, so the world size 
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as td
 from torch import nn
 
 OPTIMIZER_DIR = "optimizer"
@@ -25,6 +28,26 @@ def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: P
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(folder / OPTIMIZER_DIR))
+
+
+def save_optimizer_in_background(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
+                                  group: td.ProcessGroup) -> Future[Any]:
+    """Collective: each rank's optimizer shard copied to host memory now, written into `folder` by a DCP thread.
+
+    Returns once the copy is made (training may change the optimizer from then on). The write plans and gathers
+    on `group` (a group of its own, see distributed.setup.checkpoint_group). The future completes on every rank
+    only after all of them wrote: DCP's last step (state_dict_saver._save_state_dict: `distW.all_reduce("write",
+    write_data, finish_checkpoint)`, utils._DistWrapper.all_reduce) gathers every rank's write results on rank 0,
+    which then writes `.metadata`, and broadcasts the outcome; a rank's failure fails every rank's future.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    written = dcp.async_save({"optimizer": get_optimizer_state_dict(model, optimizer)},
+                             checkpoint_id=str(folder / OPTIMIZER_DIR), process_group=group)
+    # The default stager copies synchronously and hands back a plain Future; a response only with async staging.
+    return written.upload_completion if isinstance(written, AsyncSaveResponse) else written
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:

@@ -12,7 +12,7 @@ import os
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,12 +112,26 @@ def save(
         fsync_dir(root)
     except (OSError, RuntimeError, SafetensorError) as e:
         # torch.save reports a full disk as RuntimeError and safetensors as SafetensorError.
-        shutil.rmtree(tmp, ignore_errors=True)
         why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e).splitlines()[0]
-        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint was written"
-        raise CheckpointError(f"could not save checkpoint {name} in {root}: {why}; {kept}") from None
+        raise _not_saved(root, step, why, previous) from None
     prune(root, keep_last)
     return Checkpoint(final, full_meta)
+
+
+def _not_saved(root: Path, step: int, why: str, previous: str | None) -> CheckpointError:
+    """The error of a failed save, after its temporary folder is gone."""
+    shutil.rmtree(tmp_dir(root, step), ignore_errors=True)
+    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint was written"
+    return CheckpointError(f"could not save checkpoint {step_name(step)} in {root}: {why}; {kept}")
+
+
+def wait_for_shards(written: Future[Any], root: Path, step: int) -> None:
+    """Wait until every rank wrote its part of this checkpoint (the sharded optimizer); a failed part fails it."""
+    try:
+        written.result()
+    except BaseException as e:  # DCP's CheckpointException is a BaseException; it names the ranks that failed
+        raise _not_saved(root, step, f"a rank could not write its optimizer shard ({str(e).splitlines()[0]})",
+                         pointer(root, LATEST)) from None
 
 
 def begin(root: Path, step: int) -> Path:
@@ -188,7 +202,9 @@ class BackgroundSaver:
     just before it, and training stops only for whatever of the copy is left by then. Every guarantee of
     `save` holds (temporary folder, checksums, fsync, rename, `latest` moved last): the thread runs that same
     function on the copies. The thread is not a daemon, so a process that ends normally finishes the save;
-    a SIGKILL at any point leaves the previous checkpoint and `latest` as they were.
+    a SIGKILL at any point leaves the previous checkpoint and `latest` as they were. Under FSDP the ranks write
+    their optimizer shards into the same temporary folder through DCP's own thread (`shards`): this one waits
+    for all of them before it hashes, fsyncs and renames.
     """
 
     def __init__(self) -> None:
@@ -201,11 +217,13 @@ class BackgroundSaver:
         self._lock = threading.Lock()
 
     def save(self, root: Path, step: int, model_state: dict[str, torch.Tensor], trainer_state: dict[str, Any],
-             meta: dict[str, Any], *, keep_last: int, is_best: bool = False, waited: float = 0.0) -> float:
+             meta: dict[str, Any], *, keep_last: int, is_best: bool = False, waited: float = 0.0,
+             shards: Future[Any] | None = None) -> float:
         """Wait for the save in flight, then copy and write this one in a thread; the seconds blocked so far.
 
         `waited`: seconds the caller already spent for this save (gathering state), counted as blocked. The
-        caller must not change the state before `wait_staged()` returns.
+        caller must not change the state before `wait_staged()` returns. `shards`: the ranks are writing their
+        optimizer shards into the temporary folder (FSDP); the checkpoint is finished once they all have.
         """
         t0 = time.perf_counter()
         self.wait()
@@ -218,7 +236,10 @@ class BackgroundSaver:
                     staged_model, staged_trainer = stage(model_state), stage(trainer_state)
                 finally:
                     staged.set()
-                saved = save(root, step, staged_model, staged_trainer, meta, keep_last=keep_last, is_best=is_best)
+                if shards is not None:
+                    wait_for_shards(shards, root, step)
+                saved = save(root, step, staged_model, staged_trainer, meta, keep_last=keep_last, is_best=is_best,
+                             prepared=shards is not None)
             except BaseException as e:  # handed to the loop's thread, which raises it at its next step
                 with self._lock:
                     self._error = e

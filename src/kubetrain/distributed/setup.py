@@ -52,6 +52,26 @@ def use_step_timeout(cfg: DistConfig, device: torch.device) -> None:
     distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=cfg.timeout_seconds), None)
 
 
+_checkpoint_group: td.ProcessGroup | None = None  # made once per process group (phases share it), gone at teardown
+
+
+def checkpoint_group(cfg: DistConfig) -> td.ProcessGroup | None:
+    """A gloo group of every rank for the collectives of background checkpoint writes (collective: all ranks call it).
+
+    DCP's async save plans and gathers its write results in its own thread; on a group of their own those
+    collectives never interleave with the training loop's on the main group (torchtitan and PyTorch's async
+    checkpoint recipe do the same). gloo: DCP needs a CPU backend for it. The timeout stays the generous start-up
+    one: the final gather waits for the slowest rank's write, which may take longer than a step.
+    """
+    global _checkpoint_group
+    if not td.is_initialized():
+        return None
+    if _checkpoint_group is None:
+        seconds = max(cfg.init_timeout_seconds, cfg.timeout_seconds)
+        _checkpoint_group = td.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+    return _checkpoint_group
+
+
 # Ranks that ended cleanly reach teardown within seconds of each other; rank 0 may still be uploading checkpoints,
 # and a peer that leaves after this wait is harmless then (no collective is in flight).
 TEARDOWN_BARRIER_SECONDS = 30.0
@@ -65,8 +85,10 @@ def teardown(healthy: bool = True, barrier_seconds: float = TEARDOWN_BARRIER_SEC
     most `barrier_seconds`, and a peer that is gone only skips it. After an error (`healthy` False) a peer may be
     inside a collective that a barrier would cut across, or never arrive: the group is left at once.
     """
+    global _checkpoint_group
     if not td.is_initialized():
         return
+    _checkpoint_group = None  # destroyed with the rest below
     if healthy and td.get_world_size() > 1:
         with contextlib.suppress(RuntimeError):  # timed out, or a peer closed its connection: leave anyway
             bounded_barrier(datetime.timedelta(seconds=barrier_seconds))

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from kubetrain import checkpoint, runs
 from kubetrain.checkpoint import remote
-from kubetrain.checkpoint.sharded import full_model_state
+from kubetrain.checkpoint.sharded import full_model_state, save_optimizer_in_background
 from kubetrain.checkpoint.sharded import save_optimizer as save_sharded_optimizer
 from kubetrain.config.loading import config_hash
 from kubetrain.config.schema import Config
@@ -23,7 +24,7 @@ from kubetrain.data.shards import Prepared
 from kubetrain.distributed import parallelize
 from kubetrain.distributed import setup as dist
 from kubetrain.distributed.env import ProcessEnv
-from kubetrain.errors import IncompatibleCheckpointError, UserInputError
+from kubetrain.errors import CheckpointError, IncompatibleCheckpointError, UserInputError
 from kubetrain.track import Fanout
 from kubetrain.train.state import (
     TrainState,
@@ -71,6 +72,8 @@ class Checkpointing:
     sinks: Fanout | None
     uploader: remote.Uploader | None
     saver: checkpoint.BackgroundSaver | None
+    checkpoint_group: torch.distributed.ProcessGroup | None  # FSDP + async_save: background writes' collectives
+    shards_written: Future[Any] | None  # FSDP + async_save, ranks but 0: this rank's optimizer shard being written
     say: Callable[[str], None]
 
     # --- save -----------------------------------------------------------------------------------------------
@@ -81,10 +84,15 @@ class Checkpointing:
         `best` moves only among saved checkpoints: to this one when it was evaluated at this step with a lower
         val loss than every saved one (`is_best` overrides that). `background` (with checkpoint.async_save):
         staged to host memory and written by a thread; None comes back and `collect_saves` records it once
-        written. Otherwise the save in flight is waited for first.
+        written. Under FSDP every rank also copies its optimizer shard to host memory and DCP writes it in the
+        background; rank 0 finishes the checkpoint once all shards are written. The save in flight is waited
+        for first, on every rank.
         """
         state, cfg = self.state, self.cfg
         t0 = time.perf_counter()
+        # One save at a time, on every rank: `latest` moves in step order, and the previous save's prune (which
+        # removes `*.tmp` leftovers) is over before this save's temporary folder is made.
+        self.wait_for_saves()
         self.count_skipped_steps()
         if is_best is None:
             is_best = self.evaluated_step == state.step and state.last_val_loss is not None and (
@@ -93,14 +101,22 @@ class Checkpointing:
             state.best_saved_val_loss = state.last_val_loss
         state.window_loss_sum, state.window_steps = float(self.loss_sum), self.loss_count
         rngs = gather_rng(self.penv.world_size)
-        saved = None
+        saved, shards = None, None
         if self.sharded:  # every rank writes its optimizer shard into the temporary folder rank 0 made
+            # The weights first: a collective of the training group, so on this thread; done before DCP's write
+            # thread starts, which would compete with it for the CPU. Gathered tied weights come back as separate
+            # tensors: keep the names the model checkpoints.
+            weights = {k: v for k, v in full_model_state(self.model).items() if k in self.shapes}
             if self.main:
                 checkpoint.begin(self.ckpt_root, state.step)
             dist.barrier()
-            save_sharded_optimizer(self.model, self.optimizer, checkpoint.tmp_dir(self.ckpt_root, state.step))
-            # gathered tied weights come back as separate tensors: keep the names the model checkpoints
-            weights = {k: v for k, v in full_model_state(self.model).items() if k in self.shapes}
+            folder = checkpoint.tmp_dir(self.ckpt_root, state.step)
+            if background and self.checkpoint_group is not None:
+                shards = save_optimizer_in_background(self.model, self.optimizer, folder, self.checkpoint_group)
+                if not self.main:  # rank 0's writer thread waits for it, then finishes the checkpoint
+                    self.shards_written = shards
+            else:
+                save_sharded_optimizer(self.model, self.optimizer, folder)
         else:
             weights = model_state(self.base) if self.main else {}
         if self.main:
@@ -111,16 +127,38 @@ class Checkpointing:
                     "best_val_loss": state.best_val_loss, "config_hash": config_hash(cfg), "phase": self.opts.phase,
                     "tokenizer": tokenizer_fingerprint(self.prepared), "world_size": self.penv.world_size}
             if self.saver is not None and background:  # staged to host memory here, written in the background
-                self.saver.save(self.ckpt_root, state.step, weights, trainer, meta,
-                                keep_last=cfg.checkpoint.keep_last, is_best=is_best, waited=time.perf_counter() - t0)
+                self.saver.save(self.ckpt_root, state.step, weights, trainer, meta, keep_last=cfg.checkpoint.keep_last,
+                                is_best=is_best, waited=time.perf_counter() - t0, shards=shards)
             else:
-                self.collect_saves(wait=True)  # the one in flight first: `latest` moves in step order
+                self.collect_saves()  # the one that was in flight: recorded before this one
                 saved = checkpoint.save(self.ckpt_root, state.step, weights, trainer, meta,
                                         keep_last=cfg.checkpoint.keep_last, is_best=is_best, prepared=self.sharded)
                 seconds = time.perf_counter() - t0
                 self.saved(checkpoint.Saved(saved, is_best, seconds, seconds))
         dist.barrier()
         return saved
+
+    def wait_for_saves(self, timeout: float | None = None) -> bool:
+        """Every rank: wait (at most `timeout` seconds) for the save in flight; True when none is left.
+
+        Rank 0 waits for its writer thread (which waits for every rank's shard); the other ranks for their shard.
+        A shard that failed to write fails the run here, on its rank, as rank 0's writer fails it on rank 0.
+        """
+        if self.saver is not None:
+            return self.saver.wait(timeout)
+        shards = self.shards_written
+        if shards is None:
+            return True
+        try:
+            shards.result(timeout)
+        except TimeoutError:
+            return False
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            self.shards_written = None
+            raise CheckpointError(f"could not write this rank's optimizer shard of a checkpoint in {self.ckpt_root}: "
+                                  f"{str(e).splitlines()[0]}") from None
+        self.shards_written = None
+        return True
 
     def collect_saves(self, wait: bool = False) -> None:
         """Rank 0: record the background saves that finished (waiting for the one in flight when asked)."""

@@ -8,6 +8,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import Prepared, prepare
 from kubetrain.data.tokenizers import prompt_ids
 from kubetrain.distributed import setup as dist
-from kubetrain.errors import TrainingFailed, TrainingStopped
+from kubetrain.errors import CheckpointError, TrainingFailed, TrainingStopped
 from kubetrain.models.sampling import generate
 from kubetrain.secrets import redact_text
 from kubetrain.track import Fanout
@@ -106,6 +107,8 @@ class Trainer(Checkpointing):
     sinks: Fanout | None = None
     uploader: remote.Uploader | None = None  # rank 0, with checkpoint.uri: copies checkpoints to object storage
     saver: checkpoint.BackgroundSaver | None = None  # rank 0, checkpoint.async_save: writes in the background
+    checkpoint_group: torch.distributed.ProcessGroup | None = None  # FSDP + async_save: for DCP's write thread
+    shards_written: Future[Any] | None = None  # FSDP + async_save, ranks but 0: this rank's shard being written
 
     def __init__(self, cfg: Config, opts: RunOptions | None = None, log: Log | None = None) -> None:
         self.cfg, self.opts = cfg, opts or RunOptions()
@@ -172,8 +175,8 @@ class Trainer(Checkpointing):
             where = f": {e.filename}" if e.filename else ""
             raise TrainingFailed(f"failed while running at step {state.step}: {e.strerror or e}{where}") from e
         finally:
-            if self.saver is not None and self.saver.in_flight:  # a failure elsewhere: keep what is being written
-                self.saver.wait(stop.time_left())
+            with contextlib.suppress(CheckpointError):  # a failure elsewhere: keep what is being written
+                self.wait_for_saves(stop.time_left())  # (a failed shard is already reported on rank 0)
             if self.uploader:  # wait for the uploads; after a stop, only within what is left of the grace period
                 self.uploader.close(stop.time_left())
             self.finish(status)
@@ -275,9 +278,10 @@ class Trainer(Checkpointing):
         self.start_step = self.state.step
         self.meter = Throughput()
         self.compute_timer = ComputeTimer(self.device, self.base)  # stragglers: data wait + forward per rank
-        # FSDP saves synchronously: its optimizer shards are written by every rank through DCP inside save()
-        if self.main and cfg.checkpoint.async_save and not self.sharded:
+        if self.main and cfg.checkpoint.async_save:
             self.saver = checkpoint.BackgroundSaver()
+        if self.sharded and cfg.checkpoint.async_save:  # every rank: DCP writes its optimizer shards in a thread
+            self.checkpoint_group = dist.checkpoint_group(cfg.dist)
         self.memory_peak = MemoryPeak(self.device)
         self.counted_at = (self.state.step, optimizer_steps(self.optimizer))  # (step, optimizer steps) last counted
         self.meter.tokens0 = self.state.tokens
