@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -109,12 +110,13 @@ def _worker(rank: int, world: int, root: Path) -> None:
     torch.set_num_threads(1)
     td.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=world,
                           timeout=datetime.timedelta(seconds=60))  # a hang fails the test instead of holding it
-    try:
-        found = {strategy: _losses(root, rank, world, strategy) for strategy in ("ddp", "fsdp")}
-        td.barrier()  # no rank tears gloo down while a peer still talks to it (seen: SIGABRT in the peer)
-    finally:
-        td.destroy_process_group()
+    found = {strategy: _losses(root, rank, world, strategy) for strategy in ("ddp", "fsdp")}
     (root / f"losses-{rank}.json").write_text(json.dumps(found))
+    td.barrier()  # every rank has written its losses
+    # This test is about the losses: leave without tearing gloo down. A rank destroying its group while a peer
+    # exits was seen twice in CI to abort ("terminate called without an active exception", SIGABRT) even after
+    # a barrier; kubetrain's own teardown is tested in tests/distributed/test_setup.py.
+    os._exit(0)
 
 
 @pytest.mark.slow
