@@ -115,7 +115,8 @@ def _worker(rank: int, world: int, root: Path) -> None:
     td.barrier()  # every rank has written its losses
     # This test is about the losses: leave without tearing gloo down. A rank destroying its group while a peer
     # exits was seen twice in CI to abort ("terminate called without an active exception", SIGABRT) even after
-    # a barrier; kubetrain's own teardown is tested in tests/distributed/test_setup.py.
+    # a barrier (gloo's worker threads releasing tensors during interpreter finalization: pytorch PR #179291
+    # describes that SIGABRT); kubetrain's own teardown is tested in tests/distributed/test_setup.py.
     os._exit(0)
 
 
