@@ -156,12 +156,18 @@ def test_a_failed_background_save_is_raised_in_the_caller_and_keeps_the_previous
     assert saver.collect() == []  # raised once
 
 
-def test_a_background_save_with_shards_finishes_only_once_every_shard_is_written(tmp_path: Path) -> None:
+def _saver_with_step_1(tmp_path: Path) -> tuple[write.BackgroundSaver, dict[str, object]]:
+    """A background saver that has written and recorded step 1 (the checkpoint that must survive)."""
     saver = write.BackgroundSaver()
     trainer: dict[str, object] = {"optimizer": None}
     saver.save(tmp_path, 1, tiny_state(1), trainer, {}, keep_last=5)
     saver.wait()
     saver.collect()
+    return saver, trainer
+
+
+def test_a_background_save_with_shards_finishes_only_once_every_shard_is_written(tmp_path: Path) -> None:
+    saver, trainer = _saver_with_step_1(tmp_path)
     folder = checkpoint.begin(tmp_path, 2)
     shards: Future[None] = Future()  # what DCP's async_save hands back: done once every rank wrote its shard
     saver.save(tmp_path, 2, tiny_state(2), trainer, {}, keep_last=5, shards=shards)
@@ -178,11 +184,7 @@ def test_a_background_save_with_shards_finishes_only_once_every_shard_is_written
 
 
 def test_a_shard_that_failed_fails_the_background_save_and_keeps_the_previous(tmp_path: Path) -> None:
-    saver = write.BackgroundSaver()
-    trainer: dict[str, object] = {"optimizer": None}
-    saver.save(tmp_path, 1, tiny_state(1), trainer, {}, keep_last=5)
-    saver.wait()
-    saver.collect()
+    saver, trainer = _saver_with_step_1(tmp_path)
     checkpoint.begin(tmp_path, 2)
     shards: Future[None] = Future()
     shards.set_exception(OSError(28, "No space left on device"))  # a rank could not write its shard
