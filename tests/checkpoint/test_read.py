@@ -5,17 +5,16 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from kubetrain import checkpoint
-from kubetrain.checkpoint import read, verdict
+from kubetrain.checkpoint import verdict
 from kubetrain.errors import EXIT_BAD_INPUT, CheckpointError, IncompatibleCheckpointError, UserInputError
 from kubetrain.models.load import locate
-from tests.checkpoint.conftest import save_step, tiny_state
+from tests.checkpoint.conftest import age_files, count_hashing, save_step, tiny_state
 
 
 def test_trainer_state_loads_without_pickle_execution(tmp_path: Path) -> None:
@@ -85,31 +84,12 @@ def test_incompatible_shapes_and_tokenizer_are_refused(tmp_path: Path) -> None:
         checkpoint.check_compatible(ck, shapes, "bpe:abc")
 
 
-def _aged(ckpt: checkpoint.Checkpoint) -> None:
-    """Its files as a later start finds them: older than the window in which an mtime cannot be trusted."""
-    old = time.time() - 60
-    for f in ckpt.path.iterdir():
-        os.utime(f, (old, old))
-
-
-def _counting(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    hashed: list[str] = []
-    digest = read.file_digest
-
-    def spy(path: Path) -> str:
-        hashed.append(path.name)
-        return digest(path)
-
-    monkeypatch.setattr(read, "file_digest", spy)
-    return hashed
-
-
 def test_a_checkpoint_is_hashed_once_by_concurrent_ranks_and_later_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ckpt = save_step(tmp_path, 1)
-    _aged(ckpt)
-    hashed = _counting(monkeypatch)
+    age_files(ckpt.path)
+    hashed = count_hashing(monkeypatch)
     ranks = [threading.Thread(target=checkpoint.find_resumable, args=(tmp_path,)) for _ in range(4)]
     for rank in ranks:  # each opens the lock on its own: they exclude each other as processes do
         rank.start()
@@ -122,7 +102,7 @@ def test_a_checkpoint_is_hashed_once_by_concurrent_ranks_and_later_starts(
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
-    _aged(ckpt)
+    age_files(ckpt.path)
     hashed.clear()
     for _ in range(2):
         with pytest.raises(CheckpointError, match=r"model\.safetensors fails its checksum"):

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pathlib
 import pickle
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from kubetrain import checkpoint
 from kubetrain.checkpoint.safe_dcp import SafeLoadPlanner, load_metadata
 from kubetrain.errors import CheckpointError
+from tests.checkpoint.conftest import age_files, count_hashing
 
 # DCP in one process without a process group (what it does here) is what it warns about
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -74,20 +73,9 @@ def test_sharded_optimizer_round_trips(tmp_path: Path) -> None:
 def test_the_optimizer_files_are_not_hashed_again_after_the_resume_verified_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kubetrain.checkpoint import read
-
     ckpt = _sharded_checkpoint(tmp_path)
-    old = time.time() - 60  # as a later start finds them: old enough for their mtimes to be trusted
-    for f in ckpt.path.rglob("*"):
-        os.utime(f, (old, old))
-    hashed: list[str] = []
-    digest = read.file_digest
-
-    def spy(path: Path) -> str:
-        hashed.append(path.name)
-        return digest(path)
-
-    monkeypatch.setattr(read, "file_digest", spy)
+    age_files(ckpt.path)  # as a later start finds them: old enough for their mtimes to be trusted
+    hashed = count_hashing(monkeypatch)
     assert checkpoint.find_resumable(tmp_path) is not None
     assert sorted(hashed) == sorted(Path(f).name for f in ckpt.meta["files"])
     checkpoint.load_optimizer(*_model_and_optimizer(0), ckpt.path)
