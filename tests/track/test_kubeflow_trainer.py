@@ -4,7 +4,6 @@ the controller's does (kubeflow_status_server.py), and what happens when it cann
 from __future__ import annotations
 
 import io
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -24,13 +23,13 @@ from kubetrain.track.kubeflow_trainer import (
     post_status,
     trainer_status,
 )
+from tests.k8s.conftest import crd_folder  # noqa: F401  (fixture: skipped on a fresh clone, fails under CI)
 
 from . import kubeflow_status_server as fake
 from .conftest import TrainTiny
 from .kubeflow_status_server import StatusServer as FakeServer
 from .kubeflow_status_server import make_ca, serve
 
-SHARED_CRDS = Path(__file__).resolve().parents[3] / "shared" / "k8s" / "crds"  # as tests/k8s finds them
 ENV_NAMES = ("KUBEFLOW_TRAINER_SERVER_URL", "KUBEFLOW_TRAINER_SERVER_CA_CERT", "KUBEFLOW_TRAINER_SERVER_TOKEN")
 
 
@@ -190,12 +189,8 @@ def test_plain_http_url_is_refused_so_the_token_never_travels_in_clear(tmp_path:
     assert fanout.sinks == [] and "not an https URL" in warned[0]
 
 
-def test_the_fakes_limits_are_the_crds() -> None:
-    if not SHARED_CRDS.is_dir():
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"CI=true but the CRD copies are missing at {SHARED_CRDS}")
-        pytest.skip(f"needs the CRD copies at {SHARED_CRDS} (absent on a fresh clone)")
-    crd = yaml.safe_load((SHARED_CRDS / "trainer.kubeflow.org_trainjobs.yaml").read_text())
+def test_the_fakes_limits_are_the_crds(crd_folder: Path) -> None:  # noqa: F811
+    crd = yaml.safe_load((crd_folder / "trainer.kubeflow.org_trainjobs.yaml").read_text())
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     status = schema["properties"]["status"]["properties"]["trainerStatus"]
     fields = status["properties"]
