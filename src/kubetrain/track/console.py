@@ -16,6 +16,8 @@ _STEP = re.compile(r"\bstep (\d+)/(\d+)\b")
 _RATE = re.compile(r"\btok/s ([\d,]+)")
 _ETA = re.compile(r"\beta (?:(\d+):)?(\d+):(\d\d)\b")
 _SLOWEST = re.compile(r"\bslowest rank (\d+) \((\d+(?:\.\d+)?)x\)")
+# The checkpoint line (checkpoint_line), read back by `k8s doctor` from a pod's log (checkpoint_in)
+_SAVED = re.compile(r"\bcheckpoint at step (\d+) written in (\d+(?:\.\d+)?)s\b")
 
 
 def format_record(rec: dict[str, Any], total: int) -> str:
@@ -52,6 +54,17 @@ def parse_progress(line: str) -> dict[str, Any] | None:
         "slowest_rank": int(slowest.group(1)) if slowest else None,
         "straggler_ratio": float(slowest.group(2)) if slowest else None,
     }
+
+
+def checkpoint_line(step: int, write_seconds: float, blocked_seconds: float) -> str:
+    """`checkpoint at step 400 written in 61.93s (training blocked 0.41s)`: no `step N/M`, so not progress."""
+    return f"checkpoint at step {step} written in {write_seconds:.2f}s (training blocked {blocked_seconds:.2f}s)"
+
+
+def checkpoint_in(line: str) -> tuple[int, float] | None:
+    """(step, write_seconds) of a line `checkpoint_line` wrote, or None for any other line."""
+    found = _SAVED.search(line)
+    return (int(found.group(1)), float(found.group(2))) if found else None
 
 
 def count(n: int) -> str:

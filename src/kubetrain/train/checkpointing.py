@@ -26,6 +26,7 @@ from kubetrain.distributed import setup as dist
 from kubetrain.distributed.env import ProcessEnv
 from kubetrain.errors import CheckpointError, IncompatibleCheckpointError, UserInputError
 from kubetrain.track import Fanout
+from kubetrain.track.console import checkpoint_line
 from kubetrain.train.state import (
     TrainState,
     gather_rng,
@@ -176,8 +177,8 @@ class Checkpointing:
                          last_checkpoint=saved.path.name, best_val_loss=saved.meta["best_val_loss"])
         if self.uploader:  # in the background: training goes on while it uploads
             self.uploader.submit(saved, done.is_best)
-        self.say(f"checkpoint at step {saved.meta['step']} written in {done.write_seconds:.2f}s (training blocked "
-                 f"{done.blocked_seconds:.2f}s)")  # k8s doctor reads the save time back from the pod's log
+        # k8s doctor reads the save time back from the pod's log
+        self.say(checkpoint_line(saved.meta["step"], done.write_seconds, done.blocked_seconds))
         if self.sinks:
             self.sinks.log({"kind": "checkpoint", "step": saved.meta["step"], "path": str(saved.path),
                             "best": done.is_best, "blocked_seconds": round(done.blocked_seconds, 4),

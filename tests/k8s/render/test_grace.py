@@ -12,7 +12,6 @@ import pytest
 import yaml
 
 from kubetrain.config import load_config
-from kubetrain.k8s.cluster.grace import SAVED_LINE
 from kubetrain.k8s.render.grace import (
     GRACE_MARGIN,
     SAVE_FACTOR,
@@ -23,6 +22,7 @@ from kubetrain.k8s.render.grace import (
     render_note,
 )
 from kubetrain.k8s.render.manifest import pod_templates, render
+from kubetrain.track.console import checkpoint_in
 
 Cli = Callable[..., tuple[int, str, str]]
 
@@ -61,9 +61,9 @@ def test_a_real_runs_save_sets_the_grace_and_render_stays_deterministic(
              if r["kind"] == "checkpoint"]
     last = saves[-1]
     # the trainer's console line carries the same save, in the form k8s doctor reads back from a pod's log
-    logged = [m for m in map(SAVED_LINE.search, out.splitlines()) if m]
-    assert [int(m.group(1)) for m in logged] == [s["step"] for s in saves]
-    assert float(logged[-1].group(2)) == pytest.approx(last["write_seconds"], abs=0.006)
+    logged = [m for m in map(checkpoint_in, out.splitlines()) if m]
+    assert [m[0] for m in logged] == [s["step"] for s in saves]
+    assert logged[-1][1] == pytest.approx(last["write_seconds"], abs=0.006)
 
     needs = math.ceil(last["write_seconds"] * SAVE_FACTOR) + SAVE_MARGIN
     code, out, err = cli("k8s", "render", *sets)

@@ -8,16 +8,14 @@ fetch NAME` brings it where render looks (k8s/render/grace.py).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 from kubetrain.k8s.cluster.api import Cluster, ClusterError
 from kubetrain.k8s.cluster.status import job_ranks, main_container
 from kubetrain.k8s.render.context import RenderContext
 from kubetrain.k8s.render.grace import MeasuredSave, too_short
+from kubetrain.track.console import checkpoint_in
 
-# train/trainer.py (Trainer.saved): "checkpoint at step 400 written in 61.93s (training blocked 0.41s)"
-SAVED_LINE = re.compile(r"\bcheckpoint at step (\d+) written in (\d+(?:\.\d+)?)s\b")
 # Lines of the log read back: a checkpoint line comes every checkpoint.every_steps / train.log_every_steps
 # progress lines (25 to 100 in the examples), so this holds the newest save without reading a week of log.
 LOG_TAIL = 5000
@@ -27,9 +25,9 @@ def saves_in(lines: Iterable[str], source: str) -> MeasuredSave | None:
     """The newest save among log lines (a pod's log runs in time order)."""
     newest = None
     for line in lines:
-        match = SAVED_LINE.search(line)
-        if match:
-            newest = MeasuredSave(float(match.group(2)), int(match.group(1)), source)
+        found = checkpoint_in(line)  # the trainer's checkpoint line (track.console.checkpoint_line)
+        if found:
+            newest = MeasuredSave(found[1], found[0], source)
     return newest
 
 
