@@ -19,10 +19,10 @@ from kubetrain.k8s.cluster.status import last_incident
 from kubetrain.launch.elastic import (
     LaunchOptions,
     flight_recorder_env,
-    installed_torch_version,
     root_failure,
     torchrun_args,
 )
+from kubetrain.torch_compat import torch_version
 from tests.conftest import cli_env
 from tests.train.conftest import kubetrain, lines_in, sets, start, wait_until
 
@@ -234,7 +234,7 @@ def test_the_launchers_flight_recorder_names_draw_no_deprecation_warning(tmp_pat
     launcher: dict[str, str] = {}
     flight_recorder_env(tmp_path, launcher)  # the installed torch decides
     assert "deprecated" not in group_stderr(launcher, "a"), launcher
-    if installed_torch_version() >= (2, 13):  # seen there: the old name is read even under gloo, and warned about
+    if torch_version() >= (2, 13):  # seen there: the old name is read even under gloo, and warned about
         assert "TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated" in group_stderr(
             {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}, "b")
 

@@ -42,12 +42,12 @@ def save_optimizer_in_background(model: nn.Module, optimizer: torch.optim.Optimi
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    from kubetrain.torch_compat import save_completion
 
     written = dcp.async_save({"optimizer": get_optimizer_state_dict(model, optimizer)},
                              checkpoint_id=str(folder / OPTIMIZER_DIR), process_group=group)
-    # The default stager copies synchronously and hands back a plain Future; a response only with async staging.
-    return written.upload_completion if isinstance(written, AsyncSaveResponse) else written
+    return save_completion(written)
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:

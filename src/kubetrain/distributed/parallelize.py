@@ -8,14 +8,15 @@ shards (an init that draws each weight whole, or the slices of a safetensors fil
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from kubetrain.torch_compat import checkpoint_activations, local_shard_slices, parameters_on_meta
 
 
 def checkpoint_blocks(model: nn.Module) -> int:
@@ -24,11 +25,9 @@ def checkpoint_blocks(model: nn.Module) -> int:
     torch's composable `checkpoint` works through hooks, so parameter names (and checkpoints) do not change.
     Non-reentrant and RNG-preserving: dropout masks are the same in the recomputation, so are the gradients.
     """
-    from torch.distributed._composable import checkpoint
-
     blocks = list(getattr(model, "blocks", []))
     for block in blocks:
-        checkpoint(block)
+        checkpoint_activations(block)
     return len(blocks)
 
 
@@ -50,26 +49,7 @@ def shard(model: nn.Module, precision: str) -> nn.Module:
     return model
 
 
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Build modules with their parameters on the meta device and their buffers real (RoPE tables, rotary
-    frequencies): the buffers are small and cheaper kept than recomputed model by model.
-
-    What accelerate's `init_empty_weights(include_buffers=False)` does: each parameter is moved to meta as it
-    is registered, so no layer's default init runs on real memory (nor draws random numbers).
-    """
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+params_on_meta = parameters_on_meta  # the meta build: torch_compat says why it wraps register_parameter
 
 
 def materialise(model: nn.Module, device: torch.device) -> None:
@@ -93,12 +73,10 @@ def materialise(model: nn.Module, device: torch.device) -> None:
 def local_slices(param: torch.Tensor, shape: Sequence[int]) -> tuple[slice, ...]:
     """Where this process's part of `param` (a DTensor, or a plain tensor: all of it) lies in the whole tensor."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(param, DTensor):
         return tuple(slice(0, n) for n in shape)
-    local, offset = compute_local_shape_and_global_offset(list(shape), param.device_mesh, param.placements)
-    return tuple(slice(start, start + n) for start, n in zip(offset, local, strict=True))
+    return local_shard_slices(param, list(shape))
 
 
 def keep_part(param: torch.Tensor, whole: Any) -> None:

@@ -9,10 +9,10 @@ import os
 import torch
 import torch.distributed as td
 from torch import nn
-from torch.distributed import distributed_c10d
 
 from kubetrain.config.schema import DistConfig
 from kubetrain.distributed.env import ProcessEnv, process_env
+from kubetrain.torch_compat import set_default_group_timeout
 
 
 def init(cfg: DistConfig, device: torch.device) -> ProcessEnv:
@@ -49,7 +49,7 @@ def use_step_timeout(cfg: DistConfig, device: torch.device) -> None:
     td.barrier(device_ids=[device.index] if device.type == "cuda" and device.index is not None else None)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=cfg.timeout_seconds), None)
+    set_default_group_timeout(datetime.timedelta(seconds=cfg.timeout_seconds))
 
 
 _checkpoint_group: td.ProcessGroup | None = None  # made once per process group (phases share it), gone at teardown

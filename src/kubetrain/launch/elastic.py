@@ -10,7 +10,6 @@ restarted; every incident is recorded in `<run>/incidents/` and meta.json.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -18,13 +17,14 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kubetrain.distributed.peers import PEER_LOST as _PEER_LOST  # a peer went away: an effect, not a cause
 from kubetrain.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_STOPPED_RESUMABLE, UserInputError
+from kubetrain.torch_compat import FLIGHT_RECORDER_NAMES, elastic_agent, flight_recorder_names, torchrun_shutdown_args
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def torchrun_args(opts: LaunchOptions, train_args: list[str]) -> list[str]:
         raise UserInputError("--nproc must be at least 1")
     _, high = parse_nnodes(opts.nnodes)
     args = [f"--nproc-per-node={opts.nproc_per_node}", f"--max-restarts={opts.max_restarts}",
-            f"--monitor-interval={opts.monitor_interval}", f"--shutdown-timeout={opts.shutdown_timeout}"]
+            f"--monitor-interval={opts.monitor_interval}", *torchrun_shutdown_args(opts.shutdown_timeout)]
     if high == 1 and opts.rdzv_endpoint is None:
         args.append("--standalone")  # c10d rendezvous on a free local port
     else:
@@ -100,7 +100,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     os.environ[HEARTBEAT_DIR_ENV], os.environ[LAUNCHER_PID_ENV] = str(beats), str(os.getpid())
     watch = HangWatch(beats, run_dir, opts.hang_timeout, say=_say).start()
     try:
-        with final_exits_end_the_group():
+        with elastic_agent(FINAL_EXIT_CODES, opts.shutdown_timeout):
             run(args)
     except SignalException as e:
         watch.stop()
@@ -145,46 +145,6 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
 FINAL_EXIT_CODES = frozenset({EXIT_BAD_INPUT, EXIT_STOPPED_RESUMABLE})
 
 
-@contextlib.contextmanager
-def final_exits_end_the_group() -> Iterator[None]:
-    """While torch.distributed.run runs here, its agent ends the group instead of restarting it after a final exit.
-
-    torch has no option for it: `launch_agent` builds a LocalElasticAgent by its module name, so the class is swapped
-    for a subclass for this call only (the launcher's own process). The subclass does what torch's agent does itself
-    for a worker stuck in the D state: no restarts left, so `_invoke_run` stops the workers and reports the failure.
-    """
-    from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.launcher import api
-
-    class FinalExitAgent(LocalElasticAgent):
-        def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-            result = super()._monitor_workers(worker_group)
-            if result.state == WorkerState.FAILED and any(
-                    f.exitcode in FINAL_EXIT_CODES for f in result.failures.values()):
-                self._remaining_restarts = 0
-            return result
-
-    if getattr(api, "LocalElasticAgent", None) is not LocalElasticAgent:  # a torch built differently: restarts
-        yield
-        return
-    api.LocalElasticAgent = FinalExitAgent  # type: ignore[misc]
-    try:
-        yield
-    finally:
-        api.LocalElasticAgent = LocalElasticAgent  # type: ignore[misc]
-
-
-# NCCL's flight recorder, by the name each torch reads (c10d's getCvar* lists: the first name is read first, and a
-# later one that is set only warns "Environment variable X is deprecated; use Y instead"). torch 2.13 warns for
-# TORCH_NCCL_TRACE_BUFFER_SIZE even under gloo (checked: tests/launch/test_elastic.py); TORCH_FR_BUFFER_SIZE and
-# TORCH_FR_DUMP_TEMP_FILE are read from 2.8 (NVIDIA/nvidia-resiliency-ext#163 gates on it), TORCH_FR_DUMP_ON_TIMEOUT
-# from 2.15 (torch <= 2.14 reads only TORCH_NCCL_DUMP_ON_TIMEOUT). (current name, the name before it, from version)
-FLIGHT_RECORDER_NAMES = (
-    ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", (2, 8)),
-    ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", (2, 8)),
-    ("TORCH_FR_DUMP_ON_TIMEOUT", "TORCH_NCCL_DUMP_ON_TIMEOUT", (2, 15)),
-)
 FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"  # one file per rank in <run>/incidents/
 
 
@@ -200,8 +160,7 @@ def flight_recorder_env(run_dir: Path, env: MutableMapping[str, str] | None = No
     from kubetrain.runs.incidents import incidents_dir
 
     env = os.environ if env is None else env
-    version = torch_version or installed_torch_version()
-    names = {current: current if version >= since else before for current, before, since in FLIGHT_RECORDER_NAMES}
+    names = flight_recorder_names(torch_version)
     for current, before, _ in FLIGHT_RECORDER_NAMES:
         other = before if names[current] == current else current
         if other in env:  # both set: the one this torch reads stays
@@ -214,14 +173,6 @@ def flight_recorder_env(run_dir: Path, env: MutableMapping[str, str] | None = No
     env.setdefault(names["TORCH_FR_BUFFER_SIZE"], "2000")
     env.setdefault(names["TORCH_FR_DUMP_ON_TIMEOUT"], "1")
     env.setdefault(names["TORCH_FR_DUMP_TEMP_FILE"], str(folder / FLIGHT_RECORDER_PREFIX))
-
-
-def installed_torch_version() -> tuple[int, int]:
-    """(major, minor) of the torch this process imports (and its workers run)."""
-    import torch
-
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
 
 
 def _sync_incidents(run_dir: Path) -> None:

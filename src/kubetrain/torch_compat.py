@@ -1,0 +1,240 @@
+"""Every difference between the torch versions kubetrain supports (2.8 to 2.13), decided in one place.
+
+Each difference is settled by feature detection where torch offers something to detect, by the version
+otherwise, and says what happens on each side. A private torch internal is used only here, behind such a check,
+with a fallback that keeps the promise or (where none can) the weaker promise named in docs/torch-versions.md.
+Nothing else in kubetrain imports a name with a leading underscore from torch.
+
+Why 2.8 is the oldest: FSDP2's public API (`torch.distributed.fsdp.fully_shard`) exists from 2.6, DCP's
+`async_save` on a group of its own and the flight recorder's TORCH_FR_* names from 2.8, and 2.8 is the oldest
+torch the NGC images and CUDA 12.8 (Blackwell) wheels still ship. 2.6 and 2.7 would add no user we know of and
+two more sets of internals to track.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import importlib
+import inspect
+from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from torch import nn
+
+OLDEST_SUPPORTED = (2, 8)
+
+
+def torch_version(text: str | None = None) -> tuple[int, int]:
+    """(major, minor) of `text` (a torch version string), or of the torch this process imports."""
+    major, minor = (text or torch.__version__).split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def unsupported_torch(text: str | None = None) -> str | None:
+    """Why this torch cannot run kubetrain (one line), or None where it can."""
+    found = torch_version(text)
+    if found < OLDEST_SUPPORTED:
+        oldest = ".".join(map(str, OLDEST_SUPPORTED))
+        return (f"kubetrain needs torch >= {oldest} (FSDP2, DCP async saves); this environment has torch "
+                f"{text or torch.__version__}: install a newer torch (pip install 'torch>={oldest},<3')")
+    return None
+
+
+# --- torchrun and its agent -----------------------------------------------------------------------------------
+
+
+def agent_takes_shutdown_timeout() -> bool:
+    """Whether torchrun has `--shutdown-timeout` (its LaunchConfig a `shutdown_timeout` field): torch 2.13 on.
+
+    Before it, torchrun refuses the flag ("unrecognized arguments") and its agent gives workers a fixed 30 s
+    between SIGTERM and SIGKILL; `elastic_agent` below then passes our timeout itself.
+    """
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}
+
+
+def torchrun_shutdown_args(seconds: int) -> list[str]:
+    """The torchrun arguments that give workers `seconds` to save after SIGTERM (none where it has no flag)."""
+    return [f"--shutdown-timeout={seconds}"] if agent_takes_shutdown_timeout() else []
+
+
+@contextlib.contextmanager
+def elastic_agent(final_exit_codes: Collection[int], shutdown_timeout: int) -> Iterator[None]:
+    """While torch.distributed.run runs in this process, its agent (a) ends the group instead of restarting it
+    after a worker's exit in `final_exit_codes`, and (b) waits `shutdown_timeout` seconds for workers after SIGTERM.
+
+    torch has no option for (a) and, before 2.13, none for (b). `launch_agent` builds a LocalElasticAgent by its
+    module name, so the class is swapped for a subclass for this call only:
+    - (a) sets the agent's `_remaining_restarts` to 0 (what torch's agent does itself for a worker stuck in the D
+      state), so `_invoke_run` stops the workers and reports the failure. Where the attribute is missing (a torch
+      built differently), a final exit is restarted like any failure: the group ends after --max-restarts.
+    - (b) on torch < 2.13 the agent's shutdown calls `PContext.close(death_sig)` with close's default of 30 s; the
+      subclass has that close use our timeout. Where PContext.close takes no timeout, torch's 30 s remain.
+    Where `launcher.api` builds no LocalElasticAgent by that name, nothing is swapped (both fallbacks apply).
+    """
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher import api
+
+    set_close_timeout = not agent_takes_shutdown_timeout()
+
+    class KubetrainAgent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+            result = super()._monitor_workers(worker_group)
+            if (result.state == WorkerState.FAILED and hasattr(self, "_remaining_restarts")
+                    and any(f.exitcode in final_exit_codes for f in result.failures.values())):
+                self._remaining_restarts = 0
+            return result
+
+        def _shutdown(self, *args: Any, **kwargs: Any) -> None:
+            pcontext = getattr(self, "_pcontext", None)
+            if set_close_timeout and pcontext is not None and _takes(pcontext.close, "timeout"):
+                close = pcontext.close
+                pcontext.close = lambda death_sig=None, timeout=None: close(death_sig, timeout=shutdown_timeout)
+            super()._shutdown(*args, **kwargs)
+
+    if getattr(api, "LocalElasticAgent", None) is not LocalElasticAgent:
+        yield
+        return
+    api.LocalElasticAgent = KubetrainAgent  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        api.LocalElasticAgent = LocalElasticAgent  # type: ignore[misc]
+
+
+def _optional(module: str, name: str) -> Any:
+    """`module.name`, or None where this torch has no such module or name."""
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+
+
+def _takes(function: Callable[..., Any], parameter: str) -> bool:
+    try:
+        return parameter in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# NCCL's flight recorder, by the name each torch reads (c10d's getCvar* lists: the first name is read first, and a
+# later one that is set only warns "Environment variable X is deprecated; use Y instead"). torch 2.13 warns for
+# TORCH_NCCL_TRACE_BUFFER_SIZE even under gloo (checked: tests/launch/test_elastic.py); TORCH_FR_BUFFER_SIZE and
+# TORCH_FR_DUMP_TEMP_FILE are read from 2.8 (NVIDIA/nvidia-resiliency-ext#163 gates on it), TORCH_FR_DUMP_ON_TIMEOUT
+# from 2.15 (torch <= 2.14 reads only TORCH_NCCL_DUMP_ON_TIMEOUT). (current name, the name before it, from version)
+FLIGHT_RECORDER_NAMES = (
+    ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", (2, 8)),
+    ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", (2, 8)),
+    ("TORCH_FR_DUMP_ON_TIMEOUT", "TORCH_NCCL_DUMP_ON_TIMEOUT", (2, 15)),
+)
+
+
+def flight_recorder_names(version: tuple[int, int] | None = None) -> dict[str, str]:
+    """Each flight-recorder variable (by its current name) under the name `version`'s torch reads."""
+    version = version or torch_version()
+    return {current: current if version >= since else before for current, before, since in FLIGHT_RECORDER_NAMES}
+
+
+# --- process groups -------------------------------------------------------------------------------------------
+
+
+def set_default_group_timeout(timeout: datetime.timedelta) -> bool:
+    """Give the default process group's later collectives `timeout`; False where this torch cannot.
+
+    torch has no public way to change a live group's timeout; `distributed_c10d._set_pg_timeout` (2.4 to 2.13, the
+    one torchtitan's set_pg_timeouts uses) does it. Without it, collectives keep the start-up timeout the group
+    was made with (`dist.init_timeout_seconds`): a hung collective is then found later, by the hang watch.
+    """
+    set_timeout = _optional("torch.distributed.distributed_c10d", "_set_pg_timeout")
+    if set_timeout is None:
+        return False
+    set_timeout(timeout, None)
+    return True
+
+
+# --- FSDP and DCP -------------------------------------------------------------------------------------------
+
+
+def save_completion(written: Any) -> Future[Any]:
+    """The future of a `dcp.async_save` call that completes once every rank's files are written.
+
+    torch 2.9 on returns an AsyncSaveResponse (staging and upload futures) when staging is asynchronous, and a
+    plain Future otherwise; torch 2.8 always returns the Future.
+    """
+    response = _optional("torch.distributed.checkpoint.state_dict_saver", "AsyncSaveResponse")
+    if response is not None and isinstance(written, response):
+        return written.upload_completion
+    return written
+
+
+def checkpoint_activations(module: nn.Module) -> None:
+    """Recompute `module`'s activations in backward instead of keeping them (non-reentrant, RNG-preserving).
+
+    torch's composable `checkpoint` (`torch.distributed._composable`, 2.1 to 2.13) works through hooks, so
+    parameter names, state dicts and FSDP's per-block wrapping do not change. Where it is gone, the block's
+    forward is wrapped in the public `torch.utils.checkpoint.checkpoint`, which also keeps the names (the module
+    is the same object); compiled blocks then recompute through the wrapper, the same result.
+    """
+    checkpoint = _optional("torch.distributed._composable", "checkpoint")
+    if checkpoint is not None:
+        checkpoint(module)
+        return
+    from torch.utils.checkpoint import checkpoint as recompute
+
+    forward = module.forward
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return recompute(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+    module.forward = checkpointed
+
+
+def local_shard_slices(param: torch.Tensor, shape: list[int]) -> tuple[slice, ...]:
+    """Where this process's part of a DTensor lies in the whole tensor of `shape`.
+
+    `torch.distributed.tensor._utils.compute_local_shape_and_global_offset` (2.4 to 2.13) answers it for every
+    placement; where it is gone, FSDP2's only placement, Shard(0) on a 1-D mesh, is computed here the way
+    torch.chunk splits dim 0 (what FSDP2 does), and any other layout is refused.
+    """
+    locate = _optional("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")
+    if locate is not None:
+        local, offset = locate(shape, param.device_mesh, param.placements)  # type: ignore[attr-defined]
+        return tuple(slice(start, start + n) for start, n in zip(offset, local, strict=True))
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = param.device_mesh, param.placements  # type: ignore[attr-defined]
+    if mesh.ndim != 1 or len(placements) != 1 or placements[0] != Shard(0):
+        raise RuntimeError(f"this torch ({torch.__version__}) cannot locate a shard placed {placements}")
+    size, parts, index = shape[0], mesh.size(), mesh.get_local_rank()
+    chunk = -(-size // parts)
+    start = min(size, chunk * index)
+    return (slice(start, min(size, start + chunk)), *(slice(0, n) for n in shape[1:]))
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device and keep their buffers real.
+
+    What accelerate's `init_empty_weights(include_buffers=False)` does: `nn.Module.register_parameter` (public,
+    unchanged from 1.x to 2.13) is wrapped so each parameter moves to meta as it is registered, and no layer's
+    default init runs on real memory. `with torch.device("meta")` would put the buffers (RoPE tables) on meta too.
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
