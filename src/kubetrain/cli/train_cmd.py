@@ -12,6 +12,8 @@ import typer
 
 from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, at_least, load
 from kubetrain.distributed.env import process_env
+from kubetrain.errors import UserInputError
+from kubetrain.torch_compat import unsupported_torch
 
 
 def train(
@@ -49,6 +51,8 @@ def train(
     Every config key, its type, default and meaning: kubetrain config explain [KEY].
     """
     cfg = load(config, preset, set_)
+    if problem := unsupported_torch():
+        raise UserInputError(problem)
     if nproc is not None or nnodes != "1" or rdzv_endpoint is not None:
         from kubetrain import runs
         from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
