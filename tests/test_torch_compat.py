@@ -37,6 +37,26 @@ def test_versions_read_and_the_oldest_supported_is_refused_below() -> None:
     assert unsupported_torch() is None  # the torch running this test is supported
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pyproject_readme_dockerfiles_and_ci_name_the_same_torch_range() -> None:
+    import re
+    import tomllib
+
+    from kubetrain.torch_compat import OLDEST_SUPPORTED
+
+    oldest = ".".join(map(str, OLDEST_SUPPORTED))
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"torch>={oldest},<3" in deps
+    assert f"torch {oldest} to 2.13" in (ROOT / "README.md").read_text()
+    tested = re.search(r"&& versions=\((.*)\)", (ROOT / "scripts" / "test-compat").read_text())
+    assert tested is not None and tested.group(1).split()[0] == f"{oldest}.0"  # CI tests the oldest it promises
+    cuda = re.search(r"ARG TORCH_VERSION=(\S+)", (ROOT / "deploy" / "docker" / "Dockerfile.cuda").read_text())
+    assert cuda is not None and cuda.group(1) in tested.group(1).split()  # a version CI tests
+    assert '"torch==2.13.0"' in (ROOT / "deploy" / "docker" / "Dockerfile").read_text()  # the main suite's torch
+
+
 def test_the_torchrun_command_line_parses_on_this_torch() -> None:
     """torch <= 2.12's torchrun refused --shutdown-timeout ("unrecognized arguments"): every pod exited 2."""
     from torch.distributed.run import parse_args
