@@ -161,6 +161,61 @@ def test_sharded_builds_at_four_ranks(tmp_path: Path) -> None:
     assert step["sharded_grads"] == [False, True]  # gradient accumulation keeps only sharded gradients
 
 
+def _runs(rank: int, world: int, store: str, root_name: str, llama: str, chat: str) -> None:
+    """One of 4 ranks (2 per "node"): FSDP and HSDP runs resuming each other's checkpoints, FSDP and DDP from the
+    same weights, and LoRA's first loss under FSDP and DDP."""
+    import torch.distributed as td
+
+    from kubetrain.train.trainer import train
+    from tests.hf_models import lora_config
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")
+    td.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    root = Path(root_name)
+    gpt = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16}
+
+    def run(name: str, strategy: str, steps: int, **options: Any) -> None:
+        cfg = _config(root, strategy, gpt, log_every_steps=1, max_steps=steps)
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name}),
+                                     "checkpoint": cfg.checkpoint.model_copy(update={"async_save": False})})
+        train(cfg, log=lambda m: None, argv=[], **options)
+
+    try:
+        run("ref", "fsdp", 4)
+        run("hsdp-then-fsdp", "hsdp", 2)
+        run("hsdp-then-fsdp", "fsdp", 4)
+        run("fsdp-then-hsdp", "fsdp", 2)
+        run("fsdp-then-hsdp", "hsdp", 4)
+        start = root / "runs" / "ref" / "checkpoints" / "step-000004"
+        for strategy in ("fsdp", "ddp"):  # the same weights, a fresh optimizer: the same two steps
+            run(f"{strategy}-from-ref", strategy, 2, resume="never", init_weights=start)
+        for strategy in ("ddp", "fsdp"):  # adapters start at zero (B): the first loss is the base's
+            cfg = lora_config(root / strategy, Path(llama), Path(chat), train__max_steps=1)
+            train(cfg.model_copy(update={"dist": cfg.dist.model_copy(update={"strategy": strategy})}),
+                  log=lambda m: None, argv=[])
+    finally:
+        td.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_hsdp_and_fsdp_resume_each_other_and_train_as_ddp(llama_dir: Path, chat_file: Path, tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from tests.launch.test_elastic import _train_losses as losses
+
+    mp.spawn(_runs, args=(4, str(tmp_path / "store"), str(tmp_path), str(llama_dir), str(chat_file)), nprocs=4)
+    runs = tmp_path / "runs"
+    ref = losses(runs / "ref")
+    assert len(ref) == 4
+    for name in ("hsdp-then-fsdp", "fsdp-then-hsdp"):  # each resumed at step 2 from the other's checkpoint
+        assert losses(runs / name) == pytest.approx(ref, rel=1e-5), name
+        assert (runs / name / "checkpoints" / "step-000004").is_dir()
+    assert losses(runs / "ddp-from-ref") == pytest.approx(losses(runs / "fsdp-from-ref"), rel=1e-5)
+    lora = [losses(tmp_path / strategy / "lora")[0] for strategy in ("ddp", "fsdp")]
+    assert lora[1] == pytest.approx(lora[0], rel=1e-5)
+
+
 def test_hsdp_mesh_is_nodes_by_local_processes_and_refuses_a_size_that_does_not_divide() -> None:
     assert parallelize.mesh_shape("fsdp", 8, 4, None) == (8,)
     assert parallelize.mesh_shape("hsdp", 8, 4, None) == (2, 4)  # shard within the node, replicate across
