@@ -88,6 +88,7 @@ def _bf16_fsdp_step(rank: int, world: int, root: Path) -> dict[str, Any]:
     starts (reduce-scattered, not kept unsharded)."""
     from torch.distributed.tensor import DTensor
 
+    from kubetrain.train.state import optimizer_steps
     from kubetrain.train.trainer import RunOptions, Trainer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")
@@ -108,6 +109,22 @@ def _bf16_fsdp_step(rank: int, world: int, root: Path) -> dict[str, Any]:
     trainer.model.register_forward_pre_hook(before_forward, prepend=True)  # before FSDP gathers the root
     trainer.model.blocks[0].attn.q_proj.register_forward_pre_hook(in_projection)  # type: ignore[index,union-attr]
     trainer.train_step()
+
+    # fp16: gathered in fp16 by the policy, the GradScaler skipping a step whose gradients overflowed
+    cfg = _config(root, "fsdp", {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16}, precision="fp16")
+    trainer = Trainer(cfg, RunOptions(argv=[]), log=lambda m: None)
+    trainer.setup()
+    trainer.open()
+    trainer.model.blocks[0].attn.q_proj.register_forward_pre_hook(in_projection)  # type: ignore[index,union-attr]
+    overflow = trainer.model.blocks[0].register_forward_hook(  # type: ignore[index,union-attr]
+        lambda module, args, out: out * float("inf") if rank == 1 else out)  # one rank's gradients overflow
+    scale = trainer.scaler.get_scale()
+    trainer.train_step()
+    overflow.remove()
+    trainer.loss_sum.zero_()
+    seen["fp16_skipped"] = [optimizer_steps(trainer.optimizer), trainer.scaler.get_scale() / scale]
+    trainer.train_step()
+    seen["fp16_stepped"] = [optimizer_steps(trainer.optimizer), bool(torch.isfinite(trainer.loss_sum))]
     return seen
 
 
@@ -156,8 +173,10 @@ def test_sharded_builds_at_four_ranks(tmp_path: Path) -> None:
     assert all(0 < t.abs().max() <= 1 / math.sqrt(t.shape[1]) for t in a)  # PEFT's kaiming-uniform bound
 
     step = got["step"]
-    assert step["autocast"] == [False, False]  # FSDP's policy computes in bf16; no autocast on top of it
-    assert step["weight"] == ["torch.bfloat16", "torch.bfloat16"]
+    assert step["autocast"] == [False] * 4  # FSDP's policy computes in bf16 / fp16; no autocast on top of it
+    assert step["weight"] == ["torch.bfloat16"] * 2 + ["torch.float16"] * 2
+    assert step["fp16_skipped"] == [0, 0.5]  # the overflow on one rank: no step anywhere, the scale halved
+    assert step["fp16_stepped"] == [1, True]
     assert step["sharded_grads"] == [False, True]  # gradient accumulation keeps only sharded gradients
 
 

@@ -295,7 +295,7 @@ def out_of_memory_advice(cfg: Config, device_type: str, where: str, world_size: 
                      "the batch)")
     if not cfg.model.gradient_checkpointing:
         fixes.append("set model.gradient_checkpointing: true")
-    if cfg.dist.strategy != "fsdp":
+    if not cfg.dist.shards_weights:
         fixes.append("shard weights and optimizer state with dist.strategy: fsdp" +
                      (" over more GPUs" if world_size == 1 else ""))
     if t.precision == "fp32" and device_type == "cuda":
