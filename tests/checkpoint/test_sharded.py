@@ -20,7 +20,7 @@ COMMON = ("train.max_steps=12", "checkpoint.every_steps=4", "checkpoint.keep_las
           "model.n_embd=64", "train.log_every_steps=2")
 
 
-def test_fsdp_checkpoints_resume_exactly_and_match_ddp(tmp_path: Path) -> None:
+def test_fsdp_checkpoints_resume_exactly(tmp_path: Path) -> None:
     cache = f"data.cache_dir={tmp_path}/c"
     kubetrain("train", *sets("run.name=ref", "dist.strategy=fsdp", cache, *COMMON), "--nproc", "2", cwd=tmp_path)
     ref = tmp_path / "runs" / "ref"
@@ -43,8 +43,8 @@ def test_fsdp_checkpoints_resume_exactly_and_match_ddp(tmp_path: Path) -> None:
     assert all(mine[k].equal(theirs[k]) for k in theirs)
     assert _losses(cut) == _losses(ref)
 
-    kubetrain("train", *sets("run.name=ddp", cache, *COMMON), "--nproc", "2", cwd=tmp_path)
-    assert _losses(tmp_path / "runs" / "ddp") == pytest.approx(_losses(ref), rel=1e-4, abs=1e-5)
+    # FSDP starts from ShardInit's weights, DDP from GPT(cfg)'s: FSDP and DDP from the same weights train alike in
+    # tests/distributed/test_parallelize.py
 
     # a sharded optimizer cannot silently become a fresh one in a single process
     single = kubetrain("train", *sets("run.name=ref", cache, *COMMON, "train.max_steps=16"), cwd=tmp_path,

@@ -61,6 +61,9 @@ def setup_case(case: str, tmp: Path) -> list[str]:
         return ["runs", "show", str(tmp)]
     if case == "no processes":
         return ["train", "--nproc", "0"]
+    if case == "hsdp shard group that does not divide the world":
+        return ["train", "--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1",
+                "--set", "dist.strategy=hsdp", "--set", "dist.shard_size=3"]
     if case == "generate from a missing run":
         return ["generate", str(tmp / "runs" / "nope"), "--prompt", "hi"]
     raise AssertionError(case)
@@ -87,6 +90,7 @@ CASES = {
     "train on a run directory": "is a directory, not a config file; to continue the run in it, pass its config: ",
     "runs show on a folder that is no run": "is not a run directory (no meta.json, config.yaml or phases/)",
     "no processes": "--nproc: must be at least 1, got 0",
+    "hsdp shard group that does not divide the world": "hsdp: dist.shard_size 3 must divide the world size 4",
 }
 
 

@@ -9,9 +9,10 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from kubetrain.config import load_config
+from kubetrain.distributed.parallelize import compile_blocks
 from kubetrain.models import build_model
 from kubetrain.models.gpt import Block
-from kubetrain.train.compile import compile_blocks, reset_compiled
+from kubetrain.train.compile import reset_compiled
 
 
 def test_blocks_compile_in_place_and_reset_drops_their_graphs() -> None:

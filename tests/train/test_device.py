@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kubetrain.config import load_config
+from kubetrain.distributed.parallelize import precision_plan
 from kubetrain.errors import UserInputError
 from kubetrain.models import build_model
 from kubetrain.models.lora import apply_lora
@@ -166,19 +167,35 @@ def test_memory_peak_is_the_peak_since_the_last_reading() -> None:
 
 
 def test_a_frozen_hugging_face_base_loads_in_the_training_precision() -> None:
+    """Under FSDP/HSDP too: each process loads its shards of the base in that dtype (the policy gathers in it)."""
     hf = ["model.kind=hf", "model.name_or_path=/models/x"]
     lora = load_config(overrides=[*hf, "model.lora.r=4"])
-    assert device.hf_weight_dtype(lora, "bf16", sharded=False) == "bfloat16"
-    assert device.hf_weight_dtype(lora, "fp16", sharded=False) == "float16"
-    assert device.hf_weight_dtype(lora, "fp32", sharded=False) == "float32"
-    assert device.hf_weight_dtype(lora, "bf16", sharded=True) == "float32"  # FSDP: one dtype per shard
+    assert device.hf_weight_dtype(lora, "bf16") == "bfloat16"
+    assert device.hf_weight_dtype(lora, "fp16") == "float16"
+    assert device.hf_weight_dtype(lora, "fp32") == "float32"
     full = load_config(overrides=hf)
-    assert device.hf_weight_dtype(full, "bf16", sharded=False) == "float32"  # AdamW wants fp32 weights
+    assert device.hf_weight_dtype(full, "bf16") == "float32"  # AdamW wants fp32 weights
     head = load_config(overrides=[*hf, "model.lora.r=4", 'model.lora.modules_to_save=["lm_head"]'])
-    assert device.hf_weight_dtype(head, "bf16", sharded=False) == "float32"
+    assert device.hf_weight_dtype(head, "bf16") == "float32"
     asked = load_config(overrides=[*hf, "model.dtype=float16"])
-    assert device.hf_weight_dtype(asked, "fp32", sharded=False) == "float16"
-    assert device.hf_weight_dtype(load_config(), "bf16", sharded=False) == "float32"  # our GPT: fp32
+    assert device.hf_weight_dtype(asked, "fp32") == "float16"
+    assert device.hf_weight_dtype(load_config(), "bf16") == "float32"  # our GPT: fp32
+
+
+@pytest.mark.parametrize(("precision", "sharded", "autocast", "gathered", "reduced"), [
+    ("fp32", False, None, None, None),
+    ("fp32", True, None, None, None),
+    ("bf16", False, torch.bfloat16, None, None),
+    ("fp16", False, torch.float16, None, None),
+    ("bf16", True, None, torch.bfloat16, torch.float32),  # torchtitan: no autocast under FSDP's policy
+    ("fp16", True, None, torch.float16, torch.float32),  # fp16 gathers in fp16 (the scaler still applies)
+])
+def test_precision_plan_autocasts_only_without_sharding(precision: str, sharded: bool, autocast: Any,
+                                                         gathered: Any, reduced: Any) -> None:
+    plan = precision_plan(precision, sharded)
+    assert (plan.autocast, plan.param_dtype, plan.reduce_dtype) == (autocast, gathered, reduced)
+    with device.autocast(precision, torch.device("cpu"), sharded)():
+        assert torch.is_autocast_enabled("cpu") == (autocast is not None)
 
 
 def test_a_lora_run_trains_on_a_bf16_base_with_fp32_adapters(

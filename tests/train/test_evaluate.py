@@ -15,11 +15,12 @@ import torch.distributed as td
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from kubetrain.config.schema import DistConfig, ModelConfig
+from kubetrain.config.loading import validate
+from kubetrain.config.schema import ModelConfig
 from kubetrain.data.loader import IGNORE_INDEX, TokenWindows
 from kubetrain.data.shards import Prepared
 from kubetrain.distributed.env import ProcessEnv
-from kubetrain.distributed.setup import wrap
+from kubetrain.distributed.parallelize import parallelize
 from kubetrain.models import build_model
 from kubetrain.train.evaluate import eval_batches, evaluate, lm_loss, perplexity
 
@@ -88,7 +89,8 @@ def _model() -> torch.nn.Module:
 def _losses(root: Path, rank: int, world: int, strategy: str) -> list[float]:
     model = _model()
     if world > 1:
-        model = wrap(model, DistConfig(strategy=strategy), ProcessEnv(rank, world), torch.device("cpu"))
+        cfg = validate({"dist": {"strategy": strategy}})
+        model = parallelize(model, cfg, ProcessEnv(rank, world), torch.device("cpu"), "fp32")
     cpu = torch.device("cpu")
     return [evaluate(model, _windows(root / str(n), n), batch, n_batches, cpu, contextlib.nullcontext, rank, world)
             for n, batch, n_batches in CASES]

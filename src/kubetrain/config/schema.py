@@ -247,8 +247,14 @@ class DistConfig(Section):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Process-group backend (auto: nccl on CUDA, gloo otherwise)."
     )
-    strategy: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="ddp: a full copy per process; fsdp: FSDP2 shards weights and optimizer state."
+    strategy: Literal["ddp", "fsdp", "hsdp"] = Field(
+        "ddp", description="ddp: a full copy per process; fsdp: FSDP2 shards weights and optimizer state over every "
+        "process; hsdp: FSDP2 shards them within a group of shard_size processes (a node) and replicates the groups "
+        "(all-gathers stay in the node, gradients are averaged across nodes). Their checkpoints are interchangeable."
+    )
+    shard_size: int | None = Field(
+        None, ge=1, description="hsdp: processes that share one sharded copy of the model (default: the processes "
+        "of one node, LOCAL_WORLD_SIZE); must divide the world size."
     )
     timeout_seconds: int = Field(
         600, ge=1, description="Collective timeout once the first step is done; a hung rank fails the job."
@@ -263,6 +269,17 @@ class DistConfig(Section):
         "the job is hung: every rank's Python stacks go to <run>/incidents/, the workers are ended and restarted "
         "(--max-restarts) to resume. Must exceed the longest evaluation or checkpoint save; null: off."
     )
+
+    @property
+    def shards_weights(self) -> bool:
+        """fsdp or hsdp: weights and optimizer state are sharded (when there are several processes)."""
+        return self.strategy in ("fsdp", "hsdp")
+
+    @model_validator(mode="after")
+    def _shard_size_is_hsdp(self) -> DistConfig:
+        if self.shard_size is not None and self.strategy != "hsdp":
+            raise ValueError(f"dist.shard_size applies to dist.strategy hsdp (this config has {self.strategy})")
+        return self
 
 
 class PhaseConfig(Section):
@@ -294,7 +311,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _quantized_not_sharded(self) -> Config:
-        if self.model.quantize != "none" and self.dist.strategy == "fsdp":
+        if self.model.quantize != "none" and self.dist.shards_weights:
             raise ValueError("model.quantize nf4 trains with dist.strategy ddp (FSDP does not shard 4-bit weights)")
         return self
 

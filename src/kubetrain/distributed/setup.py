@@ -1,4 +1,4 @@
-"""Start and stop the process group, and apply data parallelism to a single-device model from outside."""
+"""Start and stop the process group (data parallelism is applied in distributed.parallelize)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import os
 
 import torch
 import torch.distributed as td
-from torch import nn
 
 from kubetrain.config.schema import DistConfig
 from kubetrain.distributed.env import ProcessEnv, process_env
@@ -122,24 +121,6 @@ def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
         td.all_reduce(value, op=td.ReduceOp.SUM)
         value /= td.get_world_size()
     return value
-
-
-def wrap(model: nn.Module, cfg: DistConfig, penv: ProcessEnv, device: torch.device, precision: str = "fp32"
-         ) -> nn.Module:
-    """DDP or FSDP2 around the model when there are several processes; the model itself otherwise.
-
-    A model already sharded (built on the meta device and sharded before it was materialised) stays as it is.
-    """
-    from kubetrain.distributed import parallelize
-
-    if not penv.distributed or parallelize.is_sharded(model):
-        return model
-    if cfg.strategy == "fsdp":
-        return parallelize.shard(model, precision)
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    ids = [device.index] if device.type == "cuda" else None
-    return DDP(model, device_ids=ids)
 
 
 def local_device(requested: str) -> torch.device:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -48,11 +47,14 @@ def build_model(cfg: ModelConfig, tokenizer_vocab: int, load_weights: bool = Tru
     return GPT(gpt_config(cfg, tokenizer_vocab))
 
 
+Init = Callable[[str, torch.Tensor, str, float], None]  # init(name, param, kind, scale): see ShardInit
+
+
 def builds_on_meta(cfg: ModelConfig) -> bool:
     """Whether the model can be built with meta parameters and filled shard by shard (FSDP): our GPT, and a
-    Hugging Face model from a local folder of safetensors files. Not under LoRA: PEFT adds its adapters to
-    real weights."""
-    if cfg.lora is not None:
+    Hugging Face model from a local folder of safetensors files, with LoRA adapters or without. Not with LoRA's
+    modules_to_save: PEFT's trained copies of whole modules are built from real weights."""
+    if cfg.lora is not None and cfg.lora.modules_to_save:
         return False
     if cfg.kind == "hf":
         from kubetrain.models.hf import safetensors_files
@@ -61,14 +63,22 @@ def builds_on_meta(cfg: ModelConfig) -> bool:
     return True
 
 
-def fill_weights(model: nn.Module, cfg: ModelConfig, keep: Callable[[torch.Tensor, Any], None]) -> None:
-    """Give a model built with meta parameters (then sharded and materialised) its weights: our GPT's init
-    (the weights one process draws for the same seed), or a Hugging Face model's files (only the shards' bytes)."""
+def fill_weights(model: nn.Module, cfg: ModelConfig, init: Init) -> None:
+    """Give a model built with meta parameters (then sharded and materialised) its weights: our GPT's init, or a
+    Hugging Face model's files (only the shards' bytes), then LoRA's adapters their init.
+
+    A LoRA base layer is named as without LoRA (PEFT's `.base_layer` left out), so it gets the same weights."""
+    from kubetrain.models.lora import init_adapters, is_lora, plain_name
+
+    lora = is_lora(model)
     if cfg.kind == "hf":
         from kubetrain.models.hf import HFCausalLM, load_hf_weights
 
         assert isinstance(model, HFCausalLM)
         load_hf_weights(model, cfg)
-        return
-    assert isinstance(model, GPT)
-    model.init_weights(keep)
+    else:
+        gpt = model.get_base_model() if lora else model  # type: ignore[operator]
+        assert isinstance(gpt, GPT)
+        gpt.init_weights(lambda name, p, kind, scale: init(plain_name(name), p, kind, scale))
+    if lora:
+        init_adapters(model, init)

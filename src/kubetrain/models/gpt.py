@@ -178,43 +178,26 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.reset_parameters()
 
-    def reset_parameters(self, keep: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
-        """GPT-2 init; projections that write into the residual stream are scaled by 1/sqrt(2 * n_layer).
+    def reset_parameters(self) -> None:
+        """GPT-2 init; projections that write into the residual stream are scaled by 1/sqrt(2 * n_layer)."""
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, mean=0.0, std=self.init_std(name))
 
-        With `keep` (sharded weights), each weight is drawn whole on the CPU, as one process draws it, and
-        keep(param, whole) copies this process's part: every world size starts from the same weights.
-        """
+    def init_std(self, name: str) -> float:
+        """The std of a weight matrix's normal init, by its name."""
+        residual = {"o_proj", "down_proj"} & set(name.split("."))
+        return 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02
+
+    def init_weights(self, init: Callable[[str, torch.Tensor, str, float], None]) -> None:
+        """Initialise a GPT built with meta parameters (then sharded and materialised): init(name, param, kind,
+        scale) fills each weight, norms with ones, matrices from a normal of `init_std` (GPT(cfg)'s distributions;
+        the numbers are the caller's: a sharded init draws each process's part only)."""
         for name, p in self.named_parameters():
             if p.dim() < 2:
-                continue
-            residual = name.endswith(("o_proj.weight", "down_proj.weight"))
-            std = 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02
-            if keep is None:
-                nn.init.normal_(p, mean=0.0, std=std)
+                init(name, p, "constant", 1.0)
             else:
-                keep(p, torch.empty(p.shape, dtype=p.dtype).normal_(mean=0.0, std=std))
-
-    def init_weights(self, keep: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
-        """Initialise a GPT built with meta parameters (then sharded and materialised) to the very weights
-        GPT(cfg) gets on the CPU from the same RNG state, leaving the RNG where GPT(cfg) leaves it.
-
-        GPT(cfg) draws each layer's default init as it builds the layer, then reset_parameters draws over them:
-        both are replayed in that order, one weight at a time drawn whole on the CPU; `keep` keeps the part.
-        """
-        for module in self.modules():
-            reset = getattr(module, "reset_parameters", None)
-            if module is self or not callable(reset):
-                continue
-            own = dict(module.named_parameters(recurse=False))
-            whole = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype)) for n, p in own.items()}
-            module._parameters.update(whole)
-            try:
-                reset()
-            finally:
-                module._parameters.update(own)
-            for n, p in own.items():
-                keep(p, whole[n].detach())
-        self.reset_parameters(keep)
+                init(name, p, "normal", self.init_std(name))
 
     def forward(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) for token ids (B, T), which follow the tokens in `kv_cache` when one is given."""

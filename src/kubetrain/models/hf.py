@@ -184,11 +184,17 @@ def build_hf_model(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> HFCa
 
 
 def load_hf_weights(model: HFCausalLM, cfg: ModelConfig) -> None:
-    """Each process reads its shard of every weight from the folder's safetensors files, cast to the model's dtype."""
-    from kubetrain.distributed.parallelize import load_safetensors
+    """Each process reads its shard of every weight from the folder's safetensors files, cast to the model's dtype.
 
-    found = load_safetensors(model.lm, safetensors_files(cfg))
-    missing = sorted({name for name, _ in model.lm.named_parameters()} - found)
+    Under LoRA the base layers are found under their plain names; the adapters are not in the files."""
+    from kubetrain.distributed.parallelize import load_safetensors_into
+    from kubetrain.models.lora import is_lora, plain_name
+
+    lm = model.lm.get_base_model() if is_lora(model) else model.lm
+    targets = {**dict(lm.named_buffers()), **dict(lm.named_parameters(remove_duplicate=False))}
+    targets = {plain_name(name): t for name, t in targets.items() if ".lora_" not in name}
+    found = load_safetensors_into(targets, safetensors_files(cfg))
+    missing = sorted({plain_name(name) for name, _ in lm.named_parameters() if ".lora_" not in name} - found)
     if missing:
         raise UserInputError(f"model '{cfg.name_or_path}': its files hold no weight {missing[0]} "
                              f"({len(missing)} missing)")

@@ -7,10 +7,13 @@ target modules fits both.
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from kubetrain.config.schema import LoraConfig
@@ -59,6 +62,23 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
     except ValueError as e:
         first = str(e).strip().splitlines()[0]
         raise ConfigError(f"model.lora: {first}") from None
+
+
+def plain_name(name: str) -> str:
+    """A weight's name without PEFT's wrapper (`q_proj.base_layer.weight` is `q_proj.weight`)."""
+    return name.replace(".base_layer.", ".")
+
+
+def init_adapters(model: nn.Module, init: Callable[[str, torch.Tensor, str, float], None]) -> None:
+    """PEFT's default init of the adapters of a model built on meta: A from kaiming_uniform(a=sqrt(5)), i.e.
+    uniform within 1/sqrt(fan_in), B zero, so the adapted model starts as its base (embeddings: A zero, B normal)."""
+    for name, p in model.named_parameters():
+        if ".lora_A." in name:
+            init(name, p, "uniform", 1 / math.sqrt(p.shape[1]))
+        elif ".lora_B." in name or ".lora_embedding_A." in name:
+            init(name, p, "constant", 0.0)
+        elif ".lora_embedding_B." in name:
+            init(name, p, "normal", 1.0)
 
 
 def is_lora(model: nn.Module) -> bool:

@@ -22,6 +22,7 @@ from torch import nn
 
 from kubetrain import hardware
 from kubetrain.config.schema import Config
+from kubetrain.distributed.parallelize import precision_plan
 from kubetrain.distributed.setup import local_device
 from kubetrain.errors import UserInputError
 
@@ -180,28 +181,31 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return hardware.choose_precision(precision, hardware.accelerator(device)).name
 
 
-def hf_weight_dtype(cfg: Config, precision: str, sharded: bool) -> str:
+def hf_weight_dtype(cfg: Config, precision: str) -> str:
     """The dtype a Hugging Face model's weights load in: `model.dtype`, with 'auto' decided here.
 
-    auto is the training precision for a frozen base (LoRA) on one device or DDP, loaded straight in it (no
-    fp32 copy on the host): its weights never take an optimizer step, and the adapters PEFT adds stay fp32.
-    A fully trained model keeps fp32 weights (AdamW steps on bf16 weights lose the small updates; autocast
-    does the bf16 compute), and so do LoRA's modules_to_save (trained in full) and FSDP (one dtype per shard).
+    auto is the training precision for a frozen base (LoRA), loaded straight in it (no fp32 copy on the host;
+    under FSDP/HSDP each process loads its shards of it, and the policy gathers in that dtype): its weights never
+    take an optimizer step, and the adapters PEFT adds stay fp32. A fully trained model keeps fp32 weights (AdamW
+    steps on bf16 weights lose the small updates; autocast or FSDP's policy does the bf16 compute), and so do
+    LoRA's modules_to_save (trained in full).
     """
     requested = cfg.model.dtype
     if requested != "auto" or cfg.model.kind != "hf":
         return requested if requested != "auto" else "float32"
     lora = cfg.model.lora
-    if lora is not None and not lora.modules_to_save and not sharded and precision in ("bf16", "fp16"):
+    if lora is not None and not lora.modules_to_save and precision in ("bf16", "fp16"):
         return "bfloat16" if precision == "bf16" else "float16"
     return "float32"
 
 
-def autocast(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager[None]]:
-    """A factory of the autocast context for one forward pass."""
-    if precision == "fp32":
+def autocast(precision: str, device: torch.device, sharded: bool = False
+             ) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A factory of the autocast context for one forward pass: none in fp32, nor under FSDP/HSDP, whose
+    mixed-precision policy computes in the half dtype instead (parallelize.precision_plan decides)."""
+    dtype = precision_plan(precision, sharded).autocast
+    if dtype is None:
         return contextlib.nullcontext
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
 
 
@@ -291,7 +295,7 @@ def out_of_memory_advice(cfg: Config, device_type: str, where: str, world_size: 
                      "the batch)")
     if not cfg.model.gradient_checkpointing:
         fixes.append("set model.gradient_checkpointing: true")
-    if cfg.dist.strategy != "fsdp":
+    if not cfg.dist.shards_weights:
         fixes.append("shard weights and optimizer state with dist.strategy: fsdp" +
                      (" over more GPUs" if world_size == 1 else ""))
     if t.precision == "fp32" and device_type == "cuda":

@@ -1,48 +1,42 @@
-"""The model as this world trains it: built on the device or on meta and sharded, with activation checkpointing,
-compile and LoRA applied from outside (model code stays single-device)."""
+"""The model as this world trains it: built whole on the device, or on meta and sharded; LoRA added, then
+parallelism applied from outside in one call (distributed.parallelize), so model code stays single-device."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from kubetrain.config.schema import Config, ModelConfig
+from kubetrain.config.schema import Config
 from kubetrain.distributed import parallelize
+from kubetrain.distributed.env import ProcessEnv
 from kubetrain.models import build_model, builds_on_meta, fill_weights
 from kubetrain.models.lora import apply_lora
-from kubetrain.train.compile import compile_blocks
 from kubetrain.train.device import hf_weight_dtype
 
 
-def build_model_for_world(cfg: Config, vocab_size: int, device: torch.device, precision: str, sharded: bool
+def build_model_for_world(cfg: Config, vocab_size: int, device: torch.device, precision: str, world: ProcessEnv
                           ) -> nn.Module:
-    """The model for this world. Under FSDP (torchtitan's order): built with meta parameters, activation
-    checkpointing and FSDP applied per block, then each process materialises and fills only its shards;
-    otherwise built whole on the device (DDP wraps it in Trainer.open). The weights are the same either way."""
+    """The model for this world, parallelized. Under FSDP/HSDP (torchtitan's order): built with meta parameters,
+    LoRA added, parallelized (activation checkpointing, compile, fully_shard per block), then each process
+    materialises and fills only its shards: drawn by `ShardInit` from the run's seed (the same weights at every
+    world size, not those one process draws), or read from a Hugging Face model's files. Otherwise built whole on
+    the device (GPT(cfg)'s init from the global RNG), LoRA added, then parallelized (DDP, compile)."""
+    sharded = world.distributed and cfg.dist.shards_weights
+    # a frozen Hugging Face base (LoRA) loads straight in the training precision (model.dtype auto)
+    model_cfg = cfg.model.model_copy(update={"dtype": hf_weight_dtype(cfg, precision)})
     if sharded and device.type == "cpu":
         parallelize.return_freed_memory()
     if sharded and builds_on_meta(cfg.model):
         with parallelize.params_on_meta():
-            model = build_model(cfg.model, vocab_size, load_weights=False)
-        checkpoint_activations(model, cfg.model)
-        if cfg.train.compile:  # torchtitan's order: activation checkpointing, compile each block, then FSDP
-            compile_blocks(model)
-        parallelize.shard(model, precision)
+            model = with_lora(build_model(model_cfg, vocab_size, load_weights=False), cfg)
+        model = parallelize.parallelize(model, cfg, world, device, precision)
         parallelize.materialise(model, device)
-        fill_weights(model, cfg.model, parallelize.keep_part)
+        fill_weights(model, model_cfg, parallelize.ShardInit(cfg.run.seed))
         return model
-    # a frozen Hugging Face base (LoRA) loads straight in the training precision (model.dtype auto)
-    model_cfg = cfg.model.model_copy(update={"dtype": hf_weight_dtype(cfg, precision, sharded)})
-    model = build_model(model_cfg, vocab_size, device=device).to(device)
-    if cfg.model.lora is not None:
-        model = apply_lora(model, cfg.model.lora)
-    checkpoint_activations(model, cfg.model)
-    if cfg.train.compile and sharded:  # torchtitan: each block before fully_shard (in Trainer.open)
-        compile_blocks(model)
-    return model
+    model = with_lora(build_model(model_cfg, vocab_size, device=device).to(device), cfg)
+    return parallelize.parallelize(model, cfg, world, device, precision)
 
 
-def checkpoint_activations(model: nn.Module, cfg: ModelConfig) -> None:
-    """model.gradient_checkpointing for our GPT, per block from outside (an HF model does its own)."""
-    if cfg.gradient_checkpointing and cfg.kind == "gpt":
-        parallelize.checkpoint_blocks(model)
+def with_lora(model: nn.Module, cfg: Config) -> nn.Module:
+    """The model with LoRA adapters when the config asks for them (built on meta too: PEFT adds meta adapters)."""
+    return apply_lora(model, cfg.model.lora) if cfg.model.lora is not None else model

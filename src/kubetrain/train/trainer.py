@@ -119,7 +119,7 @@ class Trainer(Checkpointing):
         self.prefix = f"[rank {self.penv.rank}] " if self.penv.distributed else ""
         self.out: Log = log or console_log(self.prefix)
         self.say: Log = self.out if self.main else (lambda m: None)
-        self.sharded = self.penv.distributed and cfg.dist.strategy == "fsdp"
+        self.sharded = self.penv.distributed and cfg.dist.shards_weights  # FSDP or HSDP
         self.state = TrainState()
         self.last_checkpoint: checkpoint.Checkpoint | None = None
         self.evaluated_step = -1  # the step of the last evaluation: only a checkpoint of that step can be `best`
@@ -163,7 +163,7 @@ class Trainer(Checkpointing):
                         )
                 vote.close()
                 self.t_end = time.perf_counter()
-                if self.main and cfg.dist.strategy != "fsdp" and cfg.eval.sample_prompt is not None:  # null: off
+                if self.main and not self.sharded and cfg.eval.sample_prompt is not None:  # null: off
                     sample = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens * 3)
                 status = "finished"
         except (torch.OutOfMemoryError, RuntimeError) as e:  # one line naming what to change; exit 1
@@ -212,8 +212,7 @@ class Trainer(Checkpointing):
         if choice.warning:
             self.say(f"warning: {choice.warning}")
         self.precision = choice.name
-        self.model = build_model_for_world(cfg, self.tokenizer.vocab_size, self.device, self.precision,
-                                           self.sharded)
+        self.model = build_model_for_world(cfg, self.tokenizer.vocab_size, self.device, self.precision, penv)
         self.base = unwrap(self.model)
         n_params = sum(p.numel() for p in self.model.parameters())
         n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -223,7 +222,7 @@ class Trainer(Checkpointing):
         self.max_steps = t.max_steps
         if t.max_tokens:
             self.max_steps = min(self.max_steps, math.ceil(t.max_tokens / self.tokens_per_step))
-        self.amp = autocast(self.precision, self.device)
+        self.amp = autocast(self.precision, self.device, self.sharded)  # none under FSDP's policy
         # frozen weights (LoRA's base) get no weight gradient: counted, not assumed (device.py)
         self.flops_per_token = model_flops_per_token(self.base, cfg.model.block_size)
         self.peak = peak_flops(self.device, self.precision, self.torch_settings.tf32)
@@ -250,7 +249,7 @@ class Trainer(Checkpointing):
     # --- open: the run directory, resume, wrapping, optimizer, sinks ----------------------------------------
 
     def open(self) -> None:
-        """Resume or start the run directory, wrap the model for this world, build the optimizer and sinks."""
+        """Resume or start the run directory, build the optimizer and sinks."""
         cfg, penv = self.cfg, self.penv
         self.path = self.opts.run_path or runs.run_dir(cfg)
         self.ckpt_root = self.path / runs.CHECKPOINTS
@@ -258,8 +257,7 @@ class Trainer(Checkpointing):
                                   penv.world_size)
         self.shapes = weight_shapes(self.base)
         source = self.restore_weights()
-        self.model = dist.wrap(self.model, cfg.dist, penv, self.device, self.precision)
-        # Built on the wrapped model's parameters (FSDP replaces them with shards), its state loaded after.
+        # Built on the parallelized model's parameters (FSDP's are shards), its state loaded after.
         self.optimizer = build_optimizer(self.model, cfg.train, self.device)
         # fp16 gradients underflow without loss scaling; bf16 and fp32 need none (the scaler is then a no-op)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
@@ -270,8 +268,6 @@ class Trainer(Checkpointing):
                 load_optimizer(self.model, self.optimizer, source, source.trainer_state(), self.sharded)
             self.say(f"starting from the weights{' and optimizer state' if self.opts.init_optimizer else ''} "
                      f"of {source.path}")
-        if cfg.train.compile and not self.sharded:  # DDP: the wrapped model, so Dynamo splits at its buckets
-            self.model = torch.compile(self.model)  # type: ignore[assignment]
         self.start_run_files()
         self.model.train()
         self.t_start, self.side_seconds = time.perf_counter(), 0.0  # side: evaluation and checkpoints
@@ -435,7 +431,7 @@ class Trainer(Checkpointing):
 
     def write_sample(self) -> None:
         cfg = self.cfg
-        if cfg.eval.sample_prompt is None or cfg.dist.strategy == "fsdp":
+        if cfg.eval.sample_prompt is None or self.sharded:
             return
         text = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens)
         with open(self.path / runs.SAMPLES_FILE, "a", encoding="utf-8") as f:
