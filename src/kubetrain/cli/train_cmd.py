@@ -51,7 +51,8 @@ def train(
     cfg = load(config, preset, set_)
     if nproc is not None or nnodes != "1" or rdzv_endpoint is not None:
         from kubetrain import runs
-        from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
+        from kubetrain.launch.elastic import LaunchOptions, launch, parse_nnodes, torchrun_args
+        from kubetrain.memory import Layout
         from kubetrain.runs.lock import hold_for_workers
         from kubetrain.train.device import check_process_count
         from kubetrain.train.memory_check import check_memory
@@ -67,7 +68,9 @@ def train(
                              shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30,
                              hang_timeout=cfg.dist.hang_timeout_seconds)
         torchrun_args(opts, forwarded)  # bad launch options are refused before the run directory is held
-        check_memory(cfg, local_processes=opts.nproc_per_node, launcher=True)  # before any worker starts
+        # before any worker starts; the fewest nodes an elastic job may run on leave each process the most
+        world = opts.nproc_per_node * parse_nnodes(nnodes)[0]
+        check_memory(cfg, Layout.of(cfg, world, opts.nproc_per_node), launcher=True)
         one_node = nnodes == "1" and rdzv_endpoint is None  # several nodes: rank 0 holds it, wherever it runs
         held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if one_node and not dry_run:  # the launcher holds it across the agent's restarts of its workers
