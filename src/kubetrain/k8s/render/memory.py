@@ -89,5 +89,5 @@ def _what_to_change(cfg: Config, parts: dict[str, int] | None) -> str:
     k = cfg.k8s
     fewer = f"run fewer processes per pod (k8s.nproc_per_node {k.nproc_per_node})" if k.nproc_per_node > 1 else None
     shrink: str | None = what_to_change(parts, Layout.of_pods(cfg)) if parts is not None else (
-        "build the model sharded with dist.strategy=fsdp" if cfg.dist.strategy != "fsdp" else None)
+        "build the model sharded with dist.strategy=fsdp" if cfg.dist.strategy not in ("fsdp", "hsdp") else None)
     return "; ".join(x for x in ("raise k8s.resources.memory", fewer, shrink) if x)
