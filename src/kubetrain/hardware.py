@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +42,9 @@ def device_info(device: torch.device) -> DeviceInfo:
         total = torch.mps.recommended_max_memory()
         return DeviceInfo("mps", "Apple GPU (Metal)", total, total - torch.mps.current_allocated_memory(), 1)
     host_total, host_free = host_memory()
+    limited = container_memory_free()
+    if host_free is not None and limited is not None:
+        host_free = min(host_free, limited)
     return DeviceInfo("cpu", cpu_name(), host_total, host_free, os.cpu_count() or 1)
 
 
@@ -60,6 +64,25 @@ def host_memory() -> tuple[int | None, int | None]:
         return None, None
     kib = {k: int(v.split()[0]) * 1024 for k, v in info.items() if k in ("MemTotal", "MemAvailable")}
     return kib.get("MemTotal"), kib.get("MemAvailable")
+
+
+def container_memory_free() -> int | None:
+    """Bytes this container's cgroup may still allocate (v2, then v1); None without a limit.
+
+    /proc/meminfo shows the host's memory, so a pod limited to 8 GiB on a 512 GiB node would pass without this.
+    """
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit_text = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max" or int(limit_text) >= 2**62:  # no limit (v1 writes a huge number)
+            return None
+        return max(0, int(limit_text) - usage)
+    return None
 
 
 def cpu_name() -> str:

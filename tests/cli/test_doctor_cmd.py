@@ -33,3 +33,8 @@ def test_doctor_estimates_per_process_of_a_sharded_world(run_main: RunMain) -> N
     four = json.loads(out.strip().splitlines()[-1])["fit"]
     assert code == 0 and (four["world_size"], four["strategy"]) == (4, "fsdp")
     assert four["parts"]["optimizer"] < one["parts"]["optimizer"]
+    assert four["local_processes"] == 4 and four["device_need"] == 4 * four["estimate"]  # --nproc: per node
+    code, out, _ = run_main(*args, "--nproc", "4", "--nnodes", "2")
+    eight = json.loads(out.strip().splitlines()[-1])["fit"]
+    assert (eight["world_size"], eight["local_processes"], eight["shards"]) == (8, 4, 8)
+    assert eight["parts"]["optimizer"] < four["parts"]["optimizer"]

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kubetrain.config import load_config
 from kubetrain.errors import EXIT_BAD_INPUT, UserInputError
@@ -24,10 +25,12 @@ def _limited() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (GUARD, GUARD))
 
 
-def _train(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    sets = [a for kv in HUGE for a in ("--set", kv)]
+def _train(tmp_path: Path, *args: str, model: list[str] = HUGE, guard: bool = True
+           ) -> subprocess.CompletedProcess[str]:
+    sets = [a for kv in model for a in ("--set", kv)]
     return subprocess.run([sys.executable, "-m", "kubetrain", "train", *sets, *args], cwd=tmp_path, env=cli_env(),
-                          capture_output=True, text=True, timeout=300, preexec_fn=_limited, check=False)
+                          capture_output=True, text=True, timeout=300, preexec_fn=_limited if guard else None,
+                          check=False)
 
 
 @pytest.mark.slow
@@ -52,3 +55,39 @@ def test_the_estimate_names_what_to_change() -> None:
 def test_check_memory_false_lets_it_start_and_a_small_model_passes() -> None:
     check_memory(load_config(None, None, [*HUGE, "run.check_memory=false"]))
     check_memory(load_config(None, None, []))  # the tiny preset
+
+
+# 476,181,760 parameters (the tiny preset's byte vocabulary): per process 9.4 GiB under DDP, 2.5 GiB under FSDP
+GPT_476M = ["model.n_layer=24", "model.n_embd=1280", "model.n_head=20", "train.micro_batch_size=2"]
+
+
+@pytest.mark.slow
+def test_a_476m_gpt_on_4_processes_is_accepted_under_fsdp_and_refused_under_ddp(tmp_path: Path) -> None:
+    # issue 27: each worker checked as one process and the launcher multiplied that by --nproc, so FSDP was
+    # refused ("needs about 30.4 GiB") on a machine where it fits
+    from kubetrain.hardware import device_info
+    from kubetrain.memory import Layout, estimate_on
+
+    free = device_info(torch.device("cpu")).memory_free or 0
+    needs = {}
+    for strategy in ("ddp", "fsdp"):
+        cfg = load_config(None, None, [*GPT_476M, f"dist.strategy={strategy}"])
+        est = estimate_on(cfg, Layout.of(cfg, 4, 4), torch.device("cpu"))
+        assert not isinstance(est, str)
+        needs[strategy] = est.device_need
+    if not needs["fsdp"] <= free < needs["ddp"]:
+        pytest.skip(f"{free / 2**30:.1f} GiB free: the two runs are told apart between "
+                    f"{needs['fsdp'] / 2**30:.1f} and {needs['ddp'] / 2**30:.1f} GiB")
+    ddp = _train(tmp_path, "--nproc", "4", "--set", "dist.strategy=ddp", "--dry-run", model=GPT_476M)
+    assert ddp.returncode == EXIT_BAD_INPUT and ddp.stderr.count("\n") == 1, ddp.stderr[-2000:]
+    assert ddp.stderr.startswith(f"error: this run needs about {needs['ddp'] / 2**30:.1f} GiB")
+    assert "per process of 4 (ddp), x4 processes on this node" in ddp.stderr
+    # FSDP: the launcher and its 4 workers accept; the workers then stop at the data (a path that is not there)
+    # rather than spend minutes building 476M parameters on this CPU for the dry run's forward pass
+    missing = f"data.sources=[{{kind: text, path: {tmp_path / 'missing.txt'}}}]"
+    fsdp = _train(tmp_path, "--nproc", "4", "--set", "dist.strategy=fsdp", "--set", "run.threads=1",
+                  "--set", missing, "--dry-run", model=GPT_476M, guard=False)
+    # the first worker to fail is refused by the data, not by the memory check, and the agent stops the others
+    # (exit 2, or 1 when it names a rank it had to stop before that rank's own exit)
+    assert fsdp.returncode in (1, EXIT_BAD_INPUT) and "needs about" not in fsdp.stderr, fsdp.stderr[-2000:]
+    assert "error: data path not found" in fsdp.stderr

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kubetrain import locks
 from kubetrain.checkpoint.layout import CHECKSUM, META_FILE
 from kubetrain.files import write_atomic
 
@@ -84,21 +84,16 @@ def record(folder: Path, files: dict[str, Any], problem: str | None, *, written_
 
 @contextlib.contextmanager
 def exclusive(folder: Path) -> Iterator[None]:
-    """One process at a time verifies `folder`; where no lock can be taken (read-only, no fcntl), no lock."""
+    """One process at a time verifies `folder` (kubetrain.locks: flock, or a lock file where the file system has
+    no flock); where no lock can be taken (a read-only folder), no lock."""
     if not _shared(folder):
         yield
         return
-    try:
-        import fcntl
-
-        lock = _verdict_file(folder).with_suffix(".lock")
-        lock.parent.mkdir(exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    except (ImportError, OSError):
+    with contextlib.ExitStack() as held:
+        try:
+            lock = _verdict_file(folder).with_suffix(".lock")
+            lock.parent.mkdir(exist_ok=True)
+            held.enter_context(locks.exclusive(lock))
+        except OSError:
+            pass  # read-only: verify without the lock
         yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, at_least, load
+from kubetrain.config.schema import Config
 from kubetrain.distributed.env import process_env
 from kubetrain.errors import UserInputError
 from kubetrain.torch_compat import unsupported_torch
@@ -51,15 +52,12 @@ def train(
     Every config key, its type, default and meaning: kubetrain config explain [KEY].
     """
     cfg = load(config, preset, set_)
-    if problem := unsupported_torch():
-        raise UserInputError(problem)
+    check_torch()
     if nproc is not None or nnodes != "1" or rdzv_endpoint is not None:
         from kubetrain import runs
-        from kubetrain.distributed.parallelize import mesh_shape
-        from kubetrain.launch.elastic import LaunchOptions, launch, parse_nnodes, torchrun_args
+        from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
         from kubetrain.runs.lock import hold_for_workers
         from kubetrain.train.device import check_process_count
-        from kubetrain.train.memory_check import check_memory
 
         check_process_count(cfg.run.device, nproc or 1)  # one GPU per process, or NCCL fails later
         forwarded = [str(config)] if config else (["--preset", preset] if preset else [])
@@ -72,10 +70,7 @@ def train(
                              shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30,
                              hang_timeout=cfg.dist.hang_timeout_seconds)
         torchrun_args(opts, forwarded)  # bad launch options are refused before the run directory is held
-        low, high = parse_nnodes(nnodes)
-        if cfg.dist.strategy == "hsdp" and low == high:  # an HSDP shard group that does not divide the world
-            mesh_shape("hsdp", low * opts.nproc_per_node, opts.nproc_per_node, cfg.dist.shard_size)
-        check_memory(cfg, local_processes=opts.nproc_per_node, launcher=True)  # before any worker starts
+        check_node(cfg, opts.nproc_per_node, nnodes)  # before any worker starts
         one_node = nnodes == "1" and rdzv_endpoint is None  # several nodes: rank 0 holds it, wherever it runs
         held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if one_node and not dry_run:  # the launcher holds it across the agent's restarts of its workers
@@ -102,6 +97,27 @@ def train(
     val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
     typer.echo(f"done: {result.steps} steps, {result.tokens:,} tokens, val loss {val}")
     typer.echo(f"run directory: {Path(result.run_dir)}")
+
+
+def check_torch() -> None:
+    """A torch older than kubetrain supports is one line (exit 2), not an ImportError deep in the run."""
+    if problem := unsupported_torch():
+        raise UserInputError(problem)
+
+
+def check_node(cfg: Config, nproc: int, nnodes: str) -> None:
+    """The launcher's checks before any worker starts: an HSDP shard group divides the world, and memory for
+    `nproc` processes on this node, of `nproc` x the fewest nodes (an elastic job's MIN leaves each process the
+    most under FSDP)."""
+    from kubetrain.distributed.parallelize import mesh_shape
+    from kubetrain.launch.elastic import parse_nnodes
+    from kubetrain.memory import Layout
+    from kubetrain.train.memory_check import check_memory
+
+    low, high = parse_nnodes(nnodes)
+    if cfg.dist.strategy == "hsdp" and low == high:
+        mesh_shape("hsdp", low * nproc, nproc, cfg.dist.shard_size)
+    check_memory(cfg, Layout.of(cfg, nproc * parse_nnodes(nnodes)[0], nproc), launcher=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -7,15 +7,15 @@ process hashes what is missing while the others wait on a lock, then find its di
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import xxhash
+
+from kubetrain.locks import exclusive
 
 FINGERPRINTS_FILE = "fingerprints.json"
 # A file changed within the same mtime tick as it was hashed would keep a stale digest ("racy git"):
@@ -55,7 +55,7 @@ class DigestCache:
         stats = {f: _stat_key(f) for f in files}
         known = self._load()
         if any(known.get(k) is None for k in stats.values()):
-            with locked(self.folder / f".{FINGERPRINTS_FILE}.lock"):
+            with exclusive(self.folder / f".{FINGERPRINTS_FILE}.lock"):
                 known = self._load()  # another process may have hashed them while this one waited
                 missing = [f for f, k in stats.items() if known.get(k) is None]
                 fresh = {stats[f]: self._read(f) for f in missing}
@@ -90,20 +90,3 @@ class DigestCache:
 def _stat_key(f: Path) -> str:
     st = f.stat()
     return f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
-
-
-@contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """An exclusive lock between processes on this machine (flock); without fcntl, no lock."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: processes may hash the same files twice, nothing worse
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

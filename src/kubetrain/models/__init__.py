@@ -68,7 +68,8 @@ def fill_weights(model: nn.Module, cfg: ModelConfig, init: Init) -> None:
     Hugging Face model's files (only the shards' bytes), then LoRA's adapters their init.
 
     A LoRA base layer is named as without LoRA (PEFT's `.base_layer` left out), so it gets the same weights."""
-    from kubetrain.models.lora import init_adapters, is_lora, plain_name
+    from kubetrain.models.hf import plain_name
+    from kubetrain.models.lora import init_adapters, is_lora
 
     lora = is_lora(model)
     if cfg.kind == "hf":

@@ -183,14 +183,19 @@ def build_hf_model(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> HFCa
     return _ready(lm, cfg, tokenizer_vocab)
 
 
+def plain_name(name: str) -> str:
+    """A weight's name without PEFT's wrapper (`q_proj.base_layer.weight` is `q_proj.weight`)."""
+    return name.replace(".base_layer.", ".")
+
+
 def load_hf_weights(model: HFCausalLM, cfg: ModelConfig) -> None:
     """Each process reads its shard of every weight from the folder's safetensors files, cast to the model's dtype.
 
     Under LoRA the base layers are found under their plain names; the adapters are not in the files."""
     from kubetrain.distributed.parallelize import load_safetensors_into
-    from kubetrain.models.lora import is_lora, plain_name
 
-    lm = model.lm.get_base_model() if is_lora(model) else model.lm
+    base = getattr(model.lm, "get_base_model", None)  # a PeftModel (models/lora.py) wraps the base model
+    lm = base() if callable(base) else model.lm
     targets = {**dict(lm.named_buffers()), **dict(lm.named_parameters(remove_duplicate=False))}
     targets = {plain_name(name): t for name, t in targets.items() if ".lora_" not in name}
     found = load_safetensors_into(targets, safetensors_files(cfg))

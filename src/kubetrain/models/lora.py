@@ -64,11 +64,6 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
         raise ConfigError(f"model.lora: {first}") from None
 
 
-def plain_name(name: str) -> str:
-    """A weight's name without PEFT's wrapper (`q_proj.base_layer.weight` is `q_proj.weight`)."""
-    return name.replace(".base_layer.", ".")
-
-
 def init_adapters(model: nn.Module, init: Callable[[str, torch.Tensor, str, float], None]) -> None:
     """PEFT's default init of the adapters of a model built on meta: A from kaiming_uniform(a=sqrt(5)), i.e.
     uniform within 1/sqrt(fan_in), B zero, so the adapted model starts as its base (embeddings: A zero, B normal)."""

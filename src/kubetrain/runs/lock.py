@@ -11,73 +11,31 @@ so: on this host when its PID is dead, on another host when it was not refreshed
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
 
 from kubetrain.errors import UserInputError
+from kubetrain.locks import (
+    REFRESH_SECONDS,
+    STALE_AFTER_SECONDS,
+    Holder,
+    create_lock_file,
+    holder_alive,
+    read_holder,
+    this_process,
+)
 
 LOCK_FILE = "run.lock"
 JOB_ENV = "KUBETRAIN_RUN_JOB"  # set by the launcher for its workers: they run under its lock
-REFRESH_SECONDS = 30.0
-STALE_AFTER_SECONDS = 120.0  # a lock on another host not refreshed for this long belongs to a dead run
+__all__ = ["JOB_ENV", "LOCK_FILE", "STALE_AFTER_SECONDS", "Holder", "RunLock", "hold", "hold_for_workers",
+           "read_holder", "this_process"]
 
 Say = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class Holder:
-    """Who holds a run directory: enough to tell a live holder from a dead one and a restart from a stranger."""
-
-    host: str
-    pid: int
-    job: str | None
-    since: float
-    started: int | None = None  # the process's start time in clock ticks since boot: a reused PID differs
-
-    def alive_here(self) -> bool:
-        """This host's process `pid` is running and is the same process (not a later one given the same PID)."""
-        if self.host != socket.gethostname():
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass  # it exists, owned by another user
-        return self.started is None or process_start(self.pid) in (None, self.started)
-
-    def describe(self) -> str:
-        return f"pid {self.pid} on {self.host}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))}"
-
-
-def process_start(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot, from /proc), or None where /proc has no answer."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22 of proc(5), counted after the command name
-
-
-def this_process(job: str | None) -> Holder:
-    return Holder(socket.gethostname(), os.getpid(), job, time.time(), process_start(os.getpid()))
-
-
-def read_holder(lock: Path) -> Holder | None:
-    """The holder a lock file names; None when there is no lock (or an unreadable one: a torn write is no run)."""
-    try:
-        data = json.loads(lock.read_text())
-        return Holder(str(data["host"]), int(data["pid"]), data.get("job"), float(data["since"]), data.get("started"))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 def job_identity() -> str | None:
@@ -131,7 +89,7 @@ def hold(path: Path, job: str | None, say: Say) -> RunLock:
     path.mkdir(parents=True, exist_ok=True)
     lock, me = path / LOCK_FILE, this_process(job)
     for _ in range(3):  # a lock that appears or goes while we look: look again
-        if _create(lock, me):
+        if create_lock_file(lock, me):
             return RunLock(path, me, owned=True, created=created)
         held = read_holder(lock)
         if held is None:
@@ -144,7 +102,7 @@ def hold(path: Path, job: str | None, say: Say) -> RunLock:
                 return RunLock(path, held, owned=False, created=None)
             say(f"note: taking over the run lock of this job's previous process ({held.describe()}); "
                 f"the elastic agent restarted it")
-        elif _alive(lock, held):
+        elif holder_alive(lock, held):
             raise UserInputError(
                 f"{path} is in use by another run ({held.describe()}); wait for it to end or stop it, "
                 f"or choose another run.name")
@@ -163,38 +121,6 @@ def _first_missing(path: Path) -> Path | None:
             break
         missing = folder
     return missing
-
-
-def _alive(lock: Path, held: Holder) -> bool:
-    """Whether the lock's holder still runs: its PID on this host, the lock's freshness on another."""
-    if held.host == socket.gethostname():
-        return held.alive_here()
-    try:
-        return time.time() - lock.stat().st_mtime < STALE_AFTER_SECONDS
-    except FileNotFoundError:
-        return False
-
-
-def _create(lock: Path, me: Holder) -> bool:
-    """Write the lock whole, then link it into place: readers never see half of one; False if one exists."""
-    text = json.dumps(asdict(me))
-    tmp = lock.with_name(f".{lock.name}.{me.pid}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text(text)
-    try:
-        os.link(tmp, lock)
-        return True
-    except FileExistsError:
-        return False
-    except OSError:  # a filesystem without hard links: exclusive create, then write
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        return True
-    finally:
-        tmp.unlink()
 
 
 def hold_for_workers(path: Path, say: Say) -> RunLock:

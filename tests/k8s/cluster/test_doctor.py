@@ -113,6 +113,7 @@ def test_a_namespace_editor_gets_every_check_it_can_have(tmp_path: Path, apiserv
         "ok    namespace: homelab",
         "ok    access: this user may create jobs.batch in namespace homelab",
         "warn  nodes: cannot check nodes: forbidden",
+        "warn  gpu memory: cannot check the nodes' GPUs: forbidden",
         "warn  volume checkpoints: cannot check storage classes for the 100Gi claim: forbidden",
         "ok    secret HF_TOKEN: Secret hf-token has key token",
         "ok    grace: terminationGracePeriodSeconds 90 s from the default rule: checkpoint.grace_seconds 60 + 30",

@@ -9,10 +9,10 @@ import pytest
 
 from kubetrain.config import load_config
 from kubetrain.config.schema import Config
-from kubetrain.doctor import estimate_memory, model_shape
 from kubetrain.k8s.render.context import RenderError
 from kubetrain.k8s.render.manifest import render
 from kubetrain.k8s.render.memory import GIB, host_need, size
+from kubetrain.memory import Layout, estimate_memory, model_shape
 
 Cli = Callable[..., tuple[int, str, str]]
 # GPT-2 small's shape at micro-batch 16: about 20.6 GiB of training state per process on the CPU (doctor)
@@ -28,13 +28,13 @@ def gpt2(*overrides: str) -> Config:
 def test_a_cpu_pod_holds_every_process_s_training_state() -> None:
     cfg = gpt2("k8s.resources.memory=24Gi")
     shape = model_shape(cfg)
-    each = sum(estimate_memory(cfg, shape, 1, precision="fp32", attention="flash").values())
+    each = sum(estimate_memory(cfg, shape, Layout.of(cfg), precision="fp32", attention="flash").values())
     assert 20 * GIB < each < 21 * GIB  # doctor's estimate: weights, gradients, AdamW, activations, logits
     assert host_need(cfg, shape)[0] == each
     render(cfg)  # one process fits in 24Gi
 
     two = gpt2("k8s.resources.memory=24Gi", "k8s.nproc_per_node=2")
-    both = sum(estimate_memory(two, shape, 2, precision="fp32", attention="flash").values())
+    both = sum(estimate_memory(two, shape, Layout.of(two, 2), precision="fp32", attention="flash").values())
     with pytest.raises(RenderError) as refused:
         render(two)
     assert str(refused.value) == (

@@ -2,7 +2,8 @@
 
 Checks: the API server answers; the namespace exists; the workload's CRD (and TrainJob runtime) is installed;
 this user may create the workload (SelfSubjectAccessReview); nodes have room for nnodes pods (pod slots: what
-one pod requests, beside what running pods request) and their taints are tolerated; storage classes exist and
+one pod requests, beside what running pods request) and their taints are tolerated; one process's memory (the
+estimate, kubetrain.memory) fits the nodes' GPUs (gpu_memory.py); storage classes exist and
 claims fit several nodes (ReadWriteMany); the Secrets and keys the pods read exist (their values are never
 shown); the bucket of checkpoint.uri can be listed from this machine, when it has credentials; the grace period
 a stopped pod gets to save, and where it came from (a measured save, or the default rule).
@@ -355,6 +356,13 @@ def _guarded(name: str, what: str, check: Callable[[], Check | list[Check]]) -> 
     return found if isinstance(found, list) else [found]
 
 
+def _gpu_memory(cluster: Cluster, cfg: Config) -> list[Check]:
+    from kubetrain.k8s.cluster.gpu_memory import gpu_memory_verdict
+
+    verdict = gpu_memory_verdict(cfg, cluster.list("Node"))
+    return [Check("gpu memory", *verdict)] if verdict else []
+
+
 def _grace(cluster: Cluster, ctx: RenderContext) -> Check:
     from kubetrain.k8s.cluster.grace import grace_verdict
 
@@ -386,6 +394,7 @@ def run_checks(cluster: Cluster, cfg: Config, workload: str | None = None,
     except ClusterError as e:  # a server without SelfSubjectAccessReview, or one that refuses the question
         yield Check("access", "warn", f"cannot ask whether this user may create the workload: {e}")
     yield from _guarded("nodes", "nodes", lambda: _nodes(cluster, ctx, tolerations(ctx)))
+    yield from _guarded("gpu memory", "the nodes' GPUs", lambda: _gpu_memory(cluster, cfg))
     yield from _guarded("storage", "storage classes and volumes", lambda: _storage(cluster, ctx))
     yield from _secrets(cluster, ctx)
     yield from _guarded("grace", "the job's logs", lambda: _grace(cluster, ctx))

@@ -1,10 +1,11 @@
 """Can one pod's memory hold what its `nproc_per_node` processes keep in host memory? Refused at render.
 
 The pod's memory request is also its limit: a pod that needs more is OOM-killed (exit 137, no message) minutes
-after it was scheduled. The estimate is `kubetrain doctor`'s (doctor.estimate_memory), made on the meta device.
+after it was scheduled. The estimate is the one train, the launcher and `kubetrain doctor` make (kubetrain.memory),
+for the pods' layout (k8s.nnodes x k8s.nproc_per_node processes, dist.strategy), made on the meta device.
 
-- CPU pods train in host memory: each process holds its whole training state (weights, gradients, AdamW,
-  activations, logits; divided by the world size under FSDP), so the pod needs nproc_per_node times that.
+- CPU pods train in host memory: each process holds its training state (weights, gradients, AdamW,
+  activations, logits; the first three sharded under FSDP/HSDP), so the pod needs nproc_per_node times that.
   Counted with a fused attention kernel (torch has one on the CPU): the smaller figure, so a config the pod's
   own check (train/memory_check.py, against its cgroup) would accept is never refused here.
 - GPU pods keep the training state in GPU memory; the host still holds a whole copy of the weights per process
@@ -22,6 +23,7 @@ from typing import Any
 
 from kubetrain.config.schema import Config
 from kubetrain.k8s.render.context import RenderError
+from kubetrain.memory import Estimate, Layout, estimate, model_shape, what_to_change
 
 GIB = 2**30
 
@@ -31,24 +33,30 @@ def size(n: float) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
 
 
+def pod_estimate(cfg: Config, shape: dict[str, Any]) -> Estimate:
+    """The estimate (kubetrain.memory) for the pods' layout: k8s.nnodes pods of k8s.nproc_per_node processes.
+
+    On CPU pods with the CPU's precision and a fused attention kernel (torch has one on the CPU); on GPU pods
+    with the configured precision (auto: bf16) and flash attention, the kernels a current GPU runs.
+    """
+    from kubetrain.hardware import Accelerator, choose_precision
+
+    gpu = on_gpu(cfg)
+    acc = Accelerator("cuda", (9, 0), True) if gpu else Accelerator("cpu")
+    precision = choose_precision(cfg.train.precision, acc).name
+    return estimate(cfg, shape, Layout.of_pods(cfg), "cuda" if gpu else "cpu", precision=precision,
+                    attention="flash")
+
+
 def host_need(cfg: Config, shape: dict[str, Any]) -> tuple[int, str, dict[str, int] | None]:
     """Bytes of host memory one pod needs, what they are in words, and the per-process parts on the CPU."""
-    from kubetrain.doctor import estimate_memory
-    from kubetrain.hardware import Accelerator, choose_precision
-    from kubetrain.models import builds_on_meta
-
-    k = cfg.k8s
-    procs, world = k.nproc_per_node, k.nnodes * k.nproc_per_node
-    if not on_gpu(cfg):
-        precision = choose_precision(cfg.train.precision, Accelerator("cpu")).name
-        parts = estimate_memory(cfg, shape, world, precision=precision, attention="flash")
-        each = sum(parts.values())
-        return procs * each, f"{procs} x {size(each)} of training state on the CPU", parts
-    weights = shape["params"] * shape["weight_bytes"]
-    sharded = world > 1 and cfg.dist.strategy == "fsdp" and builds_on_meta(cfg.model)
-    copies = 1 if sharded else procs
-    why = "under FSDP, rank 0 gathers them to save" if sharded else "each process builds the model on the CPU"
-    return copies * weights, f"{copies} x {size(weights)} of weights in host memory ({why})", None
+    est = pod_estimate(cfg, shape)
+    procs = est.layout.local_processes
+    if est.device == "cpu":
+        return est.host_need, f"{procs} x {size(est.per_process)} of training state on the CPU", est.parts
+    why = ("under FSDP, rank 0 gathers them to save" if est.host_copies == 1 and est.layout.sharded
+           else "each process builds the model on the CPU")
+    return est.host_need, f"{est.host_copies} x {size(est.host_weights)} of weights in host memory ({why})", None
 
 
 def on_gpu(cfg: Config) -> bool:
@@ -59,7 +67,6 @@ def on_gpu(cfg: Config) -> bool:
 def check_pod_memory(cfg: Config) -> None:
     """Raise RenderError (one line: the request, the estimate, what to change) when a pod cannot hold its
     processes; silent when the model's size is not known here (a Hugging Face folder only the pods mount)."""
-    from kubetrain.doctor import model_shape
     from kubetrain.k8s.quantities import quantity
 
     memory = cfg.k8s.resources.memory
@@ -79,10 +86,8 @@ def check_pod_memory(cfg: Config) -> None:
 
 def _what_to_change(cfg: Config, parts: dict[str, int] | None) -> str:
     """More memory first; then what shrinks the largest part (CPU), or the host copies (GPU)."""
-    from kubetrain.train.memory_check import what_to_change
-
     k = cfg.k8s
     fewer = f"run fewer processes per pod (k8s.nproc_per_node {k.nproc_per_node})" if k.nproc_per_node > 1 else None
-    shrink: str | None = what_to_change(parts) if parts is not None else (
-        "build the model sharded with dist.strategy=fsdp" if cfg.dist.strategy != "fsdp" else None)
+    shrink: str | None = what_to_change(parts, Layout.of_pods(cfg)) if parts is not None else (
+        "build the model sharded with dist.strategy=fsdp" if cfg.dist.strategy not in ("fsdp", "hsdp") else None)
     return "; ".join(x for x in ("raise k8s.resources.memory", fewer, shrink) if x)

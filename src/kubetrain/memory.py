@@ -1,0 +1,223 @@
+"""How much memory training a config takes, per process: the one estimate train, the launcher, doctor and render use.
+
+A run's processes are laid out by `Layout` (strategy, world size, processes on one node). The estimate of one
+process's training state (`estimate_memory`) divides by what the strategy shards over: nothing under DDP, the
+world under FSDP, the node's processes under HSDP (sharded within a node, replicated across nodes). What a
+device must then hold (`Estimate.device_need`) is one process's share on its own GPU, and all the node's
+processes together on the CPU, whose RAM they share. Everything is made on the meta device: nothing is allocated.
+
+Who compares what: planning a node (the `--nproc` launcher, `kubetrain doctor`, `k8s render` for a pod's
+request) compares `device_need` (and on GPU pods `host_need`); a worker that is already running compares its own
+share (`per_process`), since its siblings may hold theirs already.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kubetrain import hardware
+from kubetrain.config.schema import Config
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FUSED_ATTENTION = ("flash", "memory-efficient", "cudnn")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a run's processes are: the strategy, how many there are, and how many share one node."""
+
+    strategy: str  # dist.strategy: ddp, fsdp or hsdp
+    world_size: int = 1
+    local_processes: int = 1  # processes on one node: they share its RAM
+
+    @classmethod
+    def of(cls, cfg: Config, world_size: int = 1, local_processes: int | None = None) -> Layout:
+        """`cfg`'s strategy over `world_size` processes, `local_processes` of them per node (default: all)."""
+        world = max(1, world_size)
+        return cls(str(cfg.dist.strategy), world, max(1, min(local_processes or world, world)))
+
+    @classmethod
+    def of_pods(cls, cfg: Config) -> Layout:
+        """The layout `k8s render` gives the config: k8s.nnodes pods of k8s.nproc_per_node processes."""
+        procs = cfg.k8s.nproc_per_node
+        return cls.of(cfg, cfg.k8s.nnodes * procs, procs)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether weights, gradients and optimizer state are sharded (FSDP2 or HSDP over more than one process)."""
+        return self.world_size > 1 and self.strategy in ("fsdp", "hsdp")
+
+    @property
+    def shards(self) -> int:
+        """Into how many pieces one copy of the training state is cut: the world (FSDP), the node (HSDP), 1 (DDP)."""
+        if not self.sharded:
+            return 1
+        return self.world_size if self.strategy == "fsdp" else self.local_processes
+
+    @property
+    def name(self) -> str:
+        return self.strategy if self.world_size > 1 else "single"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One process's training state on its device, and what a node of them needs."""
+
+    layout: Layout
+    device: str  # the device type the processes train on: cpu, cuda, mps
+    parts: dict[str, int]  # bytes of one process, by part (weights, gradients, optimizer, ..., logits)
+    params: int
+    host_weights: int  # bytes of one whole copy of the weights on the host, as the model is built
+    builds_on_meta: bool = False  # the model is built on the meta device and filled shard by shard (FSDP)
+
+    @property
+    def per_process(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def device_need(self) -> int:
+        """Bytes one device must hold: a process's share on its own GPU; on the CPU every local process's."""
+        return self.per_process * (self.layout.local_processes if self.device == "cpu" else 1)
+
+    @property
+    def host_copies(self) -> int:
+        """Whole copies of the weights a node's processes hold in host memory while the model is built on GPUs:
+        each process builds it on the CPU, unless the model is built on the meta device and sharded (one copy
+        then, rank 0's when it gathers the weights to save)."""
+        return 1 if self.layout.sharded and self.builds_on_meta else self.layout.local_processes
+
+    @property
+    def host_need(self) -> int:
+        """Bytes of host memory one node needs: the training state on the CPU, the weights' copies on GPUs."""
+        return self.device_need if self.device == "cpu" else self.host_copies * self.host_weights
+
+    def to_json(self) -> dict[str, Any]:
+        lay = self.layout
+        return {"estimate": self.per_process, "parts": dict(self.parts), "params": self.params,
+                "world_size": lay.world_size, "local_processes": lay.local_processes, "strategy": lay.name,
+                "shards": lay.shards, "device_need": self.device_need, "host_need": self.host_need}
+
+
+def estimate(cfg: Config, shape: dict[str, Any], layout: Layout, device: str, *, precision: str,
+             attention: str | None) -> Estimate:
+    """The estimate of `cfg` (its `model_shape`) laid out as `layout`, training on `device` (a device type)."""
+    from kubetrain.models import builds_on_meta
+
+    return Estimate(layout, device, estimate_memory(cfg, shape, layout, precision=precision, attention=attention),
+                    shape["params"], shape["params"] * shape["weight_bytes"], builds_on_meta(cfg.model))
+
+
+def estimate_on(cfg: Config, layout: Layout, device: torch.device) -> Estimate | str:
+    """The estimate for training on `device` here: the precision the loop would choose and the first attention
+    kernel that runs (what `kubetrain doctor` reports); a string says why there is none."""
+    shape = model_shape(cfg)
+    if "error" in shape:
+        return str(shape["error"])
+    precision = hardware.choose_precision(cfg.train.precision, hardware.accelerator(device)).name
+    attention = first_usable(hardware.sdpa_backends(device, DTYPES[precision], shape["head_dim"], shape["n_head"]))
+    return estimate(cfg, shape, layout, device.type, precision=precision, attention=attention)
+
+
+def first_usable(backends: dict[str, str]) -> str | None:
+    """The attention kernel SDPA would pick among those that ran (`hardware.sdpa_backends`)."""
+    return next((name for name in hardware.SDPA_BACKENDS if backends[name] == "ok"), None)
+
+
+def estimate_memory(cfg: Config, shape: dict[str, Any], layout: Layout, *, precision: str,
+                    attention: str | None) -> dict[str, int]:
+    """Peak training memory of one process in bytes, by part: a pure function of the config, the model's shape
+    (`model_shape`), the processes' layout, the precision and the attention kernel.
+
+    Weights, gradients (fp32) and AdamW's two moments are whole in every process under DDP, which also keeps its
+    gradient buckets (a second copy of the gradients); sharded (FSDP, HSDP) they are divided by `layout.shards`,
+    plus the weights gathered at a time (the root's embedding and head, two blocks: the running one and the
+    prefetched one, in the compute dtype, and one block's unsharded gradient). Activations follow Korthikanti
+    et al. 2022 (34·s·b·h bytes per layer in 16 bit, plus 5·a·s²·b without a fused attention kernel); with
+    gradient checkpointing only each block's input is kept, and one block is recomputed at a time. Logits are
+    counted in fp32 with their gradient.
+    """
+    b, s, layers, h, vocab = (cfg.train.micro_batch_size, cfg.model.block_size, shape["n_layer"],
+                              shape["hidden"], shape["vocab"])
+    params, weight_bytes = shape["params"], shape["weight_bytes"]
+    trainable = 0 if cfg.model.lora is not None else params  # LoRA: the adapters are a rounding error
+    act = 2 if precision in ("bf16", "fp16") else 4
+    per_layer = 34 * s * b * h * act // 2
+    if attention not in FUSED_ATTENTION:
+        per_layer += 5 * shape["n_head"] * s * s * b * act // 2
+    checkpointed = cfg.model.gradient_checkpointing
+    activations = (layers * s * b * h * act + per_layer) if checkpointed else layers * per_layer
+    parts = {"weights": params * weight_bytes, "gradients": trainable * 4, "optimizer": trainable * 8}
+    if layout.sharded:
+        root = vocab * h * (1 if shape.get("tied", True) else 2)
+        block = max(0, params - root) // max(1, layers)
+        compute = 2 if precision == "bf16" else weight_bytes
+        parts = {k: -(-v // layout.shards) for k, v in parts.items()}
+        parts["gathered"] = (root + 2 * block) * compute + (block * 4 if trainable else 0)
+    elif layout.world_size > 1:
+        parts["ddp_buckets"] = trainable * 4
+    parts |= {"activations": activations, "logits": b * s * vocab * (act + 8)}
+    return parts
+
+
+def what_to_change(parts: dict[str, int], layout: Layout | None = None) -> str:
+    """The settings that shrink the largest part of the estimate."""
+    largest = max(parts, key=lambda name: parts[name])
+    if largest in ("activations", "logits"):
+        return ("lower train.micro_batch_size (raise train.grad_accum_steps to keep the batch) or "
+                "model.block_size, or set model.gradient_checkpointing=true")
+    if layout is not None and layout.sharded:
+        return "use a smaller model, train LoRA adapters (model.lora), or shard it over more processes"
+    return "use a smaller model, train LoRA adapters (model.lora), or shard it over GPUs with dist.strategy=fsdp"
+
+
+def model_shape(cfg: Config) -> dict[str, Any]:
+    """Parameters, layers, width, heads and vocabulary of the config's model, built on the meta device."""
+    if cfg.model.kind == "hf":
+        return _hf_shape(cfg)
+    from kubetrain.models import gpt_config
+    from kubetrain.models.gpt import GPT
+
+    vocab = _tokenizer_vocab(cfg)
+    if vocab is None and cfg.model.vocab_size is None:
+        return {"error": f"the vocabulary of the {cfg.data.tokenizer.kind} tokenizer is known after prepare; "
+                         "set model.vocab_size for an estimate"}
+    gc = gpt_config(cfg.model, vocab or cfg.model.vocab_size or 0)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(gc).parameters())
+    return {"params": params, "n_layer": gc.n_layer, "hidden": gc.n_embd, "n_head": gc.n_head,
+            "head_dim": gc.head_dim, "vocab": gc.vocab_size, "weight_bytes": 4, "tied": gc.tie_embeddings}
+
+
+def _tokenizer_vocab(cfg: Config) -> int | None:
+    tok = cfg.data.tokenizer
+    if tok.kind == "byte":
+        return 256
+    if tok.kind == "bpe":
+        return tok.vocab_size
+    from kubetrain.data.tokenizers import build_tokenizer
+    from kubetrain.errors import DataError
+
+    try:
+        return build_tokenizer(tok).vocab_size
+    except DataError:
+        return None
+
+
+def _hf_shape(cfg: Config) -> dict[str, Any]:
+    folder = Path(cfg.model.name_or_path or "").expanduser()
+    if not (folder / "config.json").is_file():
+        return {"error": f"no config.json in {folder}: the model's size is not known here"}
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
+    n_head = hf.num_attention_heads
+    weight_bytes = 2 if cfg.model.dtype in ("bfloat16", "float16") else 4
+    return {"params": params, "n_layer": hf.num_hidden_layers, "hidden": hf.hidden_size, "n_head": n_head,
+            "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // n_head, "vocab": hf.vocab_size,
+            "weight_bytes": weight_bytes, "tied": bool(getattr(hf, "tie_word_embeddings", False))}

@@ -1,0 +1,149 @@
+"""kubetrain.memory: the one estimate of a training process's memory, by strategy, world size and node."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from kubetrain import doctor
+from kubetrain.config import load_config
+from kubetrain.errors import UserInputError
+from kubetrain.k8s.render.memory import host_need, pod_estimate
+from kubetrain.memory import Layout, estimate, estimate_memory, model_shape
+from kubetrain.train.memory_check import check_memory
+
+GIB = 2**30
+EXAMPLES = Path(__file__).parent.parent / "examples"
+# About 26B parameters: refused everywhere here, so every caller says its figure (tests/train/test_memory_check.py)
+HUGE = ["model.n_layer=8", "model.n_embd=16384", "model.n_head=128"]
+
+
+def test_the_layout_says_what_is_sharded_over_what() -> None:
+    cfg = load_config(overrides=["dist.strategy=fsdp"])
+    assert Layout.of(cfg, 8, 4).shards == 8 and Layout.of(cfg, 1).shards == 1  # one process: nothing to shard
+    assert Layout("hsdp", 8, 4).shards == 4  # sharded within the node, replicated across nodes
+    assert Layout("ddp", 8, 4).shards == 1 and not Layout("ddp", 8, 4).sharded
+    assert Layout.of(cfg, 4) == Layout("fsdp", 4, 4)  # one node by default
+    pods = load_config(overrides=["dist.strategy=fsdp", "k8s.nnodes=3", "k8s.nproc_per_node=2"])
+    assert Layout.of_pods(pods) == Layout("fsdp", 6, 2)
+
+
+def test_hsdp_shards_over_the_node_s_processes() -> None:
+    cfg = load_config(overrides=["model.n_layer=12", "model.n_embd=768", "model.n_head=12"])
+    shape = model_shape(cfg)
+
+    def parts(layout: Layout) -> dict[str, int]:
+        return estimate_memory(cfg, shape, layout, precision="fp32", attention="flash")
+
+    hsdp, fsdp_node = parts(Layout("hsdp", 16, 4)), parts(Layout("fsdp", 4, 4))
+    assert hsdp == fsdp_node  # 4 nodes of 4: each replica is an FSDP of the node's 4 processes
+    assert parts(Layout("fsdp", 16, 4))["optimizer"] < hsdp["optimizer"]
+
+
+def test_the_64_node_example_fits_an_80_gb_gpu_once_fsdp_over_512_ranks_is_counted() -> None:
+    cfg = load_config(EXAMPLES / "k8s" / "c10d-64x8gpu.yaml")
+    shape = model_shape(cfg)
+    pods = pod_estimate(cfg, shape)
+    assert (pods.layout, pods.device) == (Layout("fsdp", 512, 8), "cuda")
+    assert pods.per_process < 80e9  # about 41 GiB: activations and logits, the state is 1/512th
+    # what each of its workers computes from torchrun's WORLD_SIZE=512 and LOCAL_WORLD_SIZE=8: the same
+    worker = estimate(cfg, shape, Layout.of(cfg, 512, 8), "cuda", precision="bf16", attention="flash")
+    assert worker.per_process == pods.per_process
+    alone = estimate(cfg, shape, Layout.of(cfg), "cuda", precision="bf16", attention="flash")
+    assert alone.per_process > 139 * GIB  # the figure of each worker checking as one process (issue 27)
+
+
+def _figure(message: str) -> str:
+    found = re.search(r"needs? about ([0-9.]+ GiB)", message)
+    assert found, message
+    return found.group(1)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_train_the_launcher_doctor_and_render_give_the_same_numbers(
+    strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = load_config(overrides=[*HUGE, f"dist.strategy={strategy}", "run.device=cpu", "k8s.nproc_per_node=4",
+                                 "k8s.resources.memory=1Ki"])
+    layout = Layout.of(cfg, 4, 4)
+    fit = doctor.doctor(cfg, layout)["fit"]  # kubetrain doctor --nproc 4
+    assert fit["fits"] is False and fit["device_need"] == 4 * fit["estimate"]
+    node, each = f"{fit['device_need'] / GIB:.1f} GiB", f"{fit['estimate'] / GIB:.1f} GiB"
+    with pytest.raises(UserInputError) as launcher:  # kubetrain train --nproc 4, before its workers start
+        check_memory(cfg, layout, launcher=True)
+    assert _figure(str(launcher.value)) == node
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(UserInputError) as worker:  # each of its workers: its own share
+        check_memory(cfg)
+    assert _figure(str(worker.value)) == each
+    need, what, parts = host_need(cfg, model_shape(cfg))  # k8s render: one pod of 4 processes
+    assert (need, parts) == (fit["device_need"], fit["parts"]) and what.startswith(f"4 x {each}")
+
+
+def test_the_estimate_follows_the_config() -> None:
+    def estimate(*overrides: str, attention: str | None = "flash", free: int | None = 2**40) -> dict[str, object]:
+        cfg = load_config(overrides=list(overrides))
+        return doctor.fit_estimate(cfg, model_shape(cfg), "fp32", attention, free)
+
+    base = estimate()
+    assert estimate("train.micro_batch_size=32")["parts"]["activations"] == 2 * base["parts"]["activations"]
+    assert estimate(attention="math")["parts"]["activations"] > base["parts"]["activations"]
+    ckpt = estimate("model.gradient_checkpointing=true")
+    assert ckpt["parts"]["activations"] < base["parts"]["activations"]
+    assert estimate("model.lora.r=4")["parts"]["optimizer"] == 0
+    huge = estimate("model.n_layer=48", "model.n_embd=8192", "model.n_head=64", free=16 * 2**30)
+    assert huge["fits"] is False and huge["params"] > 30e9
+    assert estimate(free=None)["fits"] is None
+
+
+def test_a_tokenizer_whose_vocabulary_is_not_known_yet_is_said_so() -> None:
+    cfg = load_config(overrides=["data.tokenizer.kind=hf", "data.tokenizer.path=/nonexistent/tok"])
+    fit = doctor.fit_estimate(cfg, model_shape(cfg), "fp32", "flash", 2**30)
+    assert fit["estimate"] is None and "set model.vocab_size" in fit["reason"]
+
+
+def test_a_hugging_face_model_is_measured_from_its_config(llama_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(overrides=["model.kind=hf", f"model.name_or_path={llama_dir}"])
+    shape = model_shape(cfg)
+    real = AutoModelForCausalLM.from_pretrained(str(llama_dir))
+    assert shape["params"] == sum(p.numel() for p in real.parameters())
+    assert (shape["n_layer"], shape["hidden"], shape["head_dim"], shape["vocab"]) == (2, 32, 8, 352)
+
+
+@pytest.mark.parametrize("missing", ["/nonexistent/model"])
+def test_a_hugging_face_model_that_is_not_here(missing: str) -> None:
+    cfg = load_config(overrides=["model.kind=hf", f"model.name_or_path={missing}"])
+    assert "no config.json" in model_shape(cfg)["error"]
+
+
+def test_the_estimate_knows_fsdp_and_the_world_size() -> None:
+    cfg = load_config(overrides=["model.n_layer=12", "model.n_embd=768", "model.n_head=12", "dist.strategy=fsdp"])
+    shape = model_shape(cfg)
+
+    def parts(world: int, config: object = cfg, precision: str = "fp32") -> dict[str, int]:
+        return estimate_memory(config, shape, Layout.of(config, world), precision=precision,  # type: ignore[arg-type]
+                               attention="flash")
+
+    one, four, eight = parts(1), parts(4), parts(8)
+    assert "gathered" not in one and "ddp_buckets" not in one  # one process: the strategy plays no part
+    assert four["weights"] == -(-one["weights"] // 4) and four["optimizer"] == -(-one["optimizer"] // 4)
+    block = (shape["params"] - shape["vocab"] * shape["hidden"]) // 12  # the tied head is the embedding
+    assert four["gathered"] == (shape["vocab"] * shape["hidden"] + 2 * block) * 4 + block * 4
+    assert four["activations"] == one["activations"]  # a micro-batch is per process whatever the world
+    assert sum(eight.values()) < sum(four.values()) < sum(one.values())
+    ddp = parts(4, load_config(overrides=["model.n_layer=12", "model.n_embd=768", "model.n_head=12"]))
+    assert ddp["ddp_buckets"] == ddp["gradients"] and sum(ddp.values()) > sum(one.values())
+    assert parts(4, precision="bf16")["gathered"] < four["gathered"]  # bf16 all-gathers move half the bytes
+
+    checkpointed = load_config(overrides=["model.n_layer=12", "model.n_embd=768", "model.n_head=12",
+                                          "dist.strategy=fsdp", "model.gradient_checkpointing=true"])
+    assert parts(4, checkpointed)["activations"] < four["activations"] / 4
+
+    fit = doctor.fit_estimate(cfg, shape, "fp32", "flash", 2**40, Layout.of(cfg, 4))
+    assert (fit["world_size"], fit["strategy"], fit["estimate"]) == (4, "fsdp", sum(four.values()))
+    assert "each of 4 processes (fsdp, sharded 4 ways)" in doctor._fit_line(fit)
