@@ -51,13 +51,12 @@ def train(
     cfg = load(config, preset, set_)
     if nproc is not None or nnodes != "1" or rdzv_endpoint is not None:
         from kubetrain import runs
-        from kubetrain.distributed.parallelize import mesh_shape
-        from kubetrain.launch.elastic import LaunchOptions, launch, parse_nnodes, torchrun_args
+        from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
         from kubetrain.runs.lock import hold_for_workers
-        from kubetrain.train.device import check_process_count
+        from kubetrain.train.device import check_launch
         from kubetrain.train.memory_check import check_memory
 
-        check_process_count(cfg.run.device, nproc or 1)  # one GPU per process, or NCCL fails later
+        check_launch(cfg, nproc or 1, nnodes)  # one GPU per process (or NCCL fails later), HSDP's shard group
         forwarded = [str(config)] if config else (["--preset", preset] if preset else [])
         for item in set_ or []:
             forwarded += ["--set", item]
@@ -68,9 +67,6 @@ def train(
                              shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30,
                              hang_timeout=cfg.dist.hang_timeout_seconds)
         torchrun_args(opts, forwarded)  # bad launch options are refused before the run directory is held
-        low, high = parse_nnodes(nnodes)
-        if cfg.dist.strategy == "hsdp" and low == high:  # an HSDP shard group that does not divide the world
-            mesh_shape("hsdp", low * opts.nproc_per_node, opts.nproc_per_node, cfg.dist.shard_size)
         check_memory(cfg, local_processes=opts.nproc_per_node, launcher=True)  # before any worker starts
         one_node = nnodes == "1" and rdzv_endpoint is None  # several nodes: rank 0 holds it, wherever it runs
         held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
