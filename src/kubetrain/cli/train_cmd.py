@@ -57,9 +57,9 @@ def train(
         from kubetrain import runs
         from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
         from kubetrain.runs.lock import hold_for_workers
-        from kubetrain.train.device import check_process_count
+        from kubetrain.train.device import check_launch
 
-        check_process_count(cfg.run.device, nproc or 1)  # one GPU per process, or NCCL fails later
+        check_launch(cfg, nproc or 1, nnodes)  # one GPU per process (or NCCL fails later), HSDP's shard group
         forwarded = [str(config)] if config else (["--preset", preset] if preset else [])
         for item in set_ or []:
             forwarded += ["--set", item]
@@ -70,7 +70,7 @@ def train(
                              shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30,
                              hang_timeout=cfg.dist.hang_timeout_seconds)
         torchrun_args(opts, forwarded)  # bad launch options are refused before the run directory is held
-        check_node(cfg, opts.nproc_per_node, nnodes)  # before any worker starts
+        check_node_memory(cfg, opts.nproc_per_node, nnodes)  # before any worker starts
         one_node = nnodes == "1" and rdzv_endpoint is None  # several nodes: rank 0 holds it, wherever it runs
         held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if one_node and not dry_run:  # the launcher holds it across the agent's restarts of its workers
@@ -105,18 +105,13 @@ def check_torch() -> None:
         raise UserInputError(problem)
 
 
-def check_node(cfg: Config, nproc: int, nnodes: str) -> None:
-    """The launcher's checks before any worker starts: an HSDP shard group divides the world, and memory for
-    `nproc` processes on this node, of `nproc` x the fewest nodes (an elastic job's MIN leaves each process the
-    most under FSDP)."""
-    from kubetrain.distributed.parallelize import mesh_shape
+def check_node_memory(cfg: Config, nproc: int, nnodes: str) -> None:
+    """The launcher's memory check: `nproc` processes on this node, of `nproc` x the fewest nodes (an elastic
+    job's MIN leaves each process the most under FSDP)."""
     from kubetrain.launch.elastic import parse_nnodes
     from kubetrain.memory import Layout
     from kubetrain.train.memory_check import check_memory
 
-    low, high = parse_nnodes(nnodes)
-    if cfg.dist.strategy == "hsdp" and low == high:
-        mesh_shape("hsdp", low * nproc, nproc, cfg.dist.shard_size)
     check_memory(cfg, Layout.of(cfg, nproc * parse_nnodes(nnodes)[0], nproc), launcher=True)
 
 

@@ -82,7 +82,7 @@ def checkpoint_blocks(model: nn.Module) -> int:
 
 
 @dataclass(frozen=True)
-class Precision:
+class PrecisionPlan:
     """How a run in some precision computes: autocast around the forward, or FSDP's mixed-precision policy."""
 
     autocast: torch.dtype | None  # the dtype autocast runs the forward in; None: no autocast
@@ -96,16 +96,16 @@ class Precision:
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def precision_plan(precision: str, sharded: bool) -> Precision:
+def precision_plan(precision: str, sharded: bool) -> PrecisionPlan:
     """bf16/fp16 without sharding: autocast. Under FSDP/HSDP: no autocast, FSDP's policy instead (torchtitan's):
     weights gathered and computed in the half dtype, gradients reduced in fp32. fp16 gathers in fp16 too; the
     loop's GradScaler works on FSDP2's DTensor gradients (DTensor all-reduces found_inf over the mesh)."""
     half = _HALF.get(precision)
     if half is None:
-        return Precision(autocast=None)
+        return PrecisionPlan(autocast=None)
     if not sharded:
-        return Precision(autocast=half)
-    return Precision(autocast=None, param_dtype=half, reduce_dtype=torch.float32)
+        return PrecisionPlan(autocast=half)
+    return PrecisionPlan(autocast=None, param_dtype=half, reduce_dtype=torch.float32)
 
 
 def mesh_shape(strategy: str, world_size: int, local_world_size: int, shard_size: int | None) -> tuple[int, ...]:
@@ -132,7 +132,7 @@ def device_mesh(cfg: DistConfig, world: ProcessEnv, device: torch.device) -> Dev
     return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
-def shard(model: nn.Module, mesh: DeviceMesh, precision: Precision) -> nn.Module:
+def shard(model: nn.Module, mesh: DeviceMesh, precision: PrecisionPlan) -> nn.Module:
     """FSDP2 around each block, then the root (the embedding, final norm and head); works on meta parameters.
 
     On a 2-D mesh FSDP2 is HSDP: sharded over the mesh's last dimension, replicated over the first."""

@@ -22,7 +22,7 @@ from torch import nn
 
 from kubetrain import hardware
 from kubetrain.config.schema import Config
-from kubetrain.distributed.parallelize import precision_plan
+from kubetrain.distributed.parallelize import mesh_shape, precision_plan
 from kubetrain.distributed.setup import local_device
 from kubetrain.errors import UserInputError
 
@@ -101,6 +101,14 @@ def check_process_count(requested_device: str, nproc: int) -> None:
     problem = problem or process_count_problem(nproc, "cuda" if on_cuda else "cpu", torch.cuda.device_count())
     if problem:
         raise UserInputError(problem)
+
+
+def check_launch(cfg: Config, nproc: int, nnodes: str) -> None:
+    """Refuse (exit 2) a launch of `nproc` processes on each of `nnodes` nodes before any process starts: more
+    processes than visible GPUs, or an HSDP shard group that does not divide the world (a fixed node count)."""
+    check_process_count(cfg.run.device, nproc)
+    if cfg.dist.strategy == "hsdp" and nnodes.isdigit():
+        mesh_shape("hsdp", int(nnodes) * nproc, nproc, cfg.dist.shard_size)
 
 
 def device_name(device: torch.device) -> str:
