@@ -76,6 +76,10 @@ class ApiServer(Controllers):
         self.objects: dict[str, dict[str, Any]] = {}
         self.logs: dict[str, str] = {}  # pod name -> what its container wrote
         self.previous_logs: dict[str, str] = {}  # pod name -> what its container's previous instance wrote
+        # the container runtime's view, ahead of the pods' status (see Controllers.exit):
+        self.stopped: set[str] = set()  # pods whose container ended
+        self.instances: dict[str, int] = {}  # pod name -> restarts of its container so far
+        self.unreported: dict[str, int] = {}  # pod name -> exit code the kubelet has not reported yet
         self.answers: dict[tuple[str, str], Answer] = {}
         self.requests: list[dict[str, Any]] = []
         self.crds: dict[str, dict[str, Any]] = {}
@@ -390,12 +394,15 @@ class ApiServer(Controllers):
         return self._follow(pod, name)
 
     def _follow(self, pod: dict[str, Any], name: str) -> Iterator[bytes]:
-        """A followed log streams until the container ends (the kubelet closes it then)."""
-        sent = 0
+        """A followed log streams the container instance that runs now, until the container runtime says it is not
+        running (pkg/kubelet/kuberuntime/logs/logs.go, waitLogs): the pod's status may still say `Running` then."""
+        sent, instance = 0, self.instances.get(name, 0)
         while True:
             with self.changed:
-                text = self.logs.get(name, "")
-                ended = pod["status"].get("phase") in ("Succeeded", "Failed") or _path_of(pod) not in self.objects
+                restarted = self.instances.get(name, 0) != instance  # its log is now the previous one
+                text = self.previous_logs.get(name, "") if restarted else self.logs.get(name, "")
+                ended = (restarted or name in self.stopped or _path_of(pod) not in self.objects
+                         or pod["status"].get("phase") in ("Succeeded", "Failed"))
                 if len(text) == sent and not ended:
                     self.changed.wait(1.0)
                     continue

@@ -24,6 +24,9 @@ class Controllers:
     objects: dict[str, dict[str, Any]]
     logs: dict[str, str]
     previous_logs: dict[str, str]
+    stopped: set[str]
+    instances: dict[str, int]
+    unreported: dict[str, int]
     changed: threading.Condition
     crds: dict[str, dict[str, Any]]
     serial: int
@@ -110,6 +113,7 @@ class Controllers:
             pod["status"].update(phase="Running", containerStatuses=[
                 _container(pod, {"running": {"startedAt": self._now()}}, ready=True)])
         self._change_pod(name, change)
+        self.stopped.discard(name)
         self.write_log(name, log)
 
     def write_log(self, name: str, text: str) -> None:
@@ -117,14 +121,42 @@ class Controllers:
             self.logs[name] = self.logs.get(name, "") + text
             self.changed.notify_all()
 
-    def exit(self, name: str, code: int, log: str = "") -> None:
-        """The container ends; the pod's controller reacts (a Job replaces a failed pod)."""
+    def exit(self, name: str, code: int, log: str = "", reported: bool = True) -> None:
+        """The container ends; with `reported`, the kubelet reports it and the pod's controller reacts (a Job
+        replaces a failed pod).
+
+        Two acts of the kubelet, in this order: its followed log ends as soon as the container runtime says the
+        container is not running (pkg/kubelet/kuberuntime/logs/logs.go, ReadLogs/waitLogs/isContainerRunning);
+        the pod's status in the API server changes only when the kubelet's next PLEG relist (every second,
+        genericPlegRelistPeriod in pkg/kubelet/kubelet.go) and its status manager (pkg/kubelet/status/
+        status_manager.go, syncPod) get there. Until then the pod says `Running`, its container `running`.
+        `reported=False` stops between the two acts; `report` plays the second."""
         self.write_log(name, log)
+        with self.changed:
+            self.stopped.add(name)
+            self.unreported[name] = code
+            self.changed.notify_all()
+        if reported:
+            self.report(name)
+
+    def report(self, name: str) -> None:
+        """The kubelet's status manager writes the ended container's state and the pod's terminal phase
+        (restartPolicy Never). A pod being deleted (`deletionTimestamp`) is then deleted with grace 0 (syncPod's
+        canBeDeleted); its Job replaces it at the controller's next `sync`, as `delete_pod` says."""
+        code = self.unreported.pop(name)
 
         def change(pod: dict[str, Any]) -> None:
             pod["status"].update(phase="Succeeded" if code == 0 else "Failed", containerStatuses=[
                 _container(pod, {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}})])
-        self._change_pod(name, change)
+
+        pod = next(p for p in self.pods() if p["metadata"]["name"] == name)
+        if not pod["metadata"].get("deletionTimestamp"):
+            self._change_pod(name, change)
+            return
+        with self.changed:
+            change(pod)
+            del self.objects[_path_of(pod)]
+            self.changed.notify_all()
 
     def restart(self, name: str, code: int, log: str = "") -> None:
         """The kubelet restarts the container in place (restartPolicy Always or OnFailure): the instance that ended
@@ -138,6 +170,7 @@ class Controllers:
                              lastState={"terminated": {"exitCode": code, "reason": "Error" if code else "Completed",
                                                        "containerID": f"containerd://{self._next('container')}"}})
             self.previous_logs[name] = self.logs.pop(name, "")
+            self.instances[name] = self.instances.get(name, 0) + 1
         self._change_pod(name, change)
 
     def _change_pod(self, name: str, change: Callable[[dict[str, Any]], None]) -> None:
@@ -184,19 +217,24 @@ class Controllers:
             for pod in [p for p in pods if p["status"].get("phase") in ("Pending", "Running")]:
                 del self.objects[_path_of(pod)]
                 pods.remove(pod)
-        ignored, fail_job = 0, False
+        ignored, fail_job = 0, ""
         for pod in pods:
             if pod["status"].get("phase") == "Failed":
-                action = _failure_action(spec.get("podFailurePolicy"), pod)
+                action, message = _failure_action(spec.get("podFailurePolicy"), pod)
                 ignored += action == "Ignore"
-                fail_job |= action == "FailJob"
+                fail_job = fail_job or message
         failed = sum(p["status"].get("phase") == "Failed" for p in pods) - ignored
         done = {_rank(p) for p in pods if p["status"].get("phase") == "Succeeded"}
         before = {c["type"]: c for c in job.get("status", {}).get("conditions", [])}
         conditions = [c for c in before if c != "Suspended"]
         finished = "Complete" in conditions or "Failed" in conditions
+        why = {c: (before[c].get("reason"), before[c].get("message")) for c in conditions}
         if not finished and (fail_job or failed > spec.get("backoffLimit", 6)):
             conditions, finished = ["FailureTarget", "Failed"], True
+            # job_controller.go: reason PodFailurePolicy with the rule's message, or BackoffLimitExceeded
+            why["Failed"] = (("PodFailurePolicy", fail_job) if fail_job
+                             else ("BackoffLimitExceeded", "Job has reached the specified backoff limit"))
+            why["FailureTarget"] = why["Failed"]
         elif not finished and len(done) == spec["completions"]:
             conditions, finished = ["SuccessCriteriaMet", "Complete"], True
         for index in range(spec["completions"]):
@@ -210,13 +248,16 @@ class Controllers:
                 self._event(job, "FailedCreate", f"Error creating: {refused}", "job-controller")
             else:
                 pods.append(self._create_pod(job, index, f"{prefix}{self._next('')}"))
-        status = [{"type": c, "status": "True"} for c in conditions]
+        status = [{"type": c, "status": "True", **({"reason": why[c][0], "message": why[c][1]}
+                                                    if why.get(c, (None,))[0] else {})} for c in conditions]
         if suspended:
             status.append({"type": "Suspended", "status": "True", "reason": "JobSuspended", "message": "Job suspended"})
         elif "Suspended" in before:
             status.append({"type": "Suspended", "status": "False", "reason": "JobResumed", "message": "Job resumed"})
-        job["status"] = {
-            "active": sum(p["status"].get("phase") in ("Pending", "Running") for p in pods),
+        live = [p for p in pods if p["status"].get("phase") in ("Pending", "Running")]
+        job["status"] = {  # a pod being deleted is terminating, not active (controller.FilterActivePods)
+            "active": sum(not p["metadata"].get("deletionTimestamp") for p in live),
+            "terminating": sum(bool(p["metadata"].get("deletionTimestamp")) for p in live),
             "succeeded": len(done), "failed": failed, "conditions": status,
         }
 
@@ -229,15 +270,24 @@ class Controllers:
                     self._reconcile_job(obj)
             self.changed.notify_all()
 
-    def delete_pod(self, name: str, code: int = 75, log: str = "") -> None:
-        """`kubectl delete pod`: the kubelet sends SIGTERM (the pod exits `code`, 75 after its checkpoint) and
-        the pod is removed. With a podFailurePolicy the Job controller replaces a pod only once it is terminal
-        and gone (podReplacementPolicy Failed), at its next `sync`: until then neither pod exists."""
-        self.write_log(name, log)
+    def delete_pod(self, name: str, code: int = 75, log: str = "", reported: bool = True) -> None:
+        """`kubectl delete pod`, a graceful deletion: the API server sets `deletionTimestamp` and
+        `deletionGracePeriodSeconds` (the pod's terminationGracePeriodSeconds, pkg/registry/core/pod/strategy.go
+        CheckGracefulDelete) and the pod stays, `Running`; the kubelet sends SIGTERM and the container exits `code`
+        (75 after its checkpoint), which ends its followed log (see `exit`). With `reported`, the kubelet then
+        reports the terminal phase and deletes the pod (`report`).
+
+        While it terminates the pod is not active, and its index gets no new pod: with a podFailurePolicy the Job
+        controller replaces a pod only once it is terminal (onlyReplaceFailedPods; firstPendingIndexes in
+        pkg/controller/job/indexed_job_utils.go counts terminating pods as not pending). Once it is gone, the
+        replacement comes at the controller's next `sync` (after the pod failure backoff,
+        DefaultJobPodFailureBackOff): until then neither pod exists."""
         with self.changed:
             pod = next(p for p in self.pods() if p["metadata"]["name"] == name)
-            del self.objects[_path_of(pod)]
+            pod["metadata"].update(deletionTimestamp=self._now(),
+                                   deletionGracePeriodSeconds=pod["spec"].get("terminationGracePeriodSeconds", 30))
             self.changed.notify_all()
+        self.exit(name, code, log, reported)
 
     def _event(self, involved: dict[str, Any], reason: str, message: str, component: str) -> None:
         events = [o for o in self.objects.values() if o["kind"] == "Event"]
@@ -307,13 +357,18 @@ def _container(pod: dict[str, Any], state: dict[str, Any], ready: bool = False) 
     return {"name": pod["spec"]["containers"][0]["name"], "state": state, "ready": ready, "restartCount": 0}
 
 
-def _failure_action(policy: dict[str, Any] | None, pod: dict[str, Any]) -> str | None:
-    """The first podFailurePolicy rule whose exit codes match the failed container (pkg/controller/job/
-    pod_failure_policy.go; onPodConditions rules need conditions the kubelet sets, which tests do not)."""
+def _failure_action(policy: dict[str, Any] | None, pod: dict[str, Any]) -> tuple[str | None, str]:
+    """The action of the first podFailurePolicy rule whose exit codes match the failed container, and for FailJob
+    the message the Job's Failed condition carries (pkg/controller/job/pod_failure_policy.go,
+    matchPodFailurePolicy; onPodConditions rules need conditions the kubelet sets, which tests do not)."""
     statuses = pod["status"].get("containerStatuses") or []
     code = ((statuses[0].get("state") or {}).get("terminated") or {}).get("exitCode") if statuses else None
-    for rule in (policy or {}).get("rules", []):
+    for index, rule in enumerate((policy or {}).get("rules", [])):
         match = rule.get("onExitCodes")
         if match and code is not None and (code in match["values"]) == (match["operator"] == "In"):
-            return str(rule["action"])
-    return None
+            action = str(rule["action"])
+            meta = pod["metadata"]
+            message = (f"Container {statuses[0]['name']} for pod {meta['namespace']}/{meta['name']} failed with exit "
+                       f"code {code} matching {action} rule at index {index}") if action == "FailJob" else ""
+            return action, message
+    return None, ""

@@ -181,8 +181,9 @@ def logs(
 ) -> None:
     """Every rank's log, interleaved as it arrives, prefixed with the rank.
 
-    With -f, ranks whose pod is not scheduled or still starting are waited for, and a rank is followed into
-    the pod that replaces a failed one. Without -f, a rank with no log yet is named with why (exit 1).
+    With -f, ranks whose pod is not scheduled or still starting are waited for, a rank is followed into
+    the pod that replaces a failed one, and the command ends when the job has ended (exit 1 when it failed).
+    Without -f, a rank with no log yet is named with why (exit 1).
     """
     from kubetrain.k8s.cluster.logs import stream_logs
 

@@ -124,3 +124,98 @@ def test_a_rank_without_a_log_is_named_with_the_reason(tmp_path: Path, apiserver
     apiserver.schedule(one)
     code, out, err = cli("k8s", "logs", "tiny", "--kubeconfig", str(kubeconfig))
     assert code == 1 and err == f"error: rank 1: pod {one} has no log yet: ContainerCreating\n"
+
+
+def still_following(apiserver: Any, follower: Follower, polls: int = 20) -> None:
+    """Until the readers listed the pods `polls` more times (each does once a poll), or `logs -f` ended: it must
+    not, since the job is still active (the deadline is a safety net against a hang)."""
+    seen = len(apiserver.requests)
+    deadline = time.monotonic() + 60
+    while sum(r["path"] == PODS for r in apiserver.requests[seen:]) < polls and follower.thread.is_alive():
+        assert time.monotonic() < deadline, "the readers stopped asking for the pods"
+        time.sleep(0.01)
+    assert follower.thread.is_alive(), ("logs -f ended while the job is active", follower.lines, follower.error)
+
+
+def test_follow_outlives_containers_that_ended_while_their_pods_still_say_running(
+        tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, 2)
+    zero, one = apiserver.pod("tiny", 0), apiserver.pod("tiny", 1)
+    apiserver.start(zero, "step 1/8\n")
+    apiserver.start(one, "[entrypoint] node 1/2\n")
+    follower = Follower(kubeconfig)
+    follower.saw("[rank 0] step 1/8")
+    follower.saw("[rank 1] [entrypoint] node 1/2")
+    # kill -9 of rank 0's launcher; rank 1 loses its rendezvous host. Both logs end, both pods still say Running.
+    apiserver.exit(zero, 137, reported=False)
+    apiserver.exit(one, 69, "RendezvousConnectionError: The connection to the C10d store has failed.\n",
+                   reported=False)
+    follower.saw("[rank 1] RendezvousConnectionError")
+    still_following(apiserver, follower)
+    apiserver.report(zero)  # the kubelet catches up: Failed; the Job controller makes a pod for each index
+    apiserver.report(one)
+    new_zero, new_one = apiserver.pod("tiny", 0), apiserver.pod("tiny", 1)
+    assert {new_zero, new_one}.isdisjoint({zero, one})
+    apiserver.start(new_zero, "resuming from step 1\n")
+    apiserver.start(new_one, "[entrypoint] node 1/2\n")
+    follower.saw("[rank 0] resuming from step 1")
+    apiserver.exit(new_one, 0)
+    apiserver.exit(new_zero, 0, "step 8/8\n")
+    lines = [line for line in follower.end() if "waiting:" not in line]
+    assert [line for line in lines if line.startswith("[rank 0]")] == [
+        "[rank 0] step 1/8", f"[rank 0] (pod {zero} was replaced by {new_zero}; following it)",
+        "[rank 0] resuming from step 1", "[rank 0] step 8/8"]
+    assert [line for line in lines if line.startswith("[rank 1]")] == [
+        "[rank 1] [entrypoint] node 1/2",
+        "[rank 1] RendezvousConnectionError: The connection to the C10d store has failed.",
+        f"[rank 1] (pod {one} was replaced by {new_one}; following it)", "[rank 1] [entrypoint] node 1/2"]
+
+
+def test_follow_prints_the_replacement_of_a_gracefully_deleted_pod(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, 2)
+    zero, one = apiserver.pod("tiny", 0), apiserver.pod("tiny", 1)
+    apiserver.start(zero, "step 1/4\n")
+    apiserver.start(one, "[entrypoint] node 1/2\n")
+    follower = Follower(kubeconfig)
+    follower.saw("[rank 0] step 1/4")
+    # kubectl delete pod: rank 0 saves and exits 75, rank 1 loses its peer; the kubelets have not reported yet
+    apiserver.delete_pod(zero, log="saved a checkpoint at step 2\n", reported=False)
+    apiserver.exit(one, 69, "RendezvousConnectionError: The connection to the C10d store has failed.\n",
+                   reported=False)
+    follower.saw("[rank 1] RendezvousConnectionError")
+    still_following(apiserver, follower)
+    apiserver.report(one)  # Failed (exit 69 is ignored by the podFailurePolicy): replaced at once
+    apiserver.report(zero)  # terminal, then deleted by the kubelet: replaced at the Job controller's next sync
+    follower.saw(f"[rank 0] (pod {zero} is gone while the job is active: it is being replaced)")
+    apiserver.sync("tiny")
+    new_zero, new_one = apiserver.pod("tiny", 0), apiserver.pod("tiny", 1)
+    apiserver.start(new_zero, "resuming from step 2\nstep 4/4\n")
+    apiserver.start(new_one, "[entrypoint] node 1/2 again\n")
+    follower.saw("[rank 1] [entrypoint] node 1/2 again")
+    follower.saw("[rank 0] step 4/4")
+    apiserver.exit(new_one, 0)
+    apiserver.exit(new_zero, 0)
+    lines = [line for line in follower.end() if "waiting:" not in line and "no pod yet" not in line]
+    assert [line for line in lines if line.startswith("[rank 0]")] == [
+        "[rank 0] step 1/4", "[rank 0] saved a checkpoint at step 2",
+        f"[rank 0] (pod {zero} is gone while the job is active: it is being replaced)",
+        "[rank 0] resuming from step 2", "[rank 0] step 4/4"]
+    assert f"[rank 1] (pod {one} was replaced by {new_one}; following it)" in lines
+
+
+def test_follow_of_a_failed_job_exits_1_with_one_line(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    code, _, err = cli("k8s", "launch", "--set", "k8s.namespace=ml", "--set", "k8s.backoff_limit=0",
+                       "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    pod = apiserver.pod("tiny", 0)
+    apiserver.start(pod, "step 1/8\n")
+    apiserver.exit(pod, 1, "RuntimeError: CUDA error: an illegal memory access was encountered\n")
+    code, out, err = cli("k8s", "logs", "tiny", "-f", "--kubeconfig", str(kubeconfig))
+    assert code == 1 and out.splitlines() == [
+        "[rank 0] step 1/8", "[rank 0] RuntimeError: CUDA error: an illegal memory access was encountered"]
+    assert err == "error: job 'tiny' failed: BackoffLimitExceeded: Job has reached the specified backoff limit\n"
+    code, out, err = cli("k8s", "logs", "tiny", "--kubeconfig", str(kubeconfig))  # without -f: what is there
+    assert code == 0, err

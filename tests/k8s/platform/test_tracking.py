@@ -3,6 +3,7 @@ real PostgreSQL, and a training run logs params, metrics and artifacts through i
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import subprocess
@@ -11,16 +12,28 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 
 from kubetrain.config import load_config
 from kubetrain.k8s.platform.config import PlatformConfig
 from kubetrain.k8s.platform.render import render_platform
-from kubetrain.k8s.platform.tracking import ARTIFACTS_MOUNT, TRAINER_PODS, server_args, tracking_uri
+from kubetrain.k8s.platform.tracking import (
+    ARTIFACTS_MOUNT,
+    REQUEST_HEADROOM,
+    TRAINER_PODS,
+    auth_ini,
+    backend_uri,
+    server_args,
+    server_memory,
+    tracking_uri,
+)
+from kubetrain.k8s.quantities import quantity
 from kubetrain.k8s.render import validate
 from kubetrain.k8s.render.manifest import pod_templates, render
 from kubetrain.k8s.render.podsecurity import restricted_violations
@@ -97,8 +110,11 @@ def test_cli_render_names_the_tracking_uri(cli: Cli, tmp_path: Path) -> None:
     assert "track.mlflow.tracking_uri: http://kubetrain-mlflow.ml:5000" in err
 
 
-def _get(url: str, host: str | None = None) -> int:
-    request = urllib.request.Request(url, headers={"Host": host} if host else {})
+def _get(url: str, host: str | None = None, auth: tuple[str, str] | None = None) -> int:
+    headers = {"Host": host} if host else {}
+    if auth:
+        headers["Authorization"] = "Basic " + base64.b64encode(":".join(auth).encode()).decode()
+    request = urllib.request.Request(url, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=10) as r:
             return int(r.status)
@@ -177,3 +193,127 @@ def test_every_platform_key_is_explained(cli: Cli) -> None:
     assert len(described) == len(keys)  # every key has a description
     code, _, err = cli("k8s", "platform", "explain", "mlflow.nope")
     assert code == 2 and "unknown platform config key" in err
+
+
+def test_the_server_runs_without_job_execution_in_memory_sized_from_a_measurement() -> None:
+    cfg = PlatformConfig(namespace="ml")
+    [container] = deployment(cfg)["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"  # no huey job runner: 1.4 GiB less
+    assert container["command"][container["command"].index("--workers") + 1] == "2"
+    assert container["resources"] == {"requests": {"cpu": "500m", "memory": "1024Mi"},
+                                      "limits": {"memory": "1536Mi"}}
+    assert server_memory(PlatformConfig.model_validate({"mlflow": {"workers": 4}})) == ("1664Mi", "2432Mi")
+    assert server_memory(PlatformConfig.model_validate({"mlflow": {"memory": "3Gi"}})) == ("3Gi", "3Gi")
+    # the user's environment wins by name: job execution back on, for MLflow's server-side jobs
+    cfg = PlatformConfig.model_validate({"mlflow": {"env": {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "true"}}})
+    [container] = deployment(cfg)["spec"]["template"]["spec"]["containers"]
+    assert [e["value"] for e in container["env"] if e["name"] == "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == ["true"]
+
+
+def test_a_secret_in_the_servers_environment_is_refused(tmp_path: Path, cli: Cli) -> None:
+    path = tmp_path / "platform.yaml"
+    path.write_text("mlflow:\n  env:\n    AWS_SECRET_ACCESS_KEY: hunter2\n")
+    code, out, err = cli("k8s", "platform", "render", str(path))
+    assert code == 2 and out == "" and "hunter2" not in err
+    assert err.splitlines() == [f"error: {path}: mlflow.env: 'AWS_SECRET_ACCESS_KEY' looks like a secret: the server "
+                                "reads secrets only from Secrets"]
+
+
+def test_basic_auth_reads_its_credentials_from_a_secret() -> None:
+    cfg = PlatformConfig.model_validate({"namespace": "ml", "mlflow": {"auth": {"enabled": True}}})
+    objects = render_platform(cfg)
+    [container] = deployment(cfg)["spec"]["template"]["spec"]["containers"]
+    assert container["command"][-2:] == ["--app-name", "basic-auth"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["MLFLOW_AUTH_ADMIN_PASSWORD"]["valueFrom"] == {
+        "secretKeyRef": {"name": "kubetrain-mlflow-auth", "key": "admin-password"}}
+    assert env["MLFLOW_FLASK_SERVER_SECRET_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "kubetrain-mlflow-auth", "key": "flask-secret-key"}}
+    [ini] = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "kubetrain-mlflow-auth"]
+    assert env["MLFLOW_AUTH_CONFIG_PATH"]["value"] == f"/etc/mlflow-auth/{next(iter(ini['data']))}"
+    assert "password" not in ini["data"]["basic_auth.ini"].replace("admin_password", "")  # none inline
+    assert "database_uri = postgresql://mlflow@kubetrain-postgres:5432/mlflow" in ini["data"]["basic_auth.ini"]
+    assert not any(o["kind"] == "Secret" for o in objects)  # the team creates it
+
+
+def deployment(cfg: PlatformConfig) -> dict[str, Any]:
+    return next(o for o in render_platform(cfg) if o["kind"] == "Deployment")
+
+
+@contextmanager
+def rendered_server(tmp_path: Path, platform: dict[str, Any], secrets: dict[str, str]) -> Iterator[tuple[str, int]]:
+    """The rendered container's command and environment run here: on loopback, SQLite in tmp_path for the
+    backend (and the auth users), `secrets` standing in for the Secret's values. Yields (url, server pid)."""
+    port = free_port()
+    cfg = PlatformConfig.model_validate({"namespace": "ml", **platform, "mlflow": {**platform.get("mlflow", {}),
+                                                                                   "port": port}})
+    [container] = deployment(cfg)["spec"]["template"]["spec"]["containers"]
+    args, database = list(container["command"]), f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args[args.index("0.0.0.0")] = "127.0.0.1"
+    args[args.index(backend_uri(cfg))] = database
+    args[args.index(ARTIFACTS_MOUNT)] = str(tmp_path / "artifacts")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, "HOME": str(tmp_path)}
+    for var in container["env"]:
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        elif var["name"] in secrets:
+            env[var["name"]] = secrets[var["name"]]
+    if "MLFLOW_AUTH_CONFIG_PATH" in env:  # the ConfigMap's file, with the same backend as the server's
+        ini = tmp_path / "basic_auth.ini"
+        ini.write_text(auth_ini(cfg).replace(backend_uri(cfg), database))
+        env["MLFLOW_AUTH_CONFIG_PATH"] = str(ini)
+    log = (tmp_path / "mlflow.log").open("wb")
+    server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), *args[1:]], env=env, stdout=log,
+                              stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 480  # a safety net: four processes import mlflow on a loaded machine
+        while _get(f"{url}/health") != 200:
+            assert server.poll() is None, (tmp_path / "mlflow.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "mlflow server did not become ready"
+            time.sleep(0.5)
+        yield url, server.pid
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+def tree_rss(pid: int) -> int:
+    """Bytes resident in the server's process tree (RSS summed: shared pages counted in each, an upper bound)."""
+    root = psutil.Process(pid)
+    total = 0
+    for process in [root, *root.children(recursive=True)]:
+        with suppress(psutil.Error):  # a process that ended between the listing and the read
+            total += process.memory_info().rss
+    return total
+
+
+@pytest.mark.slow
+def test_the_rendered_server_fits_its_memory_limit(tmp_path: Path) -> None:
+    request, limit = server_memory(PlatformConfig())
+    with rendered_server(tmp_path, {}, {}) as (url, pid):
+        for _ in range(10):  # what a trainer asks of it
+            assert _get(f"{url}/api/2.0/mlflow/experiments/search?max_results=10") == 200
+        used = max(tree_rss(pid) for _ in range(3))
+    # measured here: about 786 MiB with the 2 default workers (the sizing in tracking.py); with job execution on,
+    # 2.6 GiB, which the former 1Gi limit OOM-killed on a real cluster
+    assert used * REQUEST_HEADROOM <= quantity(limit), f"{used / 2**20:.0f} MiB used, limit {limit}"
+    assert used <= quantity(request), f"{used / 2**20:.0f} MiB used, request {request}"
+
+
+@pytest.mark.slow
+def test_basic_auth_refuses_a_request_without_credentials(tmp_path: Path) -> None:
+    secrets = {"MLFLOW_AUTH_ADMIN_PASSWORD": "s3cret-admin-pw", "MLFLOW_FLASK_SERVER_SECRET_KEY": "csrf-key"}
+    platform = {"mlflow": {"workers": 1, "auth": {"enabled": True}}}
+    with rendered_server(tmp_path, platform, secrets) as (url, _):
+        search = f"{url}/api/2.0/mlflow/experiments/search?max_results=1"
+        assert _get(search) == 401
+        assert _get(search, auth=("admin", "wrong")) == 401
+        assert _get(search, auth=("admin", "s3cret-admin-pw")) == 200
+        assert _get(f"{url}/health") == 200  # the probes need no user

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from kubetrain.k8s.cluster.api import Cluster, ClusterError
 from kubetrain.k8s.cluster.status import job_ranks, main_container
 from kubetrain.k8s.render.context import RenderContext
-from kubetrain.k8s.render.grace import MeasuredSave, too_short
+from kubetrain.k8s.render.grace import SAVE_FACTOR, MeasuredSave, too_short
 from kubetrain.track.console import checkpoint_in
 
 # Lines of the log read back: a checkpoint line comes every checkpoint.every_steps / train.log_every_steps
@@ -50,15 +50,23 @@ def logged_save(cluster: Cluster, name: str, namespace: str) -> MeasuredSave | N
     return max(found, key=lambda s: s.step, default=None)
 
 
+def outgrows(save: MeasuredSave, grace: float) -> bool:
+    """The save itself, with the headroom of a drain (SAVE_FACTOR), does not fit in `grace`.
+
+    Not `save.needs > grace`: `needs` adds SAVE_MARGIN, the rule's own allowance for the steps before the save,
+    which is what a grace the user chose already covers; with it a 0.1 s save "needed 21 s" of a 20 s grace."""
+    return save.write_seconds * SAVE_FACTOR > grace
+
+
 def grace_verdict(cluster: Cluster, ctx: RenderContext) -> tuple[str, str]:
     """(ok | warn, one line): the grace and its origin; a warning when an explicit k8s.grace_period_seconds is
-    shorter than the measured save, or when the job's pods logged a save that needs more than it gives."""
+    shorter than the measured save, or when the job's pods logged a save that does not fit in what it gives."""
     detail = f"terminationGracePeriodSeconds {ctx.grace_seconds} s from {ctx.grace_origin}"
     logged = logged_save(cluster, ctx.name, ctx.namespace)
     short = too_short(ctx.cfg, ctx.measured) or too_short(ctx.cfg, logged)
     if short is not None:  # an explicit k8s.grace_period_seconds: the user's to raise
         return "warn", f"{detail}; {short.removeprefix('warning: ')}"
-    if logged is not None and ctx.k.grace_period_seconds is None and logged.needs > ctx.checkpoint_grace:
+    if logged is not None and ctx.k.grace_period_seconds is None and outgrows(logged, ctx.checkpoint_grace):
         return "warn", (f"{detail}; {logged.describe()} needs {logged.needs} s to save: "
                         f"`kubetrain k8s fetch {ctx.name}`, and render follows it")
     return "ok", detail

@@ -4,7 +4,11 @@ A rank is read from its newest pod; the ranks are those the launched config asks
 those with no pod yet. With --follow, a rank without a pod, a pod that is not scheduled or whose container
 is still starting is waited for, saying why (the log endpoint answers an empty body or 400 until then), and
 when a pod fails or is gone while its job is active, the rank is followed into the pod the controller makes
-in its place. Without --follow, a rank that has no log yet is named with the reason, and the command exits 1.
+in its place. --follow ends only when the workload's own status says it has ended (or it is gone), and exits 1
+when it failed. Without --follow, a rank that has no log yet is named with the reason, and the command exits 1.
+
+A followed log ends when the container ends, and the pod's status says so only a few seconds later (the
+kubelet reports it at its next sync): a pod that still says `Running` after its log ended is not the end.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from kubetrain.errors import KubetrainError
 from kubetrain.k8s.cluster.api import Cluster, ClusterError
 from kubetrain.k8s.cluster.status import Rank, job_ranks, main_container, waiting_reason
 from kubetrain.k8s.cluster.waiting import expected_ranks, why_waiting, workload_object
-from kubetrain.k8s.workloads import finished
+from kubetrain.k8s.workloads import BY_KIND, finished
 
 Emit = Callable[[str], None]
 _DONE = object()
@@ -27,6 +31,10 @@ _DONE = object()
 
 class LogsIncomplete(KubetrainError):
     """Some ranks had no log to show (not scheduled, or not started)."""
+
+
+class JobFailed(KubetrainError):
+    """The followed job ended, and its controller says it failed."""
 
 
 def _not_started(pod: dict[str, Any]) -> str | None:
@@ -118,7 +126,11 @@ class _RankReader:
         return self.follow and self._next_pod()
 
     def _next_pod(self) -> bool:
-        """After a followed stream ended: a replacement pod, a restarted container, or the end."""
+        """After a followed stream ended: a replacement pod, a restarted container, or the end of the job.
+
+        Only the workload's status ends a rank: a pod that still says Running (the kubelet has not reported its
+        container's end yet), one that failed (its controller replaces it, or gives up) and one that succeeded
+        while the job goes on (a JobSet or TrainJob may start it again) are all waited on."""
         assert self.rank is not None
         before = self.rank
         while True:
@@ -135,11 +147,12 @@ class _RankReader:
                 self.lines.put(f"{self.prefix}(pod {before.name} was replaced by {now.name}; following it)")
                 self.rank, self.tail = now, None
                 return True
-            restarts = _restarts(now.pod) > _restarts(before.pod)
-            if restarts or now.phase == "Succeeded" or now.phase == "Running" or self._workload_over():
+            if _restarts(now.pod) > _restarts(before.pod):  # restarted in place: its new log starts empty
                 self.rank, self.tail = now, None
-                return restarts
-            time.sleep(self.poll)  # failed: the controller makes a replacement, or gives up
+                return True
+            if self._workload_over():
+                return False
+            time.sleep(self.poll)
 
     def _workload_over(self) -> bool:
         obj = self._workload()
@@ -188,4 +201,18 @@ def stream_logs(
         raise cluster_errors[0]
     if errors:
         raise LogsIncomplete("; ".join(sorted(str(e) for e in errors)))
+    if follow:
+        obj = workload_object(cluster, name, namespace, cluster.find("ConfigMap", f"{name}-config", namespace))
+        if obj is not None and finished(obj) == "failed":
+            raise JobFailed(f"job '{name}' failed" + "".join(f": {why}" for why in _failed_because(obj)))
     return len(ranks)
+
+
+def _failed_because(obj: dict[str, Any]) -> list[str]:
+    """The reason and message of the workload's failed condition (e.g. BackoffLimitExceeded: Job has reached the
+    specified backoff limit), those it has."""
+    failed = BY_KIND[obj["kind"]].failed
+    for condition in (obj.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == failed and condition.get("status") == "True":
+            return [str(condition[k]) for k in ("reason", "message") if condition.get(k)]
+    return []

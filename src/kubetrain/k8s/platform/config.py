@@ -6,6 +6,7 @@ tracking server (`track.mlflow.tracking_uri: http://kubetrain-mlflow:5000`).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -15,6 +16,9 @@ from kubetrain.config.loading import read_yaml
 from kubetrain.errors import ConfigError
 
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SECRET_NAME = re.compile(r"(TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|CREDENTIAL)", re.IGNORECASE)
 KUBETRAIN_IMAGE = "ghcr.io/kubetrain/kubetrain:0.1.0"
 
 
@@ -65,6 +69,31 @@ class ArtifactsConfig(_Section):
     storage_class: str | None = Field(default=None, description="Storage class of the artifact claim.")
 
 
+class MlflowAuthConfig(_Section):
+    enabled: bool = Field(
+        default=False,
+        description="Run MLflow's basic-auth app (`mlflow server --app-name basic-auth`): every request but "
+        "/health needs a user and password. Off: only the NetworkPolicy stands in front of the server.",
+    )
+    secret_name: str = Field(
+        default="kubetrain-mlflow-auth", pattern=_DNS_LABEL,
+        description="Secret (created by you, never rendered) with the admin password and the Flask secret key.",
+    )
+    password_key: str = Field(
+        default="admin-password", min_length=1,
+        description="Key of the admin's password in the Secret (MLFLOW_AUTH_ADMIN_PASSWORD; used when the "
+        "server first creates the admin, later changes go through MLflow's update-password API).",
+    )
+    flask_secret_key: str = Field(
+        default="flask-secret-key", min_length=1,
+        description="Key of the Flask secret key (CSRF) in the Secret (MLFLOW_FLASK_SERVER_SECRET_KEY).",
+    )
+    admin_username: str = Field(default="admin", min_length=1, description="The admin user MLflow creates.")
+    default_permission: Literal["READ", "EDIT", "MANAGE", "NO_PERMISSIONS"] = Field(
+        default="READ", description="What every signed-in user may do with experiments they were not given.",
+    )
+
+
 class MlflowServerConfig(_Section):
     enabled: bool = Field(default=True, description="Render the MLflow tracking server (and its database).")
     image: str = Field(
@@ -73,11 +102,42 @@ class MlflowServerConfig(_Section):
     )
     run_as_user: int = Field(default=1000, ge=1, description="The image's non-root user id (1000 in kubetrain's).")
     port: int = Field(default=5000, ge=1024, le=65535, description="Port of the server and its Service.")
-    workers: int = Field(default=2, ge=1, description="Server worker processes.")
+    workers: int = Field(
+        default=2, ge=1,
+        description="uvicorn worker processes (about 250 MiB each): two, so one slow request (a large artifact "
+        "the server proxies) does not hold up the others.",
+    )
     cpu: str = Field(default="500m", description="CPU request of the server.")
-    memory: str = Field(default="1Gi", description="Memory request and limit of the server.")
+    memory: str | None = Field(
+        default=None, pattern=_QUANTITY,
+        description="Memory request of the server. Unset: sized from a measurement of the server with `workers` "
+        "(1Gi with 2).",
+    )
+    memory_limit: str | None = Field(
+        default=None, pattern=_QUANTITY,
+        description="Memory limit of the server. Unset: `memory` when that is set, else half as much again as "
+        "the measured request (1536Mi with 2 workers).",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="More environment of the server (plain values, e.g. MLFLOW_SERVER_ENABLE_JOB_EXECUTION: "
+        "'true' to run MLflow's server-side jobs, which needs about 1.5 GiB more memory). Secrets are refused.",
+    )
+    auth: MlflowAuthConfig = Field(
+        default_factory=lambda: MlflowAuthConfig(), description="MLflow's basic authentication (off by default)."
+    )
     postgres: PostgresConfig = Field(default_factory=lambda: PostgresConfig(), description="The backend store.")
     artifacts: ArtifactsConfig = Field(default_factory=lambda: ArtifactsConfig(), description="The artifact store.")
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"'{name}' is not a valid environment variable name")
+            if _SECRET_NAME.search(name):
+                raise ValueError(f"'{name}' looks like a secret: the server reads secrets only from Secrets")
+        return value
 
 
 class AlertsConfig(_Section):

@@ -4,11 +4,18 @@ PostgreSQL is a StatefulSet with a claim, or an existing database named by postg
 ever comes from a Secret the team creates (PGPASSWORD / POSTGRES_PASSWORD by secretKeyRef). MLflow proxies
 artifacts (`--serve-artifacts`) to a claim or an object store, so training pods need no store credentials
 of their own for them. Every pod is Pod Security "restricted"; NetworkPolicies admit only the namespace's
-training pods to MLflow, and only MLflow to PostgreSQL.
+training pods to MLflow, and only MLflow to PostgreSQL. With mlflow.auth, the server runs MLflow's basic-auth
+app; its admin password and Flask secret key come from a Secret the team creates.
+
+MLflow 3.x's server also starts a job runner (huey) for its server-side jobs (GenAI scorers, trace rollups),
+which training does not use and which takes about 1.4 GiB more: it is off (MLFLOW_SERVER_ENABLE_JOB_EXECUTION,
+mlflow/environment_variables.py; `_run_server` in mlflow/server/__init__.py starts no runner without it) unless
+mlflow.env turns it on.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kubetrain.k8s.platform.config import PlatformConfig
@@ -21,6 +28,27 @@ ARTIFACTS_MOUNT = "/artifacts"
 PGDATA_MOUNT = "/var/lib/postgresql/data"
 # The pods the tracking server admits: every kubetrain training pod of the namespace (podspec.pod_metadata).
 TRAINER_PODS = {"app.kubernetes.io/managed-by": MANAGED_BY, "app.kubernetes.io/component": "trainer"}
+AUTH_MOUNT = "/etc/mlflow-auth"
+AUTH_FILE = "basic_auth.ini"
+# Measured (test_tracking.py measures it again): mlflow 3.17.2's `mlflow server`, job execution off, the sum of
+# the RSS of its process tree once /health answers: the `mlflow server` process that waits on uvicorn 252 MiB,
+# uvicorn's supervisor 26 MiB, multiprocessing's resource tracker 12 MiB, and about 250 MiB per worker (786 MiB
+# with 2 workers; 601 MiB proportional set size). With job execution on it needs about 1.4 GiB more.
+SERVER_MIB = 290
+WORKER_MIB = 250
+REQUEST_HEADROOM = 1.25  # the request: the measurement and a quarter more, for what a long-lived server grows by
+LIMIT_FACTOR = 1.5  # the limit: half as much again as the request, before the kernel kills it
+
+
+def _mib(value: float) -> str:
+    return f"{math.ceil(value / 64) * 64}Mi"  # whole 64 MiB steps: 1024Mi reads as 1Gi does
+
+
+def server_memory(cfg: PlatformConfig) -> tuple[str, str]:
+    """(request, limit) of the MLflow container: the configured ones, or sized from the measurement above."""
+    m = cfg.mlflow
+    request = (SERVER_MIB + WORKER_MIB * m.workers) * REQUEST_HEADROOM
+    return m.memory or _mib(request), m.memory_limit or m.memory or _mib(request * LIMIT_FACTOR)
 
 
 def _labels(cfg: PlatformConfig, component: str) -> dict[str, str]:
@@ -82,43 +110,70 @@ def server_args(cfg: PlatformConfig) -> list[str]:
     """`mlflow server ...` as the container runs it (the tests run the same arguments against a real database)."""
     m = cfg.mlflow
     artifacts = m.artifacts.uri or ARTIFACTS_MOUNT
+    auth = ["--app-name", "basic-auth"] if m.auth.enabled else []
     return ["mlflow", "server", "--host", "0.0.0.0", "--port", str(m.port), "--workers", str(m.workers),
             "--backend-store-uri", backend_uri(cfg), "--serve-artifacts", "--artifacts-destination", artifacts,
-            "--allowed-hosts", allowed_hosts(cfg)]
+            "--allowed-hosts", allowed_hosts(cfg), *auth]
 
 
-def _mlflow_env(cfg: PlatformConfig) -> list[dict[str, Any]]:
-    art = cfg.mlflow.artifacts
-    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, _password(cfg, "PGPASSWORD")]
-    if art.endpoint_url:
-        env.append({"name": "MLFLOW_S3_ENDPOINT_URL", "value": art.endpoint_url})
-    if art.secret_name:
-        env += [{"name": key, "valueFrom": {"secretKeyRef": {"name": art.secret_name, "key": key}}}
+def auth_ini(cfg: PlatformConfig) -> str:
+    """MLflow's basic_auth.ini (mlflow/server/auth/config.py reads it from MLFLOW_AUTH_CONFIG_PATH): its users live
+    in the backend database (their own tables and alembic_version_auth); no password is in it, the admin's comes
+    from MLFLOW_AUTH_ADMIN_PASSWORD, which takes precedence over the file."""
+    a = cfg.mlflow.auth
+    return ("[mlflow]\n"
+            f"default_permission = {a.default_permission}\n"
+            f"database_uri = {backend_uri(cfg)}\n"
+            f"admin_username = {a.admin_username}\n"
+            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+
+
+def server_env(cfg: PlatformConfig) -> list[dict[str, Any]]:
+    """The container's environment: plain values and Secret references, then mlflow.env (which wins by name)."""
+    m = cfg.mlflow
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, _password(cfg, "PGPASSWORD"),
+                                 {"name": "MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "value": "false"}]
+    if m.artifacts.endpoint_url:
+        env.append({"name": "MLFLOW_S3_ENDPOINT_URL", "value": m.artifacts.endpoint_url})
+    if m.artifacts.secret_name:
+        env += [{"name": key, "valueFrom": {"secretKeyRef": {"name": m.artifacts.secret_name, "key": key}}}
                 for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")]
-    return env
+    if m.auth.enabled:
+        secret = m.auth.secret_name
+        env += [{"name": "MLFLOW_AUTH_CONFIG_PATH", "value": f"{AUTH_MOUNT}/{AUTH_FILE}"},
+                {"name": "MLFLOW_AUTH_ADMIN_PASSWORD",
+                 "valueFrom": {"secretKeyRef": {"name": secret, "key": m.auth.password_key}}},
+                {"name": "MLFLOW_FLASK_SERVER_SECRET_KEY",
+                 "valueFrom": {"secretKeyRef": {"name": secret, "key": m.auth.flask_secret_key}}}]
+    env = [e for e in env if e["name"] not in m.env]
+    return env + [{"name": name, "value": value} for name, value in m.env.items()]
 
 
 def mlflow_deployment(cfg: PlatformConfig) -> dict[str, Any]:
     m = cfg.mlflow
     pod_sc, container_sc = _security(m.run_as_user)
     health = {"httpGet": {"path": "/health", "port": "http"}}  # answers before the Host check
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
     if not m.artifacts.uri:
         mounts.append({"name": "artifacts", "mountPath": ARTIFACTS_MOUNT})
         volumes.append({"name": "artifacts", "persistentVolumeClaim": {"claimName": f"{mlflow_name(cfg)}-artifacts"}})
+    if m.auth.enabled:
+        mounts.append({"name": "auth", "mountPath": AUTH_MOUNT, "readOnly": True})
+        volumes.append({"name": "auth", "configMap": {"name": f"{mlflow_name(cfg)}-auth"}})
+    request, limit = server_memory(cfg)
     container = {
         "name": "mlflow",
         "image": m.image,
         "imagePullPolicy": cfg.image_pull_policy,
         "command": server_args(cfg),
-        "env": _mlflow_env(cfg),
+        "env": server_env(cfg),
         "ports": [{"name": "http", "containerPort": m.port, "protocol": "TCP"}],
         # the first start migrates the database's schema: give it minutes before liveness counts
         "startupProbe": {**health, "periodSeconds": 5, "failureThreshold": 60},
         "readinessProbe": {**health, "periodSeconds": 10, "failureThreshold": 3},
         "livenessProbe": {**health, "periodSeconds": 20, "failureThreshold": 6},
-        "resources": {"requests": {"cpu": m.cpu, "memory": m.memory}, "limits": {"memory": m.memory}},
+        "resources": {"requests": {"cpu": m.cpu, "memory": request}, "limits": {"memory": limit}},
         "securityContext": container_sc,
         "volumeMounts": mounts,
     }
@@ -212,6 +267,10 @@ def tracking_objects(cfg: PlatformConfig) -> list[dict[str, Any]]:
     if not m.artifacts.uri:
         out.append(_claim(cfg, f"{mlflow_name(cfg)}-artifacts", "tracking", m.artifacts.size,
                           m.artifacts.storage_class))
+    if m.auth.enabled:
+        out.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(cfg, f"{mlflow_name(cfg)}-auth",
+                                                                                  "tracking"),
+                    "data": {AUTH_FILE: auth_ini(cfg)}})
     out += [_service(cfg, mlflow_name(cfg), "tracking", m.port, "http"),
             _policy(cfg, mlflow_name(cfg), "tracking", TRAINER_PODS, "http"),
             mlflow_deployment(cfg)]
