@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from kubetrain.checkpoint.store import credential_keys
+from kubetrain.config.clocks import PROBE_FAILURES, PROBE_PERIOD
 from kubetrain.config.k8s import DEFAULT_IMAGE, K8sConfig
 from kubetrain.k8s.render.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT, RenderContext
 
@@ -207,9 +208,9 @@ def liveness_probe(ctx: RenderContext) -> dict[str, Any] | None:
         return None
     return {
         "exec": {"command": ["python", "-m", "kubetrain.k8s.pod.probe", "--port", str(m.port)]},
-        "periodSeconds": 30,
+        "periodSeconds": PROBE_PERIOD,  # /healthz goes stale after config/clocks.py's liveness clock
         "timeoutSeconds": 10,
-        "failureThreshold": 3,
+        "failureThreshold": PROBE_FAILURES,
     }
 
 
