@@ -17,7 +17,7 @@ from kubetrain.launch.watch import Beat, HangWatch, describe_exit, process_state
 from kubetrain.runs.incidents import parse_log_line, read_all
 from kubetrain.track.console import parse_progress
 from kubetrain.train.heartbeat import HEARTBEAT_DIR_ENV, Heartbeat, beat_file
-from tests.train.conftest import STARTED, children, kubetrain, sets, start, wait_until
+from tests.train.conftest import STARTED, children, kubetrain, rank_of, sets, start, wait_until
 
 # A worker stand-in: the real Heartbeat (faulthandler on SIGUSR1), one beat, then a wait in a named function.
 WORKER = """
@@ -121,11 +121,6 @@ def test_no_heartbeat_without_a_launcher(monkeypatch: pytest.MonkeyPatch) -> Non
     assert Heartbeat.from_env(0) is None
 
 
-def _rank_of(pid: int) -> int:
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return int(next(v for v in env if v.startswith(b"RANK=")).split(b"=", 1)[1])
-
-
 @pytest.mark.slow
 def test_a_stopped_worker_is_detected_dumped_restarted_and_the_run_completes(tmp_path: Path) -> None:
     # One setting scales every clock (config/clocks.py): the watch at 8 s acts before the collective timeout
@@ -138,7 +133,7 @@ def test_a_stopped_worker_is_detected_dumped_restarted_and_the_run_completes(tmp
     workers = children(proc.pid)
     assert len(workers) == 2
     stopped_at = time.monotonic()
-    os.kill(next(pid for pid in workers if _rank_of(pid) == 1), signal.SIGSTOP)
+    os.kill(next(pid for pid in workers if rank_of(pid) == 1), signal.SIGSTOP)
     wait_until(lambda: bool(read_all(run)), proc, poll=0.05)
     print(f"SIGSTOP of rank 1 -> incident in {time.monotonic() - stopped_at:.1f}s")
     out, err = proc.communicate(timeout=300)

@@ -11,8 +11,8 @@ from typing import Annotated
 import typer
 
 from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, at_least, load
-from kubetrain.config.clocks import derive
 from kubetrain.distributed.env import process_env
+from kubetrain.launch.watch import watch_options
 
 
 def train(
@@ -66,7 +66,7 @@ def train(
         opts = LaunchOptions(nproc_per_node=nproc or 1, nnodes=nnodes, node_rank=node_rank,
                              rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
                              shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30,
-                             hang_timeout=derive(cfg).hang_watch)
+                             **watch_options(cfg))
         torchrun_args(opts, forwarded)  # bad launch options are refused before the run directory is held
         check_memory(cfg, local_processes=opts.nproc_per_node, launcher=True)  # before any worker starts
         one_node = nnodes == "1" and rdzv_endpoint is None  # several nodes: rank 0 holds it, wherever it runs

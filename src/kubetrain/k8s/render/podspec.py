@@ -17,6 +17,7 @@ from kubetrain.config.k8s import DEFAULT_IMAGE, K8sConfig
 from kubetrain.k8s.render.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT, RenderContext
 
 METRICS_PORT_NAME = "metrics"
+LAUNCHER_PORT_NAME = "launcher"  # every pod's launcher: its ranks' heartbeats, incidents (metrics port + 1)
 COMPILE_CACHE = ".cache"  # on the checkpoint claim; a hidden folder, which `kubetrain runs` passes over
 INCIDENTS = "incidents"
 FLIGHT_RECORDER_PREFIX = "nccl-flight-recorder-rank-"
@@ -70,6 +71,10 @@ def env(ctx: RenderContext, extra: dict[str, str] | None = None) -> list[dict[st
         "MPLCONFIGDIR": f"{CACHE_MOUNT}/matplotlib",
         "KUBETRAIN_NNODES": str(k.nnodes),
         "KUBETRAIN_NPROC_PER_NODE": str(k.nproc_per_node),
+        # c10d's C++ warnings carry a whole C++ backtrace: a survivor that lost the rendezvous host printed ~120
+        # lines of frames before its one-line exit-69 message. It is read once, when torch is imported, so it is
+        # set here (k8s.env may set WARNING back); errors and the Python-side one-liners still show.
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
         **flight_recorder_env(ctx),
         **(extra or {}),
         **k.env,
@@ -253,6 +258,7 @@ def container(
     }
     if k.metrics.enabled:
         c["ports"].append({"name": METRICS_PORT_NAME, "containerPort": k.metrics.port, "protocol": "TCP"})
+        c["ports"].append({"name": LAUNCHER_PORT_NAME, "containerPort": k.metrics.port + 1, "protocol": "TCP"})
     probe = liveness_probe(ctx)
     if probe:
         c["livenessProbe"] = probe
