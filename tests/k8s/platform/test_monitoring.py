@@ -49,9 +49,9 @@ def hung(rank: str, age: str, run: str = "gpt") -> tuple[str, str]:
 
 
 HUNG = hung("0", "17m 0s", "solo")
-STRAGGLER = ("A rank is more than 1.5x slower than the others",
+STRAGGLER = ("A rank is 1.5x slower than the others or more",
              "Rank 1 of ml/gpt (phase none) spends 1.6x the data wait + forward time of the median of the other "
-             "ranks (with two ranks: of the other one), more than 1.5x: a slow node, a throttled GPU or a noisy "
+             "ranks (with two ranks: of the other one), at least 1.5x: a slow node, a throttled GPU or a noisy "
              "neighbour holds every rank back.")
 FAILED = ("A training job failed with no restarts left",
           "ml/gpt's launcher gave up within the last 60 minutes (no restarts left): the job is not training. Its "

@@ -91,11 +91,11 @@ def rule_groups(alerts: AlertsConfig) -> list[dict[str, Any]]:
                f"{a.restart_window_minutes} minutes (no restarts left): the job is not training. Its last incident "
                "is in `kubetrain k8s status` and <run>/incidents/.", sev),
         _alert("KubetrainStraggler",
-               f"kubetrain_rank_straggler_ratio > {a.straggler_ratio:g}",
+               f"kubetrain_rank_straggler_ratio >= {a.straggler_ratio:g}",
                f"{a.straggler_minutes}m",
-               f"A rank is more than {a.straggler_ratio:g}x slower than the others",
+               f"A rank is {a.straggler_ratio:g}x slower than the others or more",
                f"Rank {{{{ $labels.rank }}}} of {run} spends {{{{ $value | humanize }}}}x the data wait + forward "
-               f"time of the median of the other ranks (with two ranks: of the other one), more than "
+               f"time of the median of the other ranks (with two ranks: of the other one), at least "
                f"{a.straggler_ratio:g}x: a slow node, a throttled GPU or a noisy neighbour holds "
                "every rank back.", sev),
         _alert("KubetrainRestarted",
