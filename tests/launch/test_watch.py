@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from kubetrain.launch.watch import Beat, HangWatch, describe_exit, process_state
 from kubetrain.runs.incidents import parse_log_line, read_all
 from kubetrain.track.console import parse_progress
 from kubetrain.train.heartbeat import HEARTBEAT_DIR_ENV, Heartbeat, beat_file
-from tests.train.conftest import STARTED, children, kubetrain, rank_of, sets, start, wait_until
+from tests.train.conftest import STARTED, children, kubetrain, lines_in, rank_of, sets, start, wait_until
 
 # A worker stand-in: the real Heartbeat (faulthandler on SIGUSR1), one beat, then a wait in a named function.
 WORKER = """
@@ -174,3 +175,27 @@ def test_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
     for pid in orphans:
         os.kill(pid, signal.SIGKILL)
     assert not orphans
+
+
+@pytest.mark.slow
+def test_two_nodes_agree_on_the_stuck_rank_through_the_rendezvous_store(tmp_path: Path) -> None:
+    """Two launchers as two nodes; rank 1 (node 1's) SIGSTOPped. Node 0's watch sees only its healthy rank 0
+    and would blame it ("advanced least"); through the rendezvous store both name rank 1, recorded once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    args = ["train", *sets("run.name=nodes", "train.max_steps=100000", "checkpoint.every_steps=100000",
+                           "eval.every_steps=100000", "dist.hang_timeout_seconds=8"),
+            "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", "agree",
+            "--max-restarts", "0"]
+    nodes = [start(*args, "--node-rank", str(n), cwd=tmp_path) for n in (0, 1)]
+    run = tmp_path / "runs" / "nodes"
+    wait_until(lambda: lines_in(run / "metrics.jsonl") >= 3, nodes[0])
+    workers = [pid for node in nodes for pid in children(node.pid)]
+    os.kill(next(pid for pid in workers if rank_of(pid) == 1), signal.SIGSTOP)
+    errs = [node.communicate(timeout=300)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [1, 1], errs
+    [hang] = read_all(run)
+    assert (hang["kind"], hang["rank"]) == ("hang", 1), hang
+    assert "did not answer" in hang["message"]
+    assert any("the stuck rank is rank 1 on another node" in err for err in errs), errs

@@ -89,7 +89,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.run import parse_args, run
 
-    from kubetrain.launch.watch import HangWatch, launcher_metrics
+    from kubetrain.launch.watch import HangWatch, hang_agreement, launcher_metrics
     from kubetrain.runs import incidents
     from kubetrain.train.heartbeat import HEARTBEAT_DIR_ENV, LAUNCHER_PID_ENV
 
@@ -104,6 +104,8 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     os.environ[HEARTBEAT_DIR_ENV], os.environ[LAUNCHER_PID_ENV] = str(beats), str(os.getpid())
     watch = HangWatch(beats, run_dir, opts.hang_timeout, say=_say).start()
     exporter = launcher_metrics(watch, opts.metrics_port, opts.metrics_host, opts.hang_alert, _say)
+    if opts.rdzv_endpoint and parse_nnodes(opts.nnodes)[1] > 1:  # the nodes' watches agree on the stuck rank
+        watch.agree = hang_agreement(opts.rdzv_endpoint, opts.rdzv_id, parse_nnodes(opts.nnodes)[0])
     gave_up = False  # no restarts left: the launcher's /metrics says so to its last scrape
     try:
         with final_exits_end_the_group():

@@ -114,6 +114,8 @@ class HangWatch:
     last_incident: dict[str, Any] | None = None
     hang_rounds: set[int] = field(default_factory=set)
     on_incident: Callable[[dict[str, Any]], None] | None = None  # the launcher's exporter counts them
+    # several nodes: publish this node's suspect, get the job's (hang_agreement); None: decide alone
+    agree: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _oom_at_start: int | None = None
@@ -203,6 +205,13 @@ class HangWatch:
         time.sleep(0.2)  # let the last writer finish its frames
         silent = [b for b in live if b.rank not in answered]
         suspect = min(silent or live, key=lambda b: (b.step, b.time))
+        verdict = {"rank": suspect.rank, "step": suspect.step, "silent": bool(silent)}
+        chosen = verdict
+        if self.agree is not None:
+            try:
+                chosen = self.agree(live[0].restart, verdict)
+            except (RuntimeError, OSError, ValueError) as e:  # the store is gone too: decide alone
+                self.say(f"launcher: warning: hang watch: could not compare with the other nodes ({e})")
         at = time.time()
         out = incidents.incidents_dir(self.run_dir) / f"{incidents.stamp(at)}-hang-stacks.txt"
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -221,6 +230,10 @@ class HangWatch:
                     f.write(f"(no stacks: {why})\n")
         for b in live:
             _signal(b.pid, signal.SIGKILL)  # a stopped process dies of SIGKILL too; the agent then restarts
+        if chosen["rank"] != suspect.rank:  # another node holds the stuck rank: its launcher records the hang
+            self.say(f"launcher: hang: the stuck rank is rank {chosen['rank']} on another node (its launcher "
+                     f"records the incident); workers of this node ended; stacks in {out}")
+            return
         who = "did not answer" if silent else "advanced least"
         message = (f"no rank advanced for {silent_for:.0f}s; rank {suspect.rank} {who} "
                    f"(process state {states[suspect.rank]}); workers ended")
@@ -272,7 +285,9 @@ def launcher_metrics(watch: HangWatch, port: int | None, host: str, alert_second
     def beats() -> list[RankBeat]:
         return [RankBeat(b.rank, b.step, b.time) for b in watch.live_beats()]
 
-    exporter = LauncherExporter(port, host, watch.run_dir.name, alert_seconds or 0.0, beats, watch.restart_round)
+    worker_port = port - 1 if port else None  # rank 0's exporter: track.prometheus.port (watch_options)
+    exporter = LauncherExporter(port, host, watch.run_dir.name, alert_seconds or 0.0, beats, watch.restart_round,
+                                worker_port)
     try:
         exporter.start()
     except (TrackerUnavailable, ImportError) as e:
@@ -280,6 +295,44 @@ def launcher_metrics(watch: HangWatch, port: int | None, host: str, alert_second
         return None
     watch.on_incident = exporter.incident
     return exporter
+
+
+def hang_agreement(endpoint: str, rdzv_id: str, nodes: int, wait: float = STACKS_WAIT_SECONDS
+                   ) -> Callable[[int, dict[str, Any]], dict[str, Any]]:
+    """The nodes' watches agree on one stuck rank through the rendezvous host's c10d store (not a collective).
+
+    Each node's watch sees only its own ranks: a healthy node whose rank waits in a collective would name it
+    ("advanced least") while the stuck rank's node names the stuck one. Every watch that declares a hang
+    publishes its verdict under the restart round, waits up to `wait` for the other nodes' (they see the same
+    hang within a poll of each other: every rank's last step ended in the same collective), and the job's
+    suspect is the strongest: a rank that did not answer (stopped) before one that advanced least, then the
+    lowest step, then the lowest rank. Only the node that holds it records the incident.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    host, _, port = endpoint.rpartition(":")
+    client: list[Any] = []
+
+    def agree(restart: int, verdict: dict[str, Any]) -> dict[str, Any]:
+        if not client:
+            client.append(TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5),
+                                   wait_for_workers=False))
+        store = client[0]
+        prefix = f"kubetrain/hang/{rdzv_id}/{restart}"
+        index = store.add(f"{prefix}/count", 1)
+        store.set(f"{prefix}/{index}", json.dumps(verdict))
+        deadline = time.monotonic() + wait
+        while store.add(f"{prefix}/count", 0) < nodes and time.monotonic() < deadline:
+            time.sleep(0.1)
+        found = []
+        for i in range(1, store.add(f"{prefix}/count", 0) + 1):
+            if store.check([f"{prefix}/{i}"]):
+                found.append(json.loads(store.get(f"{prefix}/{i}")))
+        return min(found or [verdict], key=lambda v: (not v["silent"], v["step"], v["rank"]))
+
+    return agree
 
 
 def _signal(pid: int, sig: int) -> None:

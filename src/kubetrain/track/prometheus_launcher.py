@@ -11,6 +11,11 @@ when it matters. The launcher outlives its workers. It serves, on `track.prometh
 - `kubetrain_incidents_total{kind, rank}`: the incidents this launcher recorded;
 - `kubetrain_job_failed`: 1 once the launcher gave up (no restarts left). Before it exits it waits for one more
   scrape (if it was ever scraped), so the failure is stored and the rule can remember it.
+
+It also passes on rank 0's own /metrics when rank 0 runs on this node: c10d gives global rank 0 to whichever
+node's agent the rendezvous sorts first, not to node rank 0, so the PodMonitor scrapes the launcher of every
+pod and rank 0's gauges arrive from the pod that holds it, whichever that is. A frozen rank 0 costs that part
+of the scrape (WORKER_FETCH_SECONDS), never the launcher's own series.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,6 +31,7 @@ from typing import Any
 
 from kubetrain.track.failures import TrackerUnavailable
 
+WORKER_FETCH_SECONDS = 0.5  # how long a scrape waits for rank 0's exporter on this node
 LINGER_MAX_SECONDS = 65.0  # the longest a failed launcher waits for its last scrape (2 x the default 30 s + slack)
 
 
@@ -39,8 +46,10 @@ class LauncherExporter:
     """A small collector over the watch's state, served on its own port from a daemon thread."""
 
     def __init__(self, port: int, host: str, run: str, alert_seconds: float,
-                 beats: Callable[[], list[RankBeat]], restart_round: Callable[[], int]) -> None:
+                 beats: Callable[[], list[RankBeat]], restart_round: Callable[[], int],
+                 worker_port: int | None = None) -> None:
         self.requested_port, self.host, self.run = port, host, run
+        self.worker_port = worker_port  # rank 0's exporter, if rank 0 runs here (track/prometheus.py)
         self.alert_seconds = alert_seconds
         self.beats, self.restart_round = beats, restart_round
         self.incidents: dict[tuple[str, str], int] = {}
@@ -91,6 +100,17 @@ class LauncherExporter:
             self.scrapes = [*self.scrapes[-1:], began]
             self._scraped.notify_all()
 
+    def worker_metrics(self) -> bytes:
+        """Rank 0's exposition (text format) when this node holds rank 0 and it answers in time; else nothing."""
+        if not self.worker_port or not any(b.rank == 0 for b in self.beats()):
+            return b""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.worker_port}/metrics",
+                                        timeout=WORKER_FETCH_SECONDS) as r:
+                return bytes(r.read())
+        except (OSError, ValueError):  # refused, timed out (a frozen rank 0), or going away
+            return b""
+
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -123,7 +143,7 @@ class LauncherExporter:
 
 
 def _handler(exporter: LauncherExporter) -> type[BaseHTTPRequestHandler]:
-    from prometheus_client.exposition import choose_encoder
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -131,8 +151,8 @@ def _handler(exporter: LauncherExporter) -> type[BaseHTTPRequestHandler]:
                 self._reply(404, "text/plain; charset=utf-8", b"not found\n")
                 return
             began = time.monotonic()
-            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-            self._reply(200, content_type, encoder(exporter.registry))
+            # the text format, in which two expositions of distinct families concatenate into one
+            self._reply(200, CONTENT_TYPE_LATEST, generate_latest(exporter.registry) + exporter.worker_metrics())
             exporter.scraped(began)  # after the reply: the scraper holds what was read from `began` on
 
         def _reply(self, code: int, content_type: str, body: bytes) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -17,13 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from kubetrain.k8s.platform.config import AlertsConfig, PlatformConfig
 from kubetrain.k8s.platform.monitoring import (
     DASHBOARD_FILE,
-    RANK0_LABELS,
-    RANK0_REGEX,
     monitoring_objects,
     rule_groups,
 )
 from kubetrain.k8s.render import validate
-from kubetrain.k8s.workloads import node_rank
+from kubetrain.k8s.render.podspec import LAUNCHER_PORT_NAME
 from kubetrain.track.prometheus_launcher import LauncherExporter, RankBeat
 from tests.track.test_grafana_dashboard import exported, metric_names  # noqa: F401  (a fixture, and its reader)
 
@@ -239,22 +236,8 @@ def test_dashboard_config_map_is_picked_up_by_grafanas_sidecar() -> None:
     assert json.loads(cm["data"][DASHBOARD_FILE]) == json.loads(shipped.read_text())
 
 
-def _pod_labels(labels: dict[str, str]) -> str:
-    """The relabeling's input for a pod: its RANK0_LABELS values joined by ';' (absent labels are empty)."""
-    names = ["batch.kubernetes.io/job-completion-index", "apps.kubernetes.io/pod-index",
-             "training.kubeflow.org/replica-type"]
-    assert [re.sub(r"[^a-zA-Z0-9_]", "_", n) for n in names] == [s.split("label_", 1)[1] for s in RANK0_LABELS]
-    return ";".join(labels.get(n, "") for n in names)
-
-
-@pytest.mark.parametrize("labels", [
-    {"batch.kubernetes.io/job-completion-index": "0"}, {"batch.kubernetes.io/job-completion-index": "1"},
-    {"batch.kubernetes.io/job-completion-index": "10"}, {"apps.kubernetes.io/pod-index": "0"},
-    {"apps.kubernetes.io/pod-index": "3"}, {"training.kubeflow.org/replica-type": "master"},
-    {"training.kubeflow.org/replica-type": "Master"}, {"training.kubeflow.org/replica-type": "worker",
-                                                       "training.kubeflow.org/replica-index": "0"},
-])
-def test_pod_monitor_keeps_rank_zero_only(labels: dict[str, str]) -> None:
-    """The relabeling keeps exactly the pods workloads.node_rank calls rank 0 (Prometheus anchors the regex)."""
-    pod = {"metadata": {"name": "job-x", "labels": labels}}
-    assert bool(re.fullmatch(RANK0_REGEX, _pod_labels(labels))) == (node_rank(pod) == 0)
+def test_pod_monitor_scrapes_every_pods_launcher() -> None:
+    """No pod label says which pod holds global rank 0: every launcher is scraped, and the one on rank 0's node
+    passes its gauges on (tests/launch/test_watch.py starts two launchers in reversed order)."""
+    [endpoint] = monitoring_objects(PlatformConfig(namespace="ml"))[1]["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == LAUNCHER_PORT_NAME and "relabelings" not in endpoint

@@ -1,8 +1,8 @@
 """Prometheus Operator and Grafana objects for the jobs of a namespace: PodMonitor, alert rules, dashboard.
 
-The PodMonitor scrapes only node rank 0 (the only pod whose exporter listens): every workload marks it with
-a label of its controller, kept by one relabeling (RANK0_LABELS, RANK0_REGEX). The alerts are written against
-what rank 0's exporter serves (track/prometheus.py; a test checks that every name a rule reads is served);
+The PodMonitor scrapes every trainer pod's launcher, which serves its ranks' heartbeats and incidents and passes
+on rank 0's exporter from the pod that holds global rank 0 (track/prometheus_launcher.py). The alerts are written
+against what those serve (a test checks that every name a rule reads is served);
 `promtool test rules` fires each alert on a synthetic series.
 """
 
@@ -13,22 +13,12 @@ from importlib import resources
 from typing import Any
 
 from kubetrain.k8s.platform.config import AlertsConfig, PlatformConfig
-from kubetrain.k8s.render.podspec import LAUNCHER_PORT_NAME, METRICS_PORT_NAME
+from kubetrain.k8s.render.podspec import LAUNCHER_PORT_NAME
 from kubetrain.k8s.workloads import JOB_LABEL, MANAGED_BY
 
 MONITORING_API = "monitoring.coreos.com/v1"
 DASHBOARD_LABEL = "grafana_dashboard"  # what the Grafana chart's dashboard sidecar watches for (value "1")
 DASHBOARD_FILE = "kubetrain.json"
-# Pod labels that say node rank 0: Indexed Job, JobSet and TrainJob pods carry the completion index, a
-# StatefulSet's the pod index, a PyTorchJob's master its replica type (workloads.node_rank reads the same).
-RANK0_LABELS = [
-    "__meta_kubernetes_pod_label_batch_kubernetes_io_job_completion_index",
-    "__meta_kubernetes_pod_label_apps_kubernetes_io_pod_index",
-    "__meta_kubernetes_pod_label_training_kubeflow_org_replica_type",
-]
-RANK0_REGEX = "0;;|;0;|;;(?i:master)"  # Prometheus anchors it; joined with the default separator ';'
-
-
 def _meta(cfg: PlatformConfig, name: str, labels: dict[str, str] | None = None,
           namespace: str | None = None) -> dict[str, Any]:
     base = {**cfg.labels, "app.kubernetes.io/name": "kubetrain", "app.kubernetes.io/part-of": "kubetrain-platform",
@@ -37,14 +27,12 @@ def _meta(cfg: PlatformConfig, name: str, labels: dict[str, str] | None = None,
 
 
 def pod_monitor(cfg: PlatformConfig) -> dict[str, Any]:
-    """Scrape rank 0's /metrics of every kubetrain job in the namespace, labelled with the job's name."""
-    endpoint = {
-        "port": METRICS_PORT_NAME,
-        "path": "/metrics",
-        "interval": cfg.monitoring.interval,
-        "relabelings": [{"action": "keep", "sourceLabels": RANK0_LABELS, "regex": RANK0_REGEX}],
-    }
-    # every pod's launcher: the heartbeats of its own ranks, its incidents, whether it gave up
+    """Scrape every trainer pod's launcher (/metrics), labelled with the job's name.
+
+    Each launcher serves its own ranks' heartbeats and incidents, and rank 0's gauges when its node holds global
+    rank 0 (track/prometheus_launcher.py): c10d gives rank 0 to whichever node the rendezvous sorts first, so no
+    pod label says in advance which pod that is.
+    """
     launcher = {"port": LAUNCHER_PORT_NAME, "path": "/metrics", "interval": cfg.monitoring.interval}
     return {
         "apiVersion": MONITORING_API,
@@ -54,7 +42,7 @@ def pod_monitor(cfg: PlatformConfig) -> dict[str, Any]:
             "selector": {"matchLabels": {"app.kubernetes.io/managed-by": MANAGED_BY,
                                          "app.kubernetes.io/component": "trainer"}},
             "podTargetLabels": [JOB_LABEL],
-            "podMetricsEndpoints": [endpoint, launcher],
+            "podMetricsEndpoints": [launcher],
         },
     }
 

@@ -301,7 +301,8 @@ def pod_spec(
 def pod_metadata(ctx: RenderContext, container_name: str = "trainer") -> dict[str, Any]:
     annotations = {**ctx.k.annotations, "kubectl.kubernetes.io/default-container": container_name}
     if ctx.k.metrics.enabled:
-        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(ctx.k.metrics.port)})
+        # every pod's launcher: its ranks' heartbeats, and rank 0's gauges from the pod that holds global rank 0
+        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(ctx.k.metrics.port + 1)})
     return {"labels": {**ctx.labels, "app.kubernetes.io/component": "trainer"}, "annotations": annotations}
 
 
