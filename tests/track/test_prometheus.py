@@ -103,6 +103,18 @@ def test_gauges_carry_values_and_labels(tmp_path: Path) -> None:
     assert set(GAUGES) <= set(m)  # every documented gauge is exported
 
 
+def test_a_resumed_run_reports_its_checkpoint_and_val_loss_before_the_next_save(tmp_path: Path) -> None:
+    sink = PrometheusSink(0, "127.0.0.1", stream=io.StringIO())
+    sink.start({"run": "unit", "run_dir": str(tmp_path), "start_step": 40, "last_checkpoint_step": 40,
+                "val_loss": 2.5})
+    try:
+        m = scrape(sink.port)
+    finally:
+        sink.finish("finished")
+    assert list(m["kubetrain_last_checkpoint_step"].values()) == [40]
+    assert list(m["kubetrain_val_loss"].values()) == [2.5]
+
+
 def test_a_gauge_per_rank_names_the_straggler(tmp_path: Path) -> None:
     sink = PrometheusSink(0, "127.0.0.1", stream=io.StringIO())
     sink.start({"run": "unit", "run_dir": str(tmp_path)})
