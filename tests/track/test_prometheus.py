@@ -193,6 +193,8 @@ def test_live_scrape_and_health_during_training(train_tiny: TrainTiny, tmp_path:
     with contextlib.redirect_stdout(hook):
         result = train_tiny("track.prometheus.enabled=true", "track.prometheus.host=127.0.0.1",
                             "track.prometheus.port=0", "track.prometheus.health_timeout_seconds=1",
+                            # one process: a 1 s /healthz needs the clocks before it as short (config/clocks.py)
+                            "dist.hang_timeout_seconds=null", "dist.timeout_seconds=1",
                             "checkpoint.save_best=true")
     assert seen["errors"] == []
     assert result.status == "finished"
