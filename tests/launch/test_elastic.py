@@ -22,9 +22,10 @@ from kubetrain.launch.elastic import (
     root_failure,
     torchrun_args,
 )
+from kubetrain.runs.incidents import read_all
 from kubetrain.torch_compat import torch_version
 from tests.conftest import cli_env
-from tests.train.conftest import kubetrain, lines_in, sets, start, wait_until
+from tests.train.conftest import kubetrain, lines_in, rank_of, sets, start, wait_until
 
 
 def test_torchrun_command_lines() -> None:
@@ -114,10 +115,13 @@ def test_killed_worker_is_restarted_and_the_run_ends_like_an_uninterrupted_one(t
     wait_until(latest.exists, proc)
     workers = _workers(proc.pid)
     assert len(workers) == 2
-    os.kill(max(workers), signal.SIGKILL)
+    os.kill(next(pid for pid in workers if rank_of(pid) == 1), signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert "resuming from" in out
+    # the killed rank is the incident, not rank 0 that lost its peer (issue 28)
+    [exit] = read_all(tmp_path / "runs" / "elastic")
+    assert (exit["kind"], exit["rank"], exit["message"]) == ("worker-exit", 1, "killed by SIGKILL"), exit
     mine, ref = _weights(tmp_path / "runs" / "elastic", 30), _weights(tmp_path / "runs" / "ref", 30)
     assert all(mine[k].equal(ref[k]) for k in ref)
     assert _train_losses(tmp_path / "runs" / "elastic") == _train_losses(tmp_path / "runs" / "ref")

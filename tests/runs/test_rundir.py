@@ -57,3 +57,13 @@ def test_config_yaml_and_meta_hide_secrets_but_not_harmless_token_words(tmp_path
     assert SECRET not in text and "plain-but-secret" not in text
     assert json.loads(text)["argv"][1:] == ["--set", "data.tokenizer.path=tok/v2", "--set", "eval.sample_tokens=9",
                                             "--set", "hf_token=***", "--set", "model.revision=***"]
+
+
+def test_starts_count_launcher_starts_and_worker_restarts_apart(tmp_path: Path) -> None:
+    """An elastic restart of the workers (restart > 0) is not a resume: `starts` stays, `worker_restarts` grows."""
+    path, cfg = tmp_path / "run", load_config(None, None, [])
+    assert runs.start(path, cfg, [], world_size=2)["starts"] == 1
+    restarted = runs.start(path, cfg, [], world_size=2, restart=1)
+    assert (restarted["starts"], restarted["worker_restarts"]) == (1, 1)
+    resumed = runs.start(path, cfg, [], world_size=2)  # a new launcher (a pod restart, a relaunch)
+    assert (resumed["starts"], resumed["worker_restarts"]) == (2, 1)

@@ -52,7 +52,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
         sink.heartbeat(1)
         sink.log({"kind": "train", "step": 1, "loss": 3.0, "lr": 1e-3, "tokens": 64,
                   "tokens_per_second": 10.0, "mfu": 0.2, "memory_gib": 0.5, "eta_seconds": 9.0,
-                  "rank_compute_seconds": [0.5, 0.75], "upload_failures": 0})
+                  "rank_compute_seconds": [0.5, 0.75], "rank_straggler_ratios": [0.6667, 1.5], "upload_failures": 0})
         sink.log({"kind": "eval", "step": 1, "val_loss": 3.1, "val_ppl": 22.0, "tokens": 64})
         sink.log({"kind": "checkpoint", "step": 1, "path": "c/step-000001", "best": True})
         with urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/metrics", timeout=10) as r:

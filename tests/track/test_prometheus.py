@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kubetrain.runs.reader import read_metrics
 from kubetrain.track.prometheus import GAUGES, PrometheusSink
+from kubetrain.train.straggler import Stragglers
 
 from .conftest import TOKENS_PER_STEP, TrainTiny
 
@@ -102,17 +103,29 @@ def test_gauges_carry_values_and_labels(tmp_path: Path) -> None:
     assert set(GAUGES) <= set(m)  # every documented gauge is exported
 
 
+def test_a_resumed_run_reports_its_checkpoint_and_val_loss_before_the_next_save(tmp_path: Path) -> None:
+    sink = PrometheusSink(0, "127.0.0.1", stream=io.StringIO())
+    sink.start({"run": "unit", "run_dir": str(tmp_path), "start_step": 40, "last_checkpoint_step": 40,
+                "val_loss": 2.5})
+    try:
+        m = scrape(sink.port)
+    finally:
+        sink.finish("finished")
+    assert list(m["kubetrain_last_checkpoint_step"].values()) == [40]
+    assert list(m["kubetrain_val_loss"].values()) == [2.5]
+
+
 def test_a_gauge_per_rank_names_the_straggler(tmp_path: Path) -> None:
     sink = PrometheusSink(0, "127.0.0.1", stream=io.StringIO())
     sink.start({"run": "unit", "run_dir": str(tmp_path)})
     try:
-        sink.log({"kind": "train", "step": 5, "slowest_rank": 2, "straggler_ratio": 3.0,
-                  "rank_compute_seconds": [1.0, 1.5, 4.5]})
+        sink.log({"kind": "train", "step": 5, **Stragglers.of([1.0, 1.5, 4.5]).record()})
         m = scrape(sink.port)
     finally:
         sink.finish("finished")
     ratio = {dict(k)["rank"]: v for k, v in m["kubetrain_rank_straggler_ratio"].items()}
-    assert ratio == {"0": pytest.approx(1 / 1.5), "1": 1.0, "2": pytest.approx(3.0)}
+    # each over the median of the others: rank 2 over (1.0, 1.5) -> 1.25
+    assert ratio == pytest.approx({"0": 1 / 3, "1": 1.5 / 2.75, "2": 4.5 / 1.25}, rel=1e-3)
     assert {dict(k)["rank"]: v for k, v in m["kubetrain_rank_compute_seconds"].items()}["2"] == 4.5
 
 
@@ -180,6 +193,8 @@ def test_live_scrape_and_health_during_training(train_tiny: TrainTiny, tmp_path:
     with contextlib.redirect_stdout(hook):
         result = train_tiny("track.prometheus.enabled=true", "track.prometheus.host=127.0.0.1",
                             "track.prometheus.port=0", "track.prometheus.health_timeout_seconds=1",
+                            # one process: a 1 s /healthz needs the clocks before it as short (config/clocks.py)
+                            "dist.hang_timeout_seconds=null", "dist.timeout_seconds=1",
                             "checkpoint.save_best=true")
     assert seen["errors"] == []
     assert result.status == "finished"

@@ -89,6 +89,12 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def rank_of(pid: int) -> int:
+    """The global rank torch's agent gave a worker (its RANK variable)."""
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in env if v.startswith(b"RANK=")).split(b"=", 1)[1])
+
+
 def kill_tree(pid: int) -> None:
     """Kill a process and all its descendants (torchrun starts workers in sessions of their own)."""
     for child in children(pid):

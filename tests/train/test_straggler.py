@@ -16,14 +16,19 @@ from torch import nn
 
 from kubetrain.errors import EXIT_STOPPED_RESUMABLE
 from kubetrain.train.straggler import ComputeTimer, Stragglers
-from tests.train.conftest import children, lines_in, sets, start, wait_until
+from tests.train.conftest import children, lines_in, rank_of, sets, start, wait_until
 
 
-def test_the_slowest_rank_is_compared_with_the_median_rank() -> None:
+def test_the_slowest_rank_is_compared_with_the_median_of_the_others() -> None:
     s = Stragglers.of([1.0, 3.0, 1.2, 0.9])
-    assert s.slowest_rank == 1 and s.ratio == pytest.approx(3.0 / 1.1)
+    assert s.slowest_rank == 1 and s.ratio == pytest.approx(3.0 / 1.0)  # median of 1.0, 1.2, 0.9
     assert Stragglers.of([0.0, 0.0]).ratio == 1.0
     assert s.record()["rank_compute_seconds"] == [1.0, 3.0, 1.2, 0.9]
+    # two ranks: over the other one, not over their mean (which capped the ratio below 2)
+    two = Stragglers.of([1.0, 1.5])
+    assert (two.slowest_rank, two.ratio, two.ratios) == (1, 1.5, [pytest.approx(1 / 1.5), 1.5])
+    four = Stragglers.of([1.0, 1.0, 1.5, 1.0])
+    assert (four.slowest_rank, four.ratio) == (2, 1.5) and four.ratios[0] == 1.0
 
 
 def test_the_timer_counts_data_wait_and_forward_not_the_rest() -> None:
@@ -42,11 +47,6 @@ def test_the_timer_counts_data_wait_and_forward_not_the_rest() -> None:
     assert timer.gather() is None  # one process: nothing to compare
 
 
-def _rank_of(pid: int) -> int:
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return int(next(v for v in env if v.startswith(b"RANK=")).split(b"=", 1)[1])
-
-
 @pytest.mark.slow
 def test_a_worker_stopped_and_continued_in_a_loop_is_named_the_slowest_rank(tmp_path: Path) -> None:
     proc = start("train", *sets("run.name=slow", "train.max_steps=100000", "checkpoint.every_steps=100000",
@@ -54,7 +54,7 @@ def test_a_worker_stopped_and_continued_in_a_loop_is_named_the_slowest_rank(tmp_
                  "--nproc", "3", cwd=tmp_path)
     metrics = tmp_path / "runs" / "slow" / "metrics.jsonl"
     wait_until(lambda: lines_in(metrics) >= 2, proc)
-    target = next(pid for pid in children(proc.pid) if _rank_of(pid) == 1)
+    target = next(pid for pid in children(proc.pid) if rank_of(pid) == 1)
     done = threading.Event()
 
     def stop_and_continue() -> None:

@@ -21,7 +21,8 @@ def test_three_ranks_train_when_preparing_takes_longer_than_the_collective_timeo
     corpus.write_text("".join(text.replace("LORD", f"LORD{i}") for i in range(4)), encoding="utf-8")
     done = kubetrain(
         "train", *sets("run.name=big", "train.max_steps=3", "eval.every_steps=3", "checkpoint.every_steps=3",
-                       "eval.sample_prompt=null", "dist.timeout_seconds=3", "data.tokenizer.kind=bpe",
+                       "eval.sample_prompt=null", "dist.hang_timeout_seconds=null", "dist.timeout_seconds=3",
+                       "data.tokenizer.kind=bpe",
                        "data.tokenizer.vocab_size=2048", "data.part_mb=1", "data.sources.0.kind=text",
                        f"data.sources.0.path={corpus}"),
         "--nproc", "3", "--json", cwd=tmp_path, timeout=600,

@@ -14,6 +14,7 @@ from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, at_leas
 from kubetrain.config.schema import Config
 from kubetrain.distributed.env import process_env
 from kubetrain.errors import UserInputError
+from kubetrain.launch.watch import watch_options
 from kubetrain.torch_compat import unsupported_torch
 
 
@@ -68,7 +69,7 @@ def train(
         opts = LaunchOptions(nproc_per_node=nproc or 1, nnodes=nnodes, node_rank=node_rank,
                              rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
                              shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30,
-                             hang_timeout=cfg.dist.hang_timeout_seconds)
+                             **watch_options(cfg))
         torchrun_args(opts, forwarded)  # bad launch options are refused before the run directory is held
         check_node_memory(cfg, opts.nproc_per_node, nnodes)  # before any worker starts
         one_node = nnodes == "1" and rdzv_endpoint is None  # several nodes: rank 0 holds it, wherever it runs

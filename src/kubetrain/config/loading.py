@@ -14,6 +14,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from kubetrain.config import clocks
 from kubetrain.config.schema import Config
 from kubetrain.errors import ConfigError
 
@@ -66,7 +67,12 @@ def load_config(
     raw = read_yaml(path) if path is not None else read_preset(preset or DEFAULT_PRESET)
     for item in overrides:
         apply_override(raw, item)
-    cfg = validate(raw, source=str(path) if path else f"preset '{preset or DEFAULT_PRESET}'")
+    source = str(path) if path else f"preset '{preset or DEFAULT_PRESET}'"
+    cfg = validate(raw, source=source)
+    try:  # here, where a user's settings come in (not in the model: a stored run's config stays readable)
+        clocks.check(cfg)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
     for i in range(len(cfg.phases)):
         phase_config(cfg, i)  # a bad phase is refused now, not after the phases before it have trained
     return cfg

@@ -256,8 +256,10 @@ class DistConfig(Section):
         None, ge=1, description="hsdp: processes that share one sharded copy of the model (default: the processes "
         "of one node, LOCAL_WORLD_SIZE); must divide the world size."
     )
-    timeout_seconds: int = Field(
-        600, ge=1, description="Collective timeout once the first step is done; a hung rank fails the job."
+    timeout_seconds: int | None = Field(
+        None, ge=1, description="Collective timeout once the first step is done; a hung rank fails the job "
+        "(null: derived, hang_timeout_seconds + max(half of it, 15 s); 900 without the watch). See "
+        "docs/resilience.md for the order of the clocks."
     )
     init_timeout_seconds: int = Field(
         1800, ge=1,
@@ -265,9 +267,10 @@ class DistConfig(Section):
         "collectives of slow ranks); then timeout_seconds applies.",
     )
     hang_timeout_seconds: float | None = Field(
-        900.0, gt=0, description="Under the launcher (--nproc, pods): when no rank finishes a step for this long, "
+        600.0, gt=0, description="Under the launcher (--nproc, pods): when no rank finishes a step for this long, "
         "the job is hung: every rank's Python stacks go to <run>/incidents/, the workers are ended and restarted "
-        "(--max-restarts) to resume. Must exceed the longest evaluation or checkpoint save; null: off."
+        "(--max-restarts) to resume. Must exceed the longest evaluation or checkpoint save; null: off. The collective "
+        "timeout, /healthz and the hang alert follow it (config/clocks.py)."
     )
 
     @property

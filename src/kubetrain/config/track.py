@@ -53,12 +53,12 @@ class PrometheusConfig(_Section):
     enabled: bool = Field(default=False, description="Serve /metrics and /healthz (liveness) on rank 0.")
     port: int = Field(default=9400, ge=0, le=65535, description="Port of /metrics, /healthz (0: any).")
     host: str = Field(default="0.0.0.0", description="Address to listen on (0.0.0.0: a pod can be scraped).")
-    health_timeout_seconds: float = Field(
-        default=600.0,
+    health_timeout_seconds: float | None = Field(
+        default=None,
         gt=0,
         description="/healthz answers 503 once no training step finished for this long (a hung collective "
-        "or data loader), so a liveness probe restarts the pod. Keep it above the slowest eval + "
-        "checkpoint save.",
+        "or data loader), so a liveness probe restarts the pod (null: derived, after the collective timeout "
+        "and checkpoint.grace_seconds, see config/clocks.py). Keep it above the slowest eval + checkpoint save.",
     )
 
 

@@ -9,6 +9,7 @@ import os
 import torch
 import torch.distributed as td
 
+from kubetrain.config.clocks import collective_timeouts
 from kubetrain.config.schema import DistConfig
 from kubetrain.distributed.env import ProcessEnv, process_env
 from kubetrain.torch_compat import set_default_group_timeout
@@ -31,14 +32,14 @@ def init(cfg: DistConfig, device: torch.device) -> ProcessEnv:
         torch.cuda.set_device(device)
     td.init_process_group(
         backend=backend,
-        timeout=datetime.timedelta(seconds=max(cfg.init_timeout_seconds, cfg.timeout_seconds)),
+        timeout=datetime.timedelta(seconds=collective_timeouts(cfg)[0]),
         device_id=device if device.type == "cuda" else None,
     )
     return penv
 
 
 def use_step_timeout(cfg: DistConfig, device: torch.device) -> None:
-    """Every collective from now on fails after `timeout_seconds` (a hung rank is found quickly).
+    """Every collective from now on fails after the step timeout (config/clocks.py: after the hang watch acts).
 
     A barrier first, under the start-up timeout: a slow rank may still be in start-up work while a fast one
     would otherwise start its next collective with the short timeout and fail (torchtitan's set_pg_timeouts).
@@ -48,7 +49,7 @@ def use_step_timeout(cfg: DistConfig, device: torch.device) -> None:
     td.barrier(device_ids=[device.index] if device.type == "cuda" and device.index is not None else None)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    set_default_group_timeout(datetime.timedelta(seconds=cfg.timeout_seconds))
+    set_default_group_timeout(datetime.timedelta(seconds=collective_timeouts(cfg)[1]))
 
 
 _checkpoint_group: td.ProcessGroup | None = None  # made once per process group (phases share it), gone at teardown
@@ -66,7 +67,7 @@ def checkpoint_group(cfg: DistConfig) -> td.ProcessGroup | None:
     if not td.is_initialized():
         return None
     if _checkpoint_group is None:
-        seconds = max(cfg.init_timeout_seconds, cfg.timeout_seconds)
+        seconds = collective_timeouts(cfg)[0]
         _checkpoint_group = td.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
     return _checkpoint_group
 

@@ -40,6 +40,9 @@ class LaunchOptions:
     rdzv_conf: str | None = None  # e.g. "is_host=true": which node hosts the c10d store (set by k8s pods)
     local_addr: str | None = None  # the address this node advertises to the others (a pod's IP)
     hang_timeout: float | None = None  # dist.hang_timeout_seconds: no rank advancing this long is a hang
+    hang_alert: float | None = None  # config/clocks.py: the hang alert's threshold, on the launcher's /metrics
+    metrics_port: int | None = None  # the launcher's /metrics (launch/watch.py watch_options); None: off
+    metrics_host: str = "0.0.0.0"
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -83,9 +86,10 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     """Run the elastic agent in this process; the exit code says finished (0), stopped (75), bad input or failed."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.run import parse_args, run
 
-    from kubetrain.launch.watch import HangWatch
+    from kubetrain.launch.watch import HangWatch, hang_agreement, launcher_metrics
     from kubetrain.runs import incidents
     from kubetrain.train.heartbeat import HEARTBEAT_DIR_ENV, LAUNCHER_PID_ENV
 
@@ -99,6 +103,10 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     beats = Path(tempfile.mkdtemp(prefix="kubetrain-heartbeat-"))  # node-local: never the shared run folder
     os.environ[HEARTBEAT_DIR_ENV], os.environ[LAUNCHER_PID_ENV] = str(beats), str(os.getpid())
     watch = HangWatch(beats, run_dir, opts.hang_timeout, say=_say).start()
+    exporter = launcher_metrics(watch, opts.metrics_port, opts.metrics_host, opts.hang_alert, _say)
+    if opts.rdzv_endpoint and parse_nnodes(opts.nnodes)[1] > 1:  # the nodes' watches agree on the stuck rank
+        watch.agree = hang_agreement(opts.rdzv_endpoint, opts.rdzv_id, parse_nnodes(opts.nnodes)[0])
+    gave_up = False  # no restarts left: the launcher's /metrics says so to its last scrape
     try:
         with elastic_agent(FINAL_EXIT_CODES, opts.shutdown_timeout):
             run(args)
@@ -123,6 +131,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         if failure.exitcode == EXIT_STOPPED_RESUMABLE:
             watch.stop()
             return EXIT_STOPPED_RESUMABLE
+        gave_up = True
         watch.finish(rank, str(message))
         if watch.hang_rounds and watch.last_incident and watch.last_incident["kind"] == "hang":
             hang = watch.last_incident
@@ -133,8 +142,13 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
             return EXIT_BAD_INPUT
         _say(f"error: rank {rank} failed with exit code {failure.exitcode}: {message}")
         return EXIT_FAILURE
+    except RendezvousConnectionError as e:  # an incident here; the caller decides the exit (pods: 69)
+        watch.rendezvous_lost(opts.rdzv_endpoint, e)
+        raise
     finally:
         watch.stop()
+        if exporter is not None:
+            exporter.close(failed=gave_up)
         shutil.rmtree(beats, ignore_errors=True)
         _sync_incidents(run_dir)
     return 0

@@ -19,12 +19,19 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kubetrain.config.clocks import derive
+from kubetrain.distributed.peers import PEER_LOST
 from kubetrain.runs import incidents
 from kubetrain.train.heartbeat import STACKS_SIGNAL, stacks_file
+
+if TYPE_CHECKING:
+    from kubetrain.config.schema import Config
+    from kubetrain.track.prometheus_launcher import LauncherExporter
 
 STACKS_WAIT_SECONDS = 3.0  # how long a worker gets to write its stacks after SIGUSR1
 _TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
@@ -62,6 +69,17 @@ def process_state(pid: int) -> tuple[str, int | None]:
     return state, status
 
 
+def cause_order(beat: Beat, status: int | None) -> tuple[bool, bool, float]:
+    """Sort key of the workers found gone at one look: the one that caused the others first.
+
+    A rank killed by a signal (kill -9, the OOM killer) dies first; its peers then fail in their collective
+    ("Connection reset by peer": distributed/peers.py) and write that to their error files. Such an effect comes
+    after every cause, whatever the heartbeat times say (the killed rank may have beaten last).
+    """
+    message = _error_message(beat.error_file) or ""
+    return bool(PEER_LOST.search(message)), not (status is not None and status & 0x7F), beat.time
+
+
 def describe_exit(status: int | None) -> str:
     if status is None:
         return "exited (status unknown: already reaped)"
@@ -95,6 +113,9 @@ class HangWatch:
     handled_round: int = -1  # the restart round whose end was already recorded (and, for a hang, caused)
     last_incident: dict[str, Any] | None = None
     hang_rounds: set[int] = field(default_factory=set)
+    on_incident: Callable[[dict[str, Any]], None] | None = None  # the launcher's exporter counts them
+    # several nodes: publish this node's suspect, get the job's (hang_agreement); None: decide alone
+    agree: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _oom_at_start: int | None = None
@@ -132,7 +153,13 @@ class HangWatch:
         dead = [(b, *process_state(b.pid)) for b in live]
         gone = [(b, status) for b, state, status in dead if state in ("Z", "X")]
         if gone:
-            self.record_exit(*min(gone, key=lambda g: g[0].time))
+            cause = min(gone, key=lambda g: cause_order(*g))
+            if cause_order(*cause)[0]:  # every one lost a peer: the cause is on another node, which records it
+                self.handled_round = cause[0].restart
+                self.say(f"launcher: rank {cause[0].rank} lost a peer on another node (that node's launcher "
+                         "records the cause)")
+                return
+            self.record_exit(*cause)
             return
         now = time.time() if now is None else now
         newest = max(b.time for b in beats)
@@ -151,9 +178,15 @@ class HangWatch:
         elif _TIMEOUT.search(message):
             kind = "timeout"
         self._oom_at_start = oom_now
-        self.last_incident = incidents.record(self.run_dir, kind, rank=beat.rank, step=beat.step,
-                                              message=message.splitlines()[0][:500] if message else "")
-        self.say(incidents.log_line(self.last_incident, self.run_dir))
+        self.recorded(incidents.record(self.run_dir, kind, rank=beat.rank, step=beat.step,
+                                       message=message.splitlines()[0][:500] if message else ""))
+
+    def recorded(self, entry: dict[str, Any]) -> None:
+        """An incident was written: one line on stderr, and a count on the launcher's /metrics."""
+        self.last_incident = entry
+        self.say(incidents.log_line(entry, self.run_dir))
+        if self.on_incident is not None:
+            self.on_incident(entry)
 
     def heal_hang(self, live: list[Beat], silent_for: float) -> None:
         """Dump every rank's stacks into incidents/, name the rank that did not answer (or advanced least), kill."""
@@ -172,6 +205,13 @@ class HangWatch:
         time.sleep(0.2)  # let the last writer finish its frames
         silent = [b for b in live if b.rank not in answered]
         suspect = min(silent or live, key=lambda b: (b.step, b.time))
+        verdict = {"rank": suspect.rank, "step": suspect.step, "silent": bool(silent)}
+        chosen = verdict
+        if self.agree is not None:
+            try:
+                chosen = self.agree(live[0].restart, verdict)
+            except (RuntimeError, OSError, ValueError) as e:  # the store is gone too: decide alone
+                self.say(f"launcher: warning: hang watch: could not compare with the other nodes ({e})")
         at = time.time()
         out = incidents.incidents_dir(self.run_dir) / f"{incidents.stamp(at)}-hang-stacks.txt"
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -190,12 +230,21 @@ class HangWatch:
                     f.write(f"(no stacks: {why})\n")
         for b in live:
             _signal(b.pid, signal.SIGKILL)  # a stopped process dies of SIGKILL too; the agent then restarts
+        if chosen["rank"] != suspect.rank:  # another node holds the stuck rank: its launcher records the hang
+            self.say(f"launcher: hang: the stuck rank is rank {chosen['rank']} on another node (its launcher "
+                     f"records the incident); workers of this node ended; stacks in {out}")
+            return
         who = "did not answer" if silent else "advanced least"
         message = (f"no rank advanced for {silent_for:.0f}s; rank {suspect.rank} {who} "
                    f"(process state {states[suspect.rank]}); workers ended")
-        self.last_incident = incidents.record(self.run_dir, "hang", rank=suspect.rank, step=suspect.step,
-                                              message=message, stacks=out)
-        self.say(incidents.log_line(self.last_incident, self.run_dir))
+        self.recorded(incidents.record(self.run_dir, "hang", rank=suspect.rank, step=suspect.step,
+                                       message=message, stacks=out))
+
+    def rendezvous_lost(self, endpoint: str | None, error: BaseException) -> None:
+        """The rendezvous host (node rank 0's launcher, which holds the c10d store) is gone: this node cannot go on."""
+        cause = f": {error.__cause__}" if error.__cause__ else ""
+        self.recorded(incidents.record(self.run_dir, "rendezvous-lost", rank=None, step=self.last_step(),
+                                       message=f"lost the rendezvous host {endpoint}{cause}"))
 
     def finish(self, failure_rank: int | None, failure_message: str | None) -> None:
         """After the agent gave up: record the failure that ended the last round, unless it was already."""
@@ -205,8 +254,85 @@ class HangWatch:
             beat = next((b for b in beats if b.rank == failure_rank), beats[0])
             self.record_exit(beat, None, failure_message)
 
+    def live_beats(self) -> list[Beat]:
+        """The newest round's beats of workers still running (what the launcher's /metrics shows per rank)."""
+        return [b for b in self.beats() if not b.done and process_state(b.pid)[0] not in ("Z", "X")]
+
+    def restart_round(self) -> int:
+        return max((b.restart for b in self.beats()), default=0)
+
     def last_step(self) -> int | None:
         return max((b.step for b in self.beats()), default=None)
+
+
+def watch_options(cfg: Config) -> dict[str, Any]:
+    """The LaunchOptions fields of the watch and the launcher's /metrics, from the config's clocks."""
+    clocks = derive(cfg)
+    prom = cfg.track.prometheus
+    port = (prom.port + 1 if prom.port else 0) if prom.enabled else None  # beside rank 0's exporter
+    return {"hang_timeout": clocks.hang_watch, "hang_alert": clocks.alert, "metrics_port": port,
+            "metrics_host": prom.host}
+
+
+def launcher_metrics(watch: HangWatch, port: int | None, host: str, alert_seconds: float | None,
+                     say: Callable[[str], None]) -> LauncherExporter | None:
+    """Serve the launcher's /metrics (track/prometheus_launcher.py) when asked to; a warning when it cannot."""
+    if port is None:
+        return None
+    from kubetrain.track.failures import TrackerUnavailable
+    from kubetrain.track.prometheus_launcher import LauncherExporter, RankBeat
+
+    def beats() -> list[RankBeat]:
+        return [RankBeat(b.rank, b.step, b.time) for b in watch.live_beats()]
+
+    worker_port = port - 1 if port else None  # rank 0's exporter: track.prometheus.port (watch_options)
+    exporter = LauncherExporter(port, host, watch.run_dir.name, alert_seconds or 0.0, beats, watch.restart_round,
+                                worker_port)
+    try:
+        exporter.start()
+    except (TrackerUnavailable, ImportError) as e:
+        say(f"launcher: warning: {e}")
+        return None
+    watch.on_incident = exporter.incident
+    return exporter
+
+
+def hang_agreement(endpoint: str, rdzv_id: str, nodes: int, wait: float = STACKS_WAIT_SECONDS
+                   ) -> Callable[[int, dict[str, Any]], dict[str, Any]]:
+    """The nodes' watches agree on one stuck rank through the rendezvous host's c10d store (not a collective).
+
+    Each node's watch sees only its own ranks: a healthy node whose rank waits in a collective would name it
+    ("advanced least") while the stuck rank's node names the stuck one. Every watch that declares a hang
+    publishes its verdict under the restart round, waits up to `wait` for the other nodes' (they see the same
+    hang within a poll of each other: every rank's last step ended in the same collective), and the job's
+    suspect is the strongest: a rank that did not answer (stopped) before one that advanced least, then the
+    lowest step, then the lowest rank. Only the node that holds it records the incident.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    host, _, port = endpoint.rpartition(":")
+    client: list[Any] = []
+
+    def agree(restart: int, verdict: dict[str, Any]) -> dict[str, Any]:
+        if not client:
+            client.append(TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5),
+                                   wait_for_workers=False))
+        store = client[0]
+        prefix = f"kubetrain/hang/{rdzv_id}/{restart}"
+        index = store.add(f"{prefix}/count", 1)
+        store.set(f"{prefix}/{index}", json.dumps(verdict))
+        deadline = time.monotonic() + wait
+        while store.add(f"{prefix}/count", 0) < nodes and time.monotonic() < deadline:
+            time.sleep(0.1)
+        found = []
+        for i in range(1, store.add(f"{prefix}/count", 0) + 1):
+            if store.check([f"{prefix}/{i}"]):
+                found.append(json.loads(store.get(f"{prefix}/{i}")))
+        return min(found or [verdict], key=lambda v: (not v["silent"], v["step"], v["rank"]))
+
+    return agree
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -60,8 +60,13 @@ def redacted_config(cfg: Config) -> dict[str, Any]:
     return data
 
 
-def start(path: Path, cfg: Config, argv: list[str], world_size: int, phase: str | None = None) -> dict[str, Any]:
-    """Create (or reopen) a run directory and record who started it, with what (and what changed since)."""
+def start(path: Path, cfg: Config, argv: list[str], world_size: int, phase: str | None = None,
+          restart: int = 0) -> dict[str, Any]:
+    """Create (or reopen) a run directory and record who started it, with what (and what changed since).
+
+    `starts` counts starts by a new launcher (a resume: a pod restart, a relaunch); `restart`, the elastic agent's
+    restart round of its workers, is counted apart in `worker_restarts`.
+    """
     import torch
 
     path.mkdir(parents=True, exist_ok=True)
@@ -80,7 +85,8 @@ def start(path: Path, cfg: Config, argv: list[str], world_size: int, phase: str 
         "config_hash": config_hash(cfg),
         "created_at": previous.get("created_at", time.time()),
         "started_at": time.time(),
-        "starts": int(previous.get("starts", 0)) + 1,
+        "starts": max(1, int(previous.get("starts", 0)) + (0 if restart else 1)),
+        "worker_restarts": int(previous.get("worker_restarts", 0)) + (1 if restart else 0),
         "status": "running",
         "phase": phase,
         "pid": os.getpid(),

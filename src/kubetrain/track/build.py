@@ -32,10 +32,11 @@ def build_sinks(
         root = Path(track.tensorboard.dir).expanduser() if track.tensorboard.dir else None
         sinks.append(TensorboardSink(root, stream=stream))
     if track.prometheus.enabled:
+        from kubetrain.config.clocks import derive
         from kubetrain.track.prometheus import PrometheusSink
 
         prom = track.prometheus
-        sinks.append(PrometheusSink(prom.port, prom.host, prom.health_timeout_seconds, stream=stream))
+        sinks.append(PrometheusSink(prom.port, prom.host, derive(cfg).liveness, stream=stream))
     if track.kubeflow_trainer.enabled:
         from kubetrain.track.kubeflow_trainer import KubeflowTrainerSink, StatusServer
 

@@ -7,7 +7,6 @@ advanced for `health_timeout_seconds`: a hung collective or a stuck data loader 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import threading
 import time
@@ -39,7 +38,8 @@ GAUGES = {
     "kubetrain_eta_seconds": "Estimated time left.",
     "kubetrain_last_checkpoint_step": "Step of the newest saved checkpoint.",
     "kubetrain_restarts": "Times torch.distributed.run restarted the workers (elastic restarts).",
-    "kubetrain_starts": "Times this run was started; above 1 the run resumed (pod restart, preemption).",
+    "kubetrain_starts": "Times a launcher started this run; above 1 the run resumed (pod restart, preemption, "
+    "relaunch). Elastic worker restarts are kubetrain_restarts.",
     "kubetrain_world_size": "Training processes.",
     "kubetrain_heartbeat_timestamp_seconds": "Unix time the last training step finished.",
     "kubetrain_checkpoint_upload_failures": "Checkpoints of this run whose upload to checkpoint.uri failed so far.",
@@ -49,7 +49,8 @@ GAUGES = {
 RANK_GAUGES = {
     "kubetrain_rank_compute_seconds": "Data wait + forward over the last logging window, per rank (the time "
     "before the gradient collective).",
-    "kubetrain_rank_straggler_ratio": "A rank's compute seconds over the median rank's (above 1: slower).",
+    "kubetrain_rank_straggler_ratio": "A rank's compute seconds over the median of the other ranks' (above 1: "
+    "slower; with 2 ranks, over the other rank's).",
 }
 
 Clock = Callable[[], float]
@@ -102,6 +103,8 @@ class PrometheusSink(Sink):
         self._set("kubetrain_world_size", info.get("world_size", 1))
         meta = runs.read_meta(Path(info["run_dir"])) if info.get("run_dir") else {}
         self._set("kubetrain_starts", meta.get("starts", 1))
+        self._set("kubetrain_last_checkpoint_step", info.get("last_checkpoint_step"))
+        self._set("kubetrain_val_loss", info.get("val_loss"))
         self.last_beat = self.clock()
         self._set("kubetrain_heartbeat_timestamp_seconds", time.time())
         try:
@@ -134,7 +137,7 @@ class PrometheusSink(Sink):
             gib = record.get("memory_gib")
             self._set("kubetrain_memory_bytes", None if gib is None else gib * 2**30)
             self._set("kubetrain_eta_seconds", record.get("eta_seconds"))
-            self._set_ranks(record.get("rank_compute_seconds"))
+            self._set_ranks(record.get("rank_compute_seconds"), record.get("rank_straggler_ratios"))
             self._set("kubetrain_checkpoint_upload_failures", record.get("upload_failures"))
         elif kind == "eval":
             self._set("kubetrain_val_loss", record.get("val_loss"))
@@ -155,14 +158,14 @@ class PrometheusSink(Sink):
             self.server.server_close()
             self.server = None
 
-    def _set_ranks(self, seconds: list[float] | None) -> None:
-        if not seconds:
+    def _set_ranks(self, seconds: list[float] | None, ratios: list[float] | None) -> None:
+        """Each rank's window seconds and its ratio to the others (train/straggler.py computes it)."""
+        if not seconds or not ratios or len(ratios) != len(seconds):
             return
-        median = statistics.median(seconds)
-        for rank, value in enumerate(seconds):
+        for rank, (value, ratio) in enumerate(zip(seconds, ratios, strict=True)):
             labels = {**self.labels, "rank": str(rank)}
             self.gauges["kubetrain_rank_compute_seconds"].labels(**labels).set(value)
-            self.gauges["kubetrain_rank_straggler_ratio"].labels(**labels).set(value / median if median else 1.0)
+            self.gauges["kubetrain_rank_straggler_ratio"].labels(**labels).set(ratio)
 
     def _set(self, name: str, value: Any) -> None:
         if value is not None:

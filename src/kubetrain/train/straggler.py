@@ -18,22 +18,37 @@ import torch.distributed as td
 from torch import nn
 
 
+def ratios(seconds: list[float]) -> list[float]:
+    """Each rank's seconds over the median of the *other* ranks' (with 2 ranks: over the other one's).
+
+    Not over the median of all: of two ranks that is their mean, so a rank 1.5x slower than the other read 1.2x,
+    and no rank could ever read above 2x.
+    """
+    out = []
+    for rank, mine in enumerate(seconds):
+        others = statistics.median(seconds[:rank] + seconds[rank + 1:]) if len(seconds) > 1 else mine
+        out.append(mine / others if others > 0 else 1.0)
+    return out
+
+
 @dataclass(frozen=True)
 class Stragglers:
     seconds: list[float]  # per rank, rank order: data wait + forward over the logging window
     slowest_rank: int
-    ratio: float  # the slowest rank's seconds over the median rank's
+    ratio: float  # the slowest rank's seconds over the median of the other ranks'
+    ratios: list[float]  # every rank's, the same way
 
     @classmethod
     def of(cls, seconds: list[float]) -> Stragglers:
         slowest = max(range(len(seconds)), key=lambda r: seconds[r])
-        median = statistics.median(seconds)
-        return cls(seconds, slowest, seconds[slowest] / median if median > 0 else 1.0)
+        each = ratios(seconds)
+        return cls(seconds, slowest, each[slowest], each)
 
     def record(self) -> dict[str, object]:
         """The fields of a `train` line in metrics.jsonl."""
         return {"slowest_rank": self.slowest_rank, "straggler_ratio": round(self.ratio, 4),
-                "rank_compute_seconds": [round(s, 6) for s in self.seconds]}
+                "rank_compute_seconds": [round(s, 6) for s in self.seconds],
+                "rank_straggler_ratios": [round(r, 4) for r in self.ratios]}
 
 
 class ComputeTimer:

@@ -290,7 +290,8 @@ class Trainer(Checkpointing):
             return
         cfg, path, step = self.cfg, self.path, self.state.step
         argv = self.opts.argv if self.opts.argv is not None else sys.argv[1:]
-        meta = runs.start(path, cfg, argv, self.penv.world_size, phase=self.opts.phase)
+        meta = runs.start(path, cfg, argv, self.penv.world_size, phase=self.opts.phase,
+                          restart=self.penv.restart_count)
         runs.update_meta(path, device=device_name(self.device), peak_flops=self.peak)  # what MFU is measured against
         for change in meta["config_changes"]:
             self.say(f"config changed since the last start: {change}")
@@ -301,7 +302,10 @@ class Trainer(Checkpointing):
         self.uploader = remote.Uploader.from_config(cfg, self.opts.phase, self.ckpt_root, self.say)
         self.sinks.start({"run_dir": str(path), "run": cfg.run.name, "start_step": step, "params": self.n_params,
                           "phase": self.opts.phase, "config": cfg, "max_steps": self.max_steps,
-                          "restarts": self.penv.restart_count, "world_size": self.penv.world_size})
+                          "restarts": self.penv.restart_count, "world_size": self.penv.world_size,
+                          # what the resumed checkpoint holds: the gauges read it back before the next save/eval
+                          "last_checkpoint_step": self.resumed.step if self.resumed else None,
+                          "val_loss": self.state.last_val_loss})
 
     # --- the parts of a step ---------------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ cluster's platform (the same alert rules, the same MLflow server command, the sh
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ def test_prometheus_config_passes_promtool(promtool: str) -> None:
     out = subprocess.run([promtool, "check", "config", str(COMPOSE / "prometheus" / "prometheus.yml")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "SUCCESS: 5 rules found" in out.stdout  # the rules file it names was checked too
+    assert "SUCCESS: 6 rules found" in out.stdout  # the rules file it names was checked too
 
 
 def test_the_rules_are_the_clusters() -> None:
@@ -92,3 +93,17 @@ def test_grafana_gets_the_shipped_dashboard(stack: dict[str, Any]) -> None:
     datasource = yaml.safe_load((COMPOSE / "grafana" / "provisioning" / "datasources" / "prometheus.yaml")
                                 .read_text())["datasources"][0]
     assert datasource["url"] == "http://prometheus:9090" and "prometheus" in stack["services"]
+
+
+def test_the_named_volumes_of_the_image_are_its_users(stack: dict[str, Any]) -> None:
+    """Docker fills an empty named volume from the image's folder at its mount point, ownership included; a
+    folder the image lacks becomes a root-owned volume the image's user (1000) cannot write (issue 28)."""
+    dockerfile = (COMPOSE.parents[0] / "docker" / "Dockerfile").read_text()
+    created = re.search(r"install -d -o 1000 -g 1000 ([^\n\\]+)", dockerfile)
+    assert created is not None
+    owned = set(created.group(1).split())
+    # docker-compose 1.x prints short syntax, SOURCE:TARGET[:MODE]; a named volume's source is in `volumes`
+    mounts = {v.split(":")[1] for svc in stack["services"].values()
+              if str(svc.get("image", "")).startswith("kubetrain") and svc.get("user") is None
+              for v in svc.get("volumes", []) if v.split(":")[0] in stack["volumes"]}
+    assert mounts and mounts <= owned, (mounts, owned)

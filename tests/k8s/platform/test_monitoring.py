@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
+import io
 import json
-import re
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from kubetrain.k8s.platform.config import AlertsConfig, PlatformConfig
 from kubetrain.k8s.platform.monitoring import (
     DASHBOARD_FILE,
-    RANK0_LABELS,
-    RANK0_REGEX,
     monitoring_objects,
     rule_groups,
 )
 from kubetrain.k8s.render import validate
-from kubetrain.k8s.workloads import node_rank
+from kubetrain.k8s.render.podspec import LAUNCHER_PORT_NAME
+from kubetrain.track.prometheus_launcher import LauncherExporter, RankBeat
 from tests.track.test_grafana_dashboard import exported, metric_names  # noqa: F401  (a fixture, and its reader)
 
 RUN = {"namespace": "ml", "pod": "gpt-0-abcde", "run": "gpt", "phase": "none"}
@@ -37,13 +38,21 @@ def alert(summary: str, description: str, **labels: str) -> dict[str, Any]:
             "exp_annotations": {"summary": summary, "description": description}}
 
 
-HUNG = ("No training step for 15 minutes",
-        "Rank 0 of ml/gpt (phase none) finished no step for 18m 0s: a hung collective or data loader. The liveness "
-        "probe restarts the pod once /healthz goes stale; `kubetrain k8s logs` and <run>/incidents/ have the stacks.")
-STRAGGLER = ("A rank is more than 1.5x slower than the median",
-             "Rank 3 of ml/gpt (phase none) spends 2s in data wait + forward per logging window, more than 1.5x "
-             "the median rank: a slow node, a "
-             "throttled GPU or a noisy neighbour holds every rank back.")
+def hung(rank: str, age: str, run: str = "gpt") -> tuple[str, str]:
+    return ("No training step for longer than the job's hang alert threshold",
+            f"Rank {rank} of ml/{run} (phase none) finished no step for {age}: a hung collective, data loader or a "
+            "frozen process. The launcher's hang watch dumps every rank's stacks into <run>/incidents/ and names "
+            "the stuck rank next (`kubetrain k8s status`, `kubetrain k8s logs`).")
+
+
+HUNG = hung("0", "17m 0s", "solo")
+STRAGGLER = ("A rank is 1.5x slower than the others or more",
+             "Rank 1 of ml/gpt (phase none) spends 1.6x the data wait + forward time of the median of the other "
+             "ranks (with two ranks: of the other one), at least 1.5x: a slow node, a throttled GPU or a noisy "
+             "neighbour holds every rank back.")
+FAILED = ("A training job failed with no restarts left",
+          "ml/gpt's launcher gave up within the last 60 minutes (no restarts left): the job is not training. Its "
+          "last incident is in `kubetrain k8s status` and <run>/incidents/.")
 
 
 def restarted(run: str) -> tuple[str, str]:
@@ -76,7 +85,7 @@ def test_rules_pass_promtool_check(promtool: str, tmp_path: Path) -> None:
     rules.write_text(yaml.safe_dump({"groups": rule_groups(AlertsConfig())}, sort_keys=False))
     out = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "SUCCESS: 5 rules found" in out.stdout
+    assert "SUCCESS: 6 rules found" in out.stdout
 
 
 def test_a_broken_rule_fails_promtool(promtool: str, tmp_path: Path) -> None:
@@ -92,21 +101,43 @@ def test_a_broken_rule_fails_promtool(promtool: str, tmp_path: Path) -> None:
 # One promtool unit test per alert: a series that must fire it (with the labels it must carry), a healthy one
 # beside it that must not, and times before it fires and after it resolves.
 ALERT_TESTS: dict[str, dict[str, Any]] = {
-    # rank 0's heartbeat advances a minute a minute, then stops at 10m: stale beyond 15m at 25m, + for: 1m
+    # a launcher's two ranks beat a minute a minute; rank 1 stops at 10m, rank 0 (blocked on it) at 11m; the job's
+    # threshold is 5m: rank 1 is 5m old at 15m, older at 16m. One process without a launcher (run solo): rank 0's
+    # heartbeat against hang_minutes (15) + 1m. Run ok keeps beating.
     "KubetrainTrainingHung": {
-        "input_series": [series("kubetrain_heartbeat_timestamp_seconds", "0+60x10 600x30"),
-                         series("kubetrain_heartbeat_timestamp_seconds", "0+60x40", run="ok")],
-        "alert_rule_test": [{"eval_time": "25m", "alertname": "KubetrainTrainingHung", "exp_alerts": []},
-                            {"eval_time": "28m", "alertname": "KubetrainTrainingHung",
-                             "exp_alerts": [alert(*HUNG, **RUN)]}],
+        "input_series": [series("kubetrain_rank_heartbeat_timestamp_seconds", "0+60x10 600x30", rank="1"),
+                         series("kubetrain_rank_heartbeat_timestamp_seconds", "0+60x11 660x30", rank="0"),
+                         series("kubetrain_hang_alert_seconds", "300x40"),
+                         series("kubetrain_heartbeat_timestamp_seconds", "0+60x10 600x30", run="solo"),
+                         series("kubetrain_rank_heartbeat_timestamp_seconds", "0+60x40", run="ok", rank="0"),
+                         series("kubetrain_hang_alert_seconds", "300x40", run="ok"),
+                         series("kubetrain_heartbeat_timestamp_seconds", "0+60x10 600x30", run="ok")],
+        "alert_rule_test": [{"eval_time": "15m", "alertname": "KubetrainTrainingHung", "exp_alerts": []},
+                            {"eval_time": "16m", "alertname": "KubetrainTrainingHung",
+                             "exp_alerts": [alert(*hung("1", "6m 0s"), **RUN, rank="1")]},
+                            {"eval_time": "27m", "alertname": "KubetrainTrainingHung",
+                             "exp_alerts": [alert(*hung("1", "17m 0s"), **RUN, rank="1"),
+                                            alert(*hung("0", "16m 0s"), **RUN, rank="0"),
+                                            alert(*HUNG, **{**RUN, "run": "solo"})]}],
     },
-    # four ranks: 1.0, 1.0, 1.4 and 2.0 s/step; the median is 1.2, so 2.0 straggles (> 1.8) and 1.4 does not
+    # the launcher gave up at 10m and is gone a minute later: firing for the window (60m), not after; run ok was
+    # relaunched after failing, and its new launcher says 0
+    "KubetrainJobFailed": {
+        "input_series": [series("kubetrain_job_failed", "0x9 1"),
+                         series("kubetrain_job_failed", "0x9 1 _x5 0x60", run="ok")],
+        "alert_rule_test": [{"eval_time": "5m", "alertname": "KubetrainJobFailed", "exp_alerts": []},
+                            {"eval_time": "30m", "alertname": "KubetrainJobFailed",
+                             "exp_alerts": [alert(*FAILED, **RUN)]},
+                            {"eval_time": "80m", "alertname": "KubetrainJobFailed", "exp_alerts": []}],
+    },
+    # two ranks: rank 1 at 1.6x the other for 30m (the old rule, over the median of both, needed 3x)
     "KubetrainStraggler": {
-        "input_series": [series("kubetrain_rank_compute_seconds", f"{v}x30", rank=str(r))
-                         for r, v in enumerate([1.0, 1.0, 1.4, 2.0])],
+        "input_series": [series("kubetrain_rank_straggler_ratio", "0.625x30", rank="0"),
+                         series("kubetrain_rank_straggler_ratio", "1.6x30", rank="1"),
+                         series("kubetrain_rank_straggler_ratio", "1.4x30", run="ok", rank="1")],
         "alert_rule_test": [{"eval_time": "5m", "alertname": "KubetrainStraggler", "exp_alerts": []},
                             {"eval_time": "15m", "alertname": "KubetrainStraggler",
-                             "exp_alerts": [alert(*STRAGGLER, **RUN, rank="3")]}],
+                             "exp_alerts": [alert(*STRAGGLER, **RUN, rank="1")]}],
     },
     # run gpt: its pod is replaced at 21m, the new one resumes (starts 1 -> 2); run el: an elastic restart of
     # the workers in the same pod (restarts 0 -> 1 at 31m). Both resolve once the window has passed.
@@ -162,15 +193,30 @@ def test_every_alert_has_a_unit_test() -> None:
 
 def test_a_wrong_expectation_fails(promtool: str, tmp_path: Path) -> None:
     """promtool really evaluates: the hung alert expected where the heartbeat is fresh fails the test."""
-    test = {"interval": "1m", "input_series": [series("kubetrain_heartbeat_timestamp_seconds", "0+60x40")],
+    test = {"interval": "1m", "input_series": [series("kubetrain_rank_heartbeat_timestamp_seconds", "0+60x40",
+                                                      rank="0"), series("kubetrain_hang_alert_seconds", "300x40")],
             "alert_rule_test": [{"eval_time": "30m", "alertname": "KubetrainTrainingHung",
-                                 "exp_alerts": [alert(*HUNG, **RUN)]}]}
+                                 "exp_alerts": [alert(*hung("0", "30m 0s"), **RUN, rank="0")]}]}
     assert promtool_test(promtool, tmp_path, [test]).returncode != 0
 
 
-def test_rules_use_what_the_exporter_serves(exported: set[str]) -> None:  # noqa: F811
+def _launcher_serves() -> set[str]:
+    """Sample names a live launcher exporter serves, with a rank's beat and an incident."""
+    exporter = LauncherExporter(0, "127.0.0.1", "gpt", 4.0, lambda: [RankBeat(0, 3, 1.0)], lambda: 0)
+    exporter.start(stream=io.StringIO())
+    exporter.incident({"kind": "hang", "rank": 1})
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    finally:
+        exporter.close(failed=False)
+    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_rules_use_what_the_exporters_serve(exported: set[str]) -> None:  # noqa: F811
     used = {m for g in rule_groups(AlertsConfig()) for r in g["rules"] for m in metric_names(r["expr"])}
-    assert used <= exported, f"a rule names a metric nobody serves: {used - exported}"
+    served = exported | _launcher_serves()
+    assert used <= served, f"a rule names a metric nobody serves: {used - served}"
 
 
 def test_objects_validate_strictly(monitoring_schemas: dict[tuple[str, str], dict[str, Any]]) -> None:
@@ -190,22 +236,8 @@ def test_dashboard_config_map_is_picked_up_by_grafanas_sidecar() -> None:
     assert json.loads(cm["data"][DASHBOARD_FILE]) == json.loads(shipped.read_text())
 
 
-def _pod_labels(labels: dict[str, str]) -> str:
-    """The relabeling's input for a pod: its RANK0_LABELS values joined by ';' (absent labels are empty)."""
-    names = ["batch.kubernetes.io/job-completion-index", "apps.kubernetes.io/pod-index",
-             "training.kubeflow.org/replica-type"]
-    assert [re.sub(r"[^a-zA-Z0-9_]", "_", n) for n in names] == [s.split("label_", 1)[1] for s in RANK0_LABELS]
-    return ";".join(labels.get(n, "") for n in names)
-
-
-@pytest.mark.parametrize("labels", [
-    {"batch.kubernetes.io/job-completion-index": "0"}, {"batch.kubernetes.io/job-completion-index": "1"},
-    {"batch.kubernetes.io/job-completion-index": "10"}, {"apps.kubernetes.io/pod-index": "0"},
-    {"apps.kubernetes.io/pod-index": "3"}, {"training.kubeflow.org/replica-type": "master"},
-    {"training.kubeflow.org/replica-type": "Master"}, {"training.kubeflow.org/replica-type": "worker",
-                                                       "training.kubeflow.org/replica-index": "0"},
-])
-def test_pod_monitor_keeps_rank_zero_only(labels: dict[str, str]) -> None:
-    """The relabeling keeps exactly the pods workloads.node_rank calls rank 0 (Prometheus anchors the regex)."""
-    pod = {"metadata": {"name": "job-x", "labels": labels}}
-    assert bool(re.fullmatch(RANK0_REGEX, _pod_labels(labels))) == (node_rank(pod) == 0)
+def test_pod_monitor_scrapes_every_pods_launcher() -> None:
+    """No pod label says which pod holds global rank 0: every launcher is scraped, and the one on rank 0's node
+    passes its gauges on (tests/launch/test_watch.py starts two launchers in reversed order)."""
+    [endpoint] = monitoring_objects(PlatformConfig(namespace="ml"))[1]["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == LAUNCHER_PORT_NAME and "relabelings" not in endpoint

@@ -153,7 +153,12 @@ def test_a_pod_that_lost_its_rendezvous_host_exits_69_which_the_job_ignores(tmp_
     one = s.pod(1).process
     assert one is not None
     assert one.wait(timeout=300) == EXIT_PEER_LOST, s.pod(1).log_path.read_text()[-3000:]
-    assert "lost the rendezvous host" in s.pod(1).log_path.read_text()
+    survivor = s.pod(1).log_path.read_text()
+    assert "lost the rendezvous host" in survivor
+    # the loss is the survivor's one incident (not its rank's "a peer went away"), and no C++ frames (issue 28)
+    assert [line.split(" ")[1] for line in survivor.splitlines() if line.startswith("incident:")] == [
+        "rendezvous-lost"], survivor[-3000:]
+    assert "frame #" not in survivor, survivor[-3000:]
     result = s.run(timeout=300)  # the controller replaces both: rank 0's loss counts, rank 1's exit does not
     logs = "".join(p.log_path.read_text() for p in s.pods)
     assert result.succeeded, result.message + logs[-4000:]

@@ -29,7 +29,7 @@ def test_network_policy_admits_own_pods_and_metrics_namespace() -> None:
     own, metrics = spec["ingress"]
     assert own == {"from": [{"podSelector": {"matchLabels": {"kubetrain.dev/job": "tiny"}}}]}
     assert metrics["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "prom"}
-    assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    assert metrics["ports"] == [{"port": "metrics", "protocol": "TCP"}, {"port": "launcher", "protocol": "TCP"}]
     assert "NetworkPolicy" not in [o["kind"] for o in render(load_config(None, "tiny", ["k8s.network_policy=false"]))]
 
 

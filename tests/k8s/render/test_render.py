@@ -196,7 +196,8 @@ def test_secret_values_in_the_config_are_refused(override: str) -> None:
         (["k8s.nnodes=2", "k8s.volumes.checkpoints.access_mode=ReadWriteOnce"], "needs ReadWriteMany"),
         (["k8s.grace_period_seconds=10"], "shorter than checkpoint.grace_seconds"),
         (["k8s.resources.gpu=1", "k8s.nproc_per_node=2"], "more than the GPUs per pod"),
-        (["k8s.metrics.port=29500"], "both 29500"),
+        (["k8s.metrics.port=29500"], "free of k8s.rdzv_port"),
+        (["k8s.metrics.port=29499"], "free of k8s.rdzv_port"),  # the launcher serves on the next port
         (["run.name=" + "x" * 50], "set k8s.name"),
         (['k8s.volumes.data={"claim": "d", "mount_path": "/checkpoints"}'], "share a mount path"),
     ],

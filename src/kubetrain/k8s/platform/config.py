@@ -141,9 +141,13 @@ class MlflowServerConfig(_Section):
 
 
 class AlertsConfig(_Section):
-    hang_minutes: int = Field(default=15, ge=1, description="Alert when rank 0 finished no step for this long.")
+    hang_minutes: int = Field(
+        default=15, ge=1, description="Alert when a job without a launcher (one process) finished no step for this "
+        "long; under a launcher the job's own threshold applies (half its dist.hang_timeout_seconds).",
+    )
     straggler_ratio: float = Field(
-        default=1.5, gt=1, description="Alert when a rank's step time is this many times the median rank's.",
+        default=1.5, gt=1,
+        description="Alert when a rank's step time is this many times the median of the other ranks'.",
     )
     straggler_minutes: int = Field(default=10, ge=1, description="For how long a rank must straggle.")
     restart_window_minutes: int = Field(

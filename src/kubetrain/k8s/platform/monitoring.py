@@ -1,8 +1,8 @@
 """Prometheus Operator and Grafana objects for the jobs of a namespace: PodMonitor, alert rules, dashboard.
 
-The PodMonitor scrapes only node rank 0 (the only pod whose exporter listens): every workload marks it with
-a label of its controller, kept by one relabeling (RANK0_LABELS, RANK0_REGEX). The alerts are written against
-what rank 0's exporter serves (track/prometheus.py; a test checks that every name a rule reads is served);
+The PodMonitor scrapes every trainer pod's launcher, which serves its ranks' heartbeats and incidents and passes
+on rank 0's exporter from the pod that holds global rank 0 (track/prometheus_launcher.py). The alerts are written
+against what those serve (a test checks that every name a rule reads is served);
 `promtool test rules` fires each alert on a synthetic series.
 """
 
@@ -13,22 +13,12 @@ from importlib import resources
 from typing import Any
 
 from kubetrain.k8s.platform.config import AlertsConfig, PlatformConfig
-from kubetrain.k8s.render.podspec import METRICS_PORT_NAME
+from kubetrain.k8s.render.podspec import LAUNCHER_PORT_NAME
 from kubetrain.k8s.workloads import JOB_LABEL, MANAGED_BY
 
 MONITORING_API = "monitoring.coreos.com/v1"
 DASHBOARD_LABEL = "grafana_dashboard"  # what the Grafana chart's dashboard sidecar watches for (value "1")
 DASHBOARD_FILE = "kubetrain.json"
-# Pod labels that say node rank 0: Indexed Job, JobSet and TrainJob pods carry the completion index, a
-# StatefulSet's the pod index, a PyTorchJob's master its replica type (workloads.node_rank reads the same).
-RANK0_LABELS = [
-    "__meta_kubernetes_pod_label_batch_kubernetes_io_job_completion_index",
-    "__meta_kubernetes_pod_label_apps_kubernetes_io_pod_index",
-    "__meta_kubernetes_pod_label_training_kubeflow_org_replica_type",
-]
-RANK0_REGEX = "0;;|;0;|;;(?i:master)"  # Prometheus anchors it; joined with the default separator ';'
-
-
 def _meta(cfg: PlatformConfig, name: str, labels: dict[str, str] | None = None,
           namespace: str | None = None) -> dict[str, Any]:
     base = {**cfg.labels, "app.kubernetes.io/name": "kubetrain", "app.kubernetes.io/part-of": "kubetrain-platform",
@@ -37,13 +27,13 @@ def _meta(cfg: PlatformConfig, name: str, labels: dict[str, str] | None = None,
 
 
 def pod_monitor(cfg: PlatformConfig) -> dict[str, Any]:
-    """Scrape rank 0's /metrics of every kubetrain job in the namespace, labelled with the job's name."""
-    endpoint = {
-        "port": METRICS_PORT_NAME,
-        "path": "/metrics",
-        "interval": cfg.monitoring.interval,
-        "relabelings": [{"action": "keep", "sourceLabels": RANK0_LABELS, "regex": RANK0_REGEX}],
-    }
+    """Scrape every trainer pod's launcher (/metrics), labelled with the job's name.
+
+    Each launcher serves its own ranks' heartbeats and incidents, and rank 0's gauges when its node holds global
+    rank 0 (track/prometheus_launcher.py): c10d gives rank 0 to whichever node the rendezvous sorts first, so no
+    pod label says in advance which pod that is.
+    """
+    launcher = {"port": LAUNCHER_PORT_NAME, "path": "/metrics", "interval": cfg.monitoring.interval}
     return {
         "apiVersion": MONITORING_API,
         "kind": "PodMonitor",
@@ -52,7 +42,7 @@ def pod_monitor(cfg: PlatformConfig) -> dict[str, Any]:
             "selector": {"matchLabels": {"app.kubernetes.io/managed-by": MANAGED_BY,
                                          "app.kubernetes.io/component": "trainer"}},
             "podTargetLabels": [JOB_LABEL],
-            "podMetricsEndpoints": [endpoint],
+            "podMetricsEndpoints": [launcher],
         },
     }
 
@@ -68,20 +58,33 @@ def rule_groups(alerts: AlertsConfig) -> list[dict[str, Any]]:
     run = "{{ $labels.namespace }}/{{ $labels.run }} (phase {{ $labels.phase }})"
     restart_window = f"{a.restart_window_minutes}m"
     rules = [
+        # the launcher of every node serves its ranks' heartbeats and the job's own threshold (config/clocks.py:
+        # half the hang watch's timeout, so this fires while the stuck processes still live); a frozen rank 0,
+        # whose own exporter then cannot answer, still shows as an old heartbeat there. One process without a
+        # launcher: rank 0's heartbeat against hang_minutes.
         _alert("KubetrainTrainingHung",
-               f"time() - kubetrain_heartbeat_timestamp_seconds > {a.hang_minutes * 60}", "1m",
-               f"No training step for {a.hang_minutes} minutes",
-               f"Rank 0 of {run} finished no step for {{{{ $value | humanizeDuration }}}}: a hung collective or "
-               "data loader. The liveness probe restarts the pod once /healthz goes stale; `kubetrain k8s logs` "
-               "and <run>/incidents/ have the stacks.", sev),
+               "time() - kubetrain_rank_heartbeat_timestamp_seconds > ignoring (rank) group_left () "
+               "kubetrain_hang_alert_seconds or (time() - kubetrain_heartbeat_timestamp_seconds > "
+               f"{a.hang_minutes * 60 + 60} unless on (namespace, run) kubetrain_hang_alert_seconds)", "0m",
+               "No training step for longer than the job's hang alert threshold",
+               f"{{{{ with $labels.rank }}}}Rank {{{{ . }}}}{{{{ else }}}}Rank 0{{{{ end }}}} of {run} finished no "
+               "step for {{ $value | humanizeDuration }}: a hung collective, data loader or a frozen process. "
+               "The launcher's hang watch dumps every rank's stacks into <run>/incidents/ and names the stuck "
+               "rank next (`kubetrain k8s status`, `kubetrain k8s logs`).", sev),
+        _alert("KubetrainJobFailed",
+               f"max_over_time(kubetrain_job_failed[{restart_window}]) > 0 unless on (namespace, run) "
+               "(kubetrain_job_failed == 0)", "0m",
+               "A training job failed with no restarts left",
+               f"{{{{ $labels.namespace }}}}/{{{{ $labels.run }}}}'s launcher gave up within the last "
+               f"{a.restart_window_minutes} minutes (no restarts left): the job is not training. Its last incident "
+               "is in `kubetrain k8s status` and <run>/incidents/.", sev),
         _alert("KubetrainStraggler",
-               f"kubetrain_rank_compute_seconds > ignoring (rank) group_left () "
-               f"({a.straggler_ratio:g} * quantile without (rank) (0.5, kubetrain_rank_compute_seconds))",
+               f"kubetrain_rank_straggler_ratio >= {a.straggler_ratio:g}",
                f"{a.straggler_minutes}m",
-               f"A rank is more than {a.straggler_ratio:g}x slower than the median",
-               f"Rank {{{{ $labels.rank }}}} of {run} spends {{{{ $value | humanize }}}}s in data wait + forward "
-               f"per logging window, more than "
-               f"{a.straggler_ratio:g}x the median rank: a slow node, a throttled GPU or a noisy neighbour holds "
+               f"A rank is {a.straggler_ratio:g}x slower than the others or more",
+               f"Rank {{{{ $labels.rank }}}} of {run} spends {{{{ $value | humanize }}}}x the data wait + forward "
+               f"time of the median of the other ranks (with two ranks: of the other one), at least "
+               f"{a.straggler_ratio:g}x: a slow node, a throttled GPU or a noisy neighbour holds "
                "every rank back.", sev),
         _alert("KubetrainRestarted",
                f"changes((max by (namespace, run, phase) (kubetrain_restarts))[{restart_window}:1m]) > 0 or "

@@ -23,6 +23,7 @@ from kubetrain.errors import EXIT_PEER_LOST, KubetrainError, UserInputError
 from kubetrain.k8s.pod.node import NodeEnv, node_env
 from kubetrain.k8s.workloads import IDLE_MARKER
 from kubetrain.launch.elastic import LaunchOptions, launch
+from kubetrain.launch.watch import watch_options
 
 Log = Callable[[str], None]
 POD_IP_ENV = "KUBETRAIN_POD_IP"
@@ -102,7 +103,7 @@ def run(config: Path, *, rdzv_id: str, max_restarts: int, wait_timeout: float, s
         wait_for_endpoint(node.master_addr, node.master_port, wait_timeout, say)
     opts = launch_options(node, rdzv_id=rdzv_id, max_restarts=max_restarts, shutdown_timeout=shutdown_timeout,
                           local_addr=os.environ.get(POD_IP_ENV) or None)
-    opts = dataclasses.replace(opts, hang_timeout=cfg.dist.hang_timeout_seconds)
+    opts = dataclasses.replace(opts, **watch_options(cfg))
     train_args = [str(config), "--resume", "auto", *(a for item in overrides for a in ("--set", item))]
     say(f"starting the elastic agent: kubetrain train {' '.join(train_args)}")
     code = run_agent(opts, train_args, runs.run_dir(cfg), say)

@@ -166,8 +166,9 @@ def context(cfg: Config, workload: str | None = None, measured: MeasuredSave | N
             f"k8s.nproc_per_node ({k.nproc_per_node}) is more than the GPUs per pod (k8s.resources.gpu = "
             f"{k.resources.gpu})"
         )
-    if k.metrics.port == k.rdzv_port:
-        raise RenderError(f"k8s.metrics.port and k8s.rdzv_port are both {k.rdzv_port}")
+    if k.rdzv_port in (k.metrics.port, k.metrics.port + 1) or k.metrics.port == 65535:
+        raise RenderError(f"k8s.metrics.port ({k.metrics.port}) and the next port (the launcher's /metrics) must "
+                          f"be free of k8s.rdzv_port ({k.rdzv_port}) and below 65536")
     volumes = []
     for role, default_mount in ROLE_MOUNTS.items():
         spec: VolumeConfig | None = getattr(k.volumes, role)

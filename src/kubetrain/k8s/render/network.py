@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from kubetrain.checkpoint.store import S3_PROTOCOLS, is_remote, protocol_of
 from kubetrain.k8s.render.context import RenderContext, RenderError
-from kubetrain.k8s.render.podspec import METRICS_PORT_NAME
+from kubetrain.k8s.render.podspec import LAUNCHER_PORT_NAME, METRICS_PORT_NAME
 
 _DEFAULT_PORTS = {"http": 80, "https": 443, "postgresql": 5432, "postgres": 5432, "mysql": 3306}
 
@@ -73,7 +73,8 @@ def network_policy(ctx: RenderContext) -> dict[str, Any]:
         ingress.append(
             {
                 "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": scrape}}}],
-                "ports": [{"port": METRICS_PORT_NAME, "protocol": "TCP"}],
+                "ports": [{"port": METRICS_PORT_NAME, "protocol": "TCP"},
+                          {"port": LAUNCHER_PORT_NAME, "protocol": "TCP"}],
             }
         )
     spec: dict[str, Any] = {

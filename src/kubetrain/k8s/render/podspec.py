@@ -12,10 +12,12 @@ import math
 from typing import Any
 
 from kubetrain.checkpoint.store import credential_keys
+from kubetrain.config.clocks import PROBE_FAILURES, PROBE_PERIOD
 from kubetrain.config.k8s import DEFAULT_IMAGE, K8sConfig
 from kubetrain.k8s.render.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT, RenderContext
 
 METRICS_PORT_NAME = "metrics"
+LAUNCHER_PORT_NAME = "launcher"  # every pod's launcher: its ranks' heartbeats, incidents (metrics port + 1)
 COMPILE_CACHE = ".cache"  # on the checkpoint claim; a hidden folder, which `kubetrain runs` passes over
 INCIDENTS = "incidents"
 FLIGHT_RECORDER_PREFIX = "nccl-flight-recorder-rank-"
@@ -69,6 +71,10 @@ def env(ctx: RenderContext, extra: dict[str, str] | None = None) -> list[dict[st
         "MPLCONFIGDIR": f"{CACHE_MOUNT}/matplotlib",
         "KUBETRAIN_NNODES": str(k.nnodes),
         "KUBETRAIN_NPROC_PER_NODE": str(k.nproc_per_node),
+        # c10d's C++ warnings carry a whole C++ backtrace: a survivor that lost the rendezvous host printed ~120
+        # lines of frames before its one-line exit-69 message. It is read once, when torch is imported, so it is
+        # set here (k8s.env may set WARNING back); errors and the Python-side one-liners still show.
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
         **flight_recorder_env(ctx),
         **(extra or {}),
         **k.env,
@@ -207,9 +213,9 @@ def liveness_probe(ctx: RenderContext) -> dict[str, Any] | None:
         return None
     return {
         "exec": {"command": ["python", "-m", "kubetrain.k8s.pod.probe", "--port", str(m.port)]},
-        "periodSeconds": 30,
+        "periodSeconds": PROBE_PERIOD,  # /healthz goes stale after config/clocks.py's liveness clock
         "timeoutSeconds": 10,
-        "failureThreshold": 3,
+        "failureThreshold": PROBE_FAILURES,
     }
 
 
@@ -252,6 +258,7 @@ def container(
     }
     if k.metrics.enabled:
         c["ports"].append({"name": METRICS_PORT_NAME, "containerPort": k.metrics.port, "protocol": "TCP"})
+        c["ports"].append({"name": LAUNCHER_PORT_NAME, "containerPort": k.metrics.port + 1, "protocol": "TCP"})
     probe = liveness_probe(ctx)
     if probe:
         c["livenessProbe"] = probe
@@ -294,7 +301,8 @@ def pod_spec(
 def pod_metadata(ctx: RenderContext, container_name: str = "trainer") -> dict[str, Any]:
     annotations = {**ctx.k.annotations, "kubectl.kubernetes.io/default-container": container_name}
     if ctx.k.metrics.enabled:
-        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(ctx.k.metrics.port)})
+        # every pod's launcher: its ranks' heartbeats, and rank 0's gauges from the pod that holds global rank 0
+        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(ctx.k.metrics.port + 1)})
     return {"labels": {**ctx.labels, "app.kubernetes.io/component": "trainer"}, "annotations": annotations}
 
 

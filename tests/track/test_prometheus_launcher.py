@@ -1,0 +1,99 @@
+"""The launcher's /metrics: its ranks' heartbeats, incidents, a failure its last scrape sees, and rank 0's gauges
+from whichever node holds global rank 0."""
+
+from __future__ import annotations
+
+import io
+import socket
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kubetrain.track.prometheus_launcher import LauncherExporter, RankBeat
+from tests.train.conftest import children, lines_in, rank_of, sets, start, wait_until
+
+
+def scrape(port: int) -> dict[str, dict[frozenset[tuple[str, str]], float]]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, dict[frozenset[tuple[str, str]], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[frozenset(sample.labels.items())] = sample.value
+    return out
+
+
+def test_heartbeats_incidents_and_a_failure_the_last_scrape_sees() -> None:
+    beats = [RankBeat(0, 12, 1000.0), RankBeat(1, 11, 999.0)]
+    exporter = LauncherExporter(0, "127.0.0.1", "gpt", 4.0, lambda: beats, lambda: 2).start(stream=io.StringIO())
+    exporter.incident({"kind": "hang", "rank": 1})
+    exporter.incident({"kind": "hang", "rank": 1})
+    m = scrape(exporter.port)
+    beat = {dict(k)["rank"]: v for k, v in m["kubetrain_rank_heartbeat_timestamp_seconds"].items()}
+    assert beat == {"0": 1000.0, "1": 999.0}
+    assert m["kubetrain_incidents_total"] == {frozenset({"run": "gpt", "kind": "hang", "rank": "1"}.items()): 2}
+    assert list(m["kubetrain_hang_alert_seconds"].values()) == [4.0]
+    assert list(m["kubetrain_worker_restarts"].values()) == [2]
+    assert list(m["kubetrain_job_failed"].values()) == [0]
+    seen: list[float] = []
+
+    def scraper() -> None:  # a Prometheus that comes back after the launcher gave up
+        while exporter.failed_at is None:
+            time.sleep(0.01)
+        seen.extend(scrape(exporter.port)["kubetrain_job_failed"].values())
+
+    thread = threading.Thread(target=scraper)
+    thread.start()
+    exporter.close(failed=True)  # waits for that scrape (it was scraped before), then stops serving
+    thread.join()
+    assert seen == [1.0]
+    with pytest.raises(OSError):
+        scrape(exporter.port)
+
+
+def _ports() -> int:
+    """A port P with P + 1 free (rank 0's exporter and its launcher's)."""
+    while True:
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            try:
+                b.bind(("127.0.0.1", a.getsockname()[1] + 1))
+            except OSError:
+                continue
+            return int(a.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_rank_0s_gauges_come_from_the_launcher_of_the_node_that_holds_it(tmp_path: Path) -> None:
+    """Node rank 1 starts first, so c10d may give it global rank 0 (issue 28): whichever node holds it, its
+    launcher passes rank 0's gauges on, and each launcher serves its own ranks' heartbeats."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    ports = {1: _ports(), 0: _ports()}
+    nodes = {}
+    for node in (1, 0):  # reversed
+        nodes[node] = start("train", *sets("run.name=nodes", "train.max_steps=100000",
+                                           "checkpoint.every_steps=100000", "eval.every_steps=100000",
+                                           "track.prometheus.enabled=true", "track.prometheus.host=127.0.0.1",
+                                           f"track.prometheus.port={ports[node]}"),
+                            "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", "order",
+                            "--node-rank", str(node), cwd=tmp_path)
+        time.sleep(1.0)  # let node 1's agent reach the rendezvous first (the order is the point, not a timing)
+    try:
+        wait_until(lambda: lines_in(tmp_path / "runs" / "nodes" / "metrics.jsonl") >= 3, nodes[0])
+        holder = next(n for n, proc in nodes.items() if any(rank_of(pid) == 0 for pid in children(proc.pid)))
+        print(f"global rank 0 runs on node rank {holder}")
+        for node in (0, 1):
+            m = scrape(ports[node] + 1)
+            ranks = {dict(k)["rank"] for k in m["kubetrain_rank_heartbeat_timestamp_seconds"]}
+            assert ranks == ({"0"} if node == holder else {"1"})
+            assert ("kubetrain_step" in m) == (node == holder), sorted(m)
+    finally:
+        for proc in nodes.values():
+            proc.kill()
+            proc.communicate()
