@@ -15,8 +15,7 @@ from torch import nn
 
 from kubetrain import checkpoint, runs
 from kubetrain.checkpoint import remote
-from kubetrain.checkpoint.sharded import full_model_state, save_optimizer_in_background
-from kubetrain.checkpoint.sharded import save_optimizer as save_sharded_optimizer
+from kubetrain.checkpoint.sharded import load_model_shards, save_shards, save_shards_in_background
 from kubetrain.config.loading import config_hash
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import TrainLoader
@@ -74,7 +73,9 @@ class Checkpointing:
     uploader: remote.Uploader | None
     saver: checkpoint.BackgroundSaver | None
     checkpoint_group: torch.distributed.ProcessGroup | None  # FSDP + async_save: background writes' collectives
-    shards_written: Future[Any] | None  # FSDP + async_save, ranks but 0: this rank's optimizer shard being written
+    stager: Any | None  # FSDP + async_save: DCP's stager, kept so its host buffers are reused (sharded.make_stager)
+    shards_staged: Future[Any] | None  # FSDP + async_save: this rank's shards being copied to host memory
+    shards_written: Future[Any] | None  # FSDP + async_save, ranks but 0: this rank's shards being written
     say: Callable[[str], None]
 
     # --- save -----------------------------------------------------------------------------------------------
@@ -85,8 +86,9 @@ class Checkpointing:
         `best` moves only among saved checkpoints: to this one when it was evaluated at this step with a lower
         val loss than every saved one (`is_best` overrides that). `background` (with checkpoint.async_save):
         staged to host memory and written by a thread; None comes back and `collect_saves` records it once
-        written. Under FSDP every rank also copies its optimizer shard to host memory and DCP writes it in the
-        background; rank 0 finishes the checkpoint once all shards are written. The save in flight is waited
+        written. Under FSDP every rank writes its own shards of the model and optimizer through DCP (in the
+        background: staged to host memory, then written by DCP's thread) and hashes them; rank 0 adds the small
+        rest and meta.json once all shards are written. No rank gathers the model. The save in flight is waited
         for first, on every rank.
         """
         state, cfg = self.state, self.cfg
@@ -103,30 +105,30 @@ class Checkpointing:
         state.window_loss_sum, state.window_steps = float(self.loss_sum), self.loss_count
         rngs = gather_rng(self.penv.world_size)
         saved, shards = None, None
-        if self.sharded:  # every rank writes its optimizer shard into the temporary folder rank 0 made
-            # The weights first: a collective of the training group, so on this thread; done before DCP's write
-            # thread starts, which would compete with it for the CPU. Gathered tied weights come back as separate
-            # tensors: keep the names the model checkpoints.
-            weights = {k: v for k, v in full_model_state(self.model).items() if k in self.shapes}
+        weights: dict[str, torch.Tensor] | None = None
+        if self.sharded:  # every rank writes its shards of the model and optimizer: nothing is gathered
             if self.main:
                 checkpoint.begin(self.ckpt_root, state.step)
-            dist.barrier()
+            dist.barrier()  # the temporary folder exists before any rank writes into it
             folder = checkpoint.tmp_dir(self.ckpt_root, state.step)
             if background and self.checkpoint_group is not None:
-                shards = save_optimizer_in_background(self.model, self.optimizer, folder, self.checkpoint_group)
+                inflight = save_shards_in_background(self.model, self.optimizer, folder, self.checkpoint_group,
+                                                     self.stager)
+                shards, self.shards_staged = inflight.written, inflight.staged
                 if not self.main:  # rank 0's writer thread waits for it, then finishes the checkpoint
                     self.shards_written = shards
             else:
-                save_sharded_optimizer(self.model, self.optimizer, folder)
-        else:
-            weights = model_state(self.base) if self.main else {}
+                save_shards(self.model, self.optimizer, folder)
+        elif self.main:
+            weights = model_state(self.base)
         if self.main:
             trainer = {"optimizer": None if self.sharded else self.optimizer.state_dict(),
                        "loader": self.loader.state_dict(), "state": asdict(state), "rng": rngs,
                        "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
             meta = {"tokens": state.tokens, "train_loss": state.last_train_loss, "val_loss": state.last_val_loss,
                     "best_val_loss": state.best_val_loss, "config_hash": config_hash(cfg), "phase": self.opts.phase,
-                    "tokenizer": tokenizer_fingerprint(self.prepared), "world_size": self.penv.world_size}
+                    "tokenizer": tokenizer_fingerprint(self.prepared), "world_size": self.penv.world_size,
+                    **({"shapes": self.shapes} if self.sharded else {})}  # whole shapes: the shards are parts
             if self.saver is not None and background:  # staged to host memory here, written in the background
                 self.saver.save(self.ckpt_root, state.step, weights, trainer, meta, keep_last=cfg.checkpoint.keep_last,
                                 is_best=is_best, waited=time.perf_counter() - t0, shards=shards)
@@ -138,6 +140,15 @@ class Checkpointing:
                 self.saved(checkpoint.Saved(saved, is_best, seconds, seconds))
         dist.barrier()
         return saved
+
+    def wait_for_staging(self) -> None:
+        """Every rank, before the optimizer changes the weights: the save in flight has its host copy (torchtitan:
+        CheckpointManager.maybe_wait_for_staging). Rank 0 also waits for its writer's copy of the rest."""
+        if self.shards_staged is not None:
+            self.shards_staged.result()
+            self.shards_staged = None
+        if self.saver is not None:
+            self.saver.wait_staged()
 
     def wait_for_saves(self, timeout: float | None = None) -> bool:
         """Every rank: wait (at most `timeout` seconds) for the save in flight; True when none is left.
@@ -156,7 +167,7 @@ class Checkpointing:
             return False
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             self.shards_written = None
-            raise CheckpointError(f"could not write this rank's optimizer shard of a checkpoint in {self.ckpt_root}: "
+            raise CheckpointError(f"could not write this rank's shards of a checkpoint in {self.ckpt_root}: "
                                   f"{str(e).splitlines()[0]}") from None
         self.shards_written = None
         return True
@@ -221,9 +232,11 @@ class Checkpointing:
         source = self.resumed or (checkpoint.resolve(init) if init is not None else None)
         if source is not None:
             checkpoint.check_compatible(source, self.shapes, tokenizer_fingerprint(self.prepared))
-            if parallelize.is_sharded(self.base):  # each rank reads only the bytes of its shards
+            if parallelize.is_sharded(self.base) and source.sharded:  # DCP reads this rank's part, resharded
+                load_model_shards(self.base, source.path)
+            elif parallelize.is_sharded(self.base):  # each rank reads only the bytes of its shards
                 parallelize.load_safetensors(self.base, [source.path / checkpoint.MODEL_FILE])
-            else:
+            else:  # whole weights; an FSDP checkpoint's shards are assembled by each process (DCP, no collective)
                 load_model_state(self.base, source.model_state())
         return source
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from kubetrain import checkpoint, hardware, runs
 from kubetrain.checkpoint import remote
+from kubetrain.checkpoint.sharded import make_stager
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import Prepared, prepare
@@ -108,7 +109,9 @@ class Trainer(Checkpointing):
     uploader: remote.Uploader | None = None  # rank 0, with checkpoint.uri: copies checkpoints to object storage
     saver: checkpoint.BackgroundSaver | None = None  # rank 0, checkpoint.async_save: writes in the background
     checkpoint_group: torch.distributed.ProcessGroup | None = None  # FSDP + async_save: for DCP's write thread
-    shards_written: Future[Any] | None = None  # FSDP + async_save, ranks but 0: this rank's shard being written
+    stager: Any | None = None  # FSDP + async_save: DCP's stager, reused so its host buffers are
+    shards_staged: Future[Any] | None = None  # FSDP + async_save: this rank's shards being copied to host memory
+    shards_written: Future[Any] | None = None  # FSDP + async_save, ranks but 0: this rank's shards being written
 
     def __init__(self, cfg: Config, opts: RunOptions | None = None, log: Log | None = None) -> None:
         self.cfg, self.opts = cfg, opts or RunOptions()
@@ -177,6 +180,8 @@ class Trainer(Checkpointing):
         finally:
             with contextlib.suppress(CheckpointError):  # a failure elsewhere: keep what is being written
                 self.wait_for_saves(stop.time_left())  # (a failed shard is already reported on rank 0)
+            if self.stager is not None and hasattr(self.stager, "close"):  # its staging thread and buffers
+                self.stager.close()
             if self.uploader:  # wait for the uploads; after a stop, only within what is left of the grace period
                 self.uploader.close(stop.time_left())
             self.finish(status)
@@ -280,8 +285,9 @@ class Trainer(Checkpointing):
         self.compute_timer = ComputeTimer(self.device, self.base)  # stragglers: data wait + forward per rank
         if self.main and cfg.checkpoint.async_save:
             self.saver = checkpoint.BackgroundSaver()
-        if self.sharded and cfg.checkpoint.async_save:  # every rank: DCP writes its optimizer shards in a thread
+        if self.sharded and cfg.checkpoint.async_save:  # every rank: DCP writes its shards in a thread
             self.checkpoint_group = dist.checkpoint_group(cfg.dist)
+            self.stager = make_stager(self.device)
         self.memory_peak = MemoryPeak(self.device)
         self.counted_at = (self.state.step, optimizer_steps(self.optimizer))  # (step, optimizer steps) last counted
         self.meter.tokens0 = self.state.tokens
@@ -328,8 +334,7 @@ class Trainer(Checkpointing):
             self.compute_timer.stop()
             scaler.scale(loss).backward()
             self.loss_sum += loss.detach()
-        if self.saver is not None:  # a background save copies the weights until here; the optimizer changes them
-            self.saver.wait_staged()
+        self.wait_for_staging()  # a background save copies the weights until here; the optimizer changes them
         if self.cfg.train.grad_clip > 0:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.train.grad_clip)
