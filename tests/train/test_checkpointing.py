@@ -104,6 +104,6 @@ def test_sigkill_during_a_background_fsdp_save_keeps_the_previous_checkpoint_and
 
     kubetrain(*_args("killed", cache), cwd=tmp_path)
     final = checkpoint.step_name(STEPS)
-    mine, theirs = (checkpoint.verify(run / "checkpoints" / final).model_state() for run in (run, reference))
+    mine, theirs = (checkpoint.verify(r / "checkpoints" / final).model_state() for r in (run, reference))
     assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in theirs)
     assert _losses(run) == _losses(reference)
