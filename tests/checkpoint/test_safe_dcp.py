@@ -22,9 +22,9 @@ from kubetrain.checkpoint.safe_dcp import SafeLoadPlanner, load_metadata
 from kubetrain.checkpoint.sharded import (
     load_model_shards,
     load_optimizer_shards,
-    make_stager,
+    pinned_staging,
     save_shards,
-    staging_choice,
+    shard_writer,
 )
 from kubetrain.errors import CheckpointError
 from tests.checkpoint.conftest import age_files, count_hashing
@@ -112,16 +112,12 @@ def test_a_checkpoint_of_the_earlier_format_still_loads(tmp_path: Path) -> None:
     assert all(ckpt.model_state()[k].equal(v) for k, v in saved_model.state_dict().items())
 
 
-def test_staging_is_pinned_and_in_a_thread_on_cuda_only_and_torch_2_8_keeps_the_default() -> None:
-    assert staging_choice("cpu", has_default_stager=True) == {
-        "use_pinned_memory": False, "use_shared_memory": False, "use_async_staging": False,
-        "use_non_blocking_copy": False}
-    assert staging_choice("cuda", has_default_stager=True) == {
-        "use_pinned_memory": True, "use_shared_memory": False, "use_async_staging": True,
-        "use_non_blocking_copy": True}
-    assert staging_choice("cuda", has_default_stager=False) is None  # torch 2.8: the writer's own copy
-    stager = make_stager(torch.device("cpu"))  # what this torch builds on a CPU: DCP takes it as is
-    assert stager is None or type(stager).__name__ == "DefaultStager"
+def test_background_saves_stage_into_reused_pinned_buffers_on_cuda_only(tmp_path: Path) -> None:
+    assert pinned_staging("cuda") and not pinned_staging("cpu") and not pinned_staging("mps")
+    writer = shard_writer(tmp_path, torch.device("cpu"))  # what a CPU run uses: DCP's copy per save, no cache
+    assert writer.cache_staged_state_dict is False
+    staged = writer.stage({"w": torch.ones(3)})
+    assert staged["w"].equal(torch.ones(3)) and not staged["w"].is_pinned()
 
 
 def test_the_optimizer_files_are_not_hashed_again_after_the_resume_verified_them(

@@ -106,9 +106,9 @@ class ShardsInFlight:
 
 
 def save_shards_in_background(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: Path,
-                              group: td.ProcessGroup, stager: Any | None) -> ShardsInFlight:
-    """Collective: this rank's shards staged to host memory by `stager` (None: DCP's default, a synchronous copy),
-    then written and hashed by DCP's thread, which plans and gathers on `group` (a group of its own, see
+                              group: td.ProcessGroup, writer: HashingWriter) -> ShardsInFlight:
+    """Collective: this rank's shards copied to host memory by `writer` (its staging, see `shard_writer`), then
+    written and hashed by DCP's thread, which plans and gathers on `group` (a group of its own, see
     distributed.setup.checkpoint_group).
 
     DCP's last step (state_dict_saver._save_state_dict: `distW.all_reduce("write", write_data, finish_checkpoint)`)
@@ -118,44 +118,37 @@ def save_shards_in_background(model: nn.Module, optimizer: torch.optim.Optimizer
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-    writer = HashingWriter(checkpoint_dir / SHARDS_DIR)
-    extra = {"async_stager": stager} if stager is not None else {}
-    response = dcp.async_save(sharded_state(model, optimizer), storage_writer=writer, process_group=group, **extra)
-    if isinstance(response, AsyncSaveResponse):  # staging in a thread: wait for it before the next optimizer step
+    response = dcp.async_save(sharded_state(model, optimizer), checkpoint_id=str(checkpoint_dir / SHARDS_DIR),
+                              storage_writer=writer, process_group=group)
+    if isinstance(response, AsyncSaveResponse):  # a stager that copies in a thread: wait before the optimizer step
         return ShardsInFlight(response.staging_completion, response.upload_completion)
     return ShardsInFlight(None, response)
 
 
-# --- staging to host memory (the lead may move this into torch_compat.py) ----------------------------------------
+# --- staging to host memory -----------------------------------------------------------------------------------------
 
 
-def staging_choice(device_type: str, has_default_stager: bool) -> dict[str, bool] | None:
-    """DCP's StagingOptions for a background save on `device_type`, or None for DCP's default stager.
+def pinned_staging(device_type: str) -> bool:
+    """Whether background saves stage into pinned host buffers made once and reused by every later save.
 
-    torch >= 2.9 has DefaultStager: on CUDA it follows torchtitan's CheckpointManager in `async_with_pinned_mem`
-    mode (components/checkpoint.py: `DefaultStager(StagingOptions(True, True, True, True))`): pinned host buffers,
-    cached per storage and reused by every later save (StateDictStager), filled by non-blocking copies on a side
-    stream in a staging thread. One difference: torchtitan writes from a separate process
-    (AsyncCheckpointerType.PROCESS), which reads the staged tensors through shared memory; our writer is DCP's
-    thread, in this process, so shared memory would only cost (use_shared_memory=False). On the CPU there is
-    nothing to pin and DCP's non-blocking copy and async staging need an accelerator: a synchronous copy into
-    cached buffers. torch 2.8 has no DefaultStager: None, the writer's own copy into fresh host memory.
+    On CUDA, yes: the writer is DCP's BlockingAsyncStager with `cache_staged_state_dict=True` (torch 2.4 to 2.13,
+    2.8 included): the first save allocates a pinned CPU copy of the state (`_create_cpu_state_dict(...,
+    pin_memory=True)`), every save copies into it (`_copy_state_dict`), so a save costs one device-to-host copy at
+    pinned speed and no allocation. That is torchtitan's `async_with_pinned_mem` idea (CheckpointManager: a pinned
+    CPU state dict made once, copied into at each save, written in the background). Not DCP's DefaultStager, which
+    torchtitan now passes (`DefaultStager(StagingOptions(True, True, True, True))`): from torch 2.11 it drops its
+    cached storages after every stage (staging.py, DefaultStager._stage: `self._state_dict_stager.close()`), so each
+    save would pin fresh memory; and torch 2.8 has none. Shared memory is for torchtitan's separate writer process;
+    ours is DCP's thread in this process. On the CPU there is nothing to pin (the cache is pinned-only):
+    DCP's default, a fresh copy per save, freed once written.
     """
-    if not has_default_stager:
-        return None
-    cuda = device_type == "cuda"
-    return {"use_pinned_memory": cuda, "use_shared_memory": False, "use_async_staging": cuda,
-            "use_non_blocking_copy": cuda}
+    return device_type == "cuda"
 
 
-def make_stager(device: torch.device) -> Any | None:
-    """The stager of this process's background saves (one, reused: it keeps the staging buffers), or None."""
-    from torch.distributed.checkpoint import staging
-
-    options = staging_choice(device.type, hasattr(staging, "DefaultStager"))
-    if options is None:
-        return None
-    return staging.DefaultStager(staging.StagingOptions(**options))
+def shard_writer(checkpoint_dir: Path, device: torch.device) -> HashingWriter:
+    """The writer of this process's background saves: made once and passed to every save (checkpoint_id names
+    the folder), so that its staging buffers are reused."""
+    return HashingWriter(checkpoint_dir / SHARDS_DIR, cache_staged_state_dict=pinned_staging(device.type))
 
 
 # --- loading --------------------------------------------------------------------------------------------------------

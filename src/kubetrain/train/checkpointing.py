@@ -15,7 +15,13 @@ from torch import nn
 
 from kubetrain import checkpoint, runs
 from kubetrain.checkpoint import remote
-from kubetrain.checkpoint.sharded import load_model_shards, save_shards, save_shards_in_background
+from kubetrain.checkpoint.sharded import (
+    HashingWriter,
+    load_model_shards,
+    save_shards,
+    save_shards_in_background,
+    shard_writer,
+)
 from kubetrain.config.loading import config_hash
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import TrainLoader
@@ -73,7 +79,8 @@ class Checkpointing:
     uploader: remote.Uploader | None
     saver: checkpoint.BackgroundSaver | None
     checkpoint_group: torch.distributed.ProcessGroup | None  # FSDP + async_save: background writes' collectives
-    stager: Any | None  # FSDP + async_save: DCP's stager, kept so its host buffers are reused (sharded.make_stager)
+    device: torch.device
+    shard_writer: HashingWriter | None  # FSDP + async_save: made at the first save, reused (its staging buffers)
     shards_staged: Future[Any] | None  # FSDP + async_save: this rank's shards being copied to host memory
     shards_written: Future[Any] | None  # FSDP + async_save, ranks but 0: this rank's shards being written
     say: Callable[[str], None]
@@ -112,8 +119,10 @@ class Checkpointing:
             dist.barrier()  # the temporary folder exists before any rank writes into it
             folder = checkpoint.tmp_dir(self.ckpt_root, state.step)
             if background and self.checkpoint_group is not None:
+                if self.shard_writer is None:  # one for the run: it keeps the staging buffers (pinned on CUDA)
+                    self.shard_writer = shard_writer(folder, self.device)
                 inflight = save_shards_in_background(self.model, self.optimizer, folder, self.checkpoint_group,
-                                                     self.stager)
+                                                     self.shard_writer)
                 shards, self.shards_staged = inflight.written, inflight.staged
                 if not self.main:  # rank 0's writer thread waits for it, then finishes the checkpoint
                     self.shards_written = shards

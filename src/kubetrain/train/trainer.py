@@ -18,7 +18,7 @@ from torch import nn
 
 from kubetrain import checkpoint, hardware, runs
 from kubetrain.checkpoint import remote
-from kubetrain.checkpoint.sharded import make_stager
+from kubetrain.checkpoint.sharded import HashingWriter
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import Prepared, prepare
@@ -109,7 +109,7 @@ class Trainer(Checkpointing):
     uploader: remote.Uploader | None = None  # rank 0, with checkpoint.uri: copies checkpoints to object storage
     saver: checkpoint.BackgroundSaver | None = None  # rank 0, checkpoint.async_save: writes in the background
     checkpoint_group: torch.distributed.ProcessGroup | None = None  # FSDP + async_save: for DCP's write thread
-    stager: Any | None = None  # FSDP + async_save: DCP's stager, reused so its host buffers are
+    shard_writer: HashingWriter | None = None  # FSDP + async_save: made at the first save, reused (its buffers)
     shards_staged: Future[Any] | None = None  # FSDP + async_save: this rank's shards being copied to host memory
     shards_written: Future[Any] | None = None  # FSDP + async_save, ranks but 0: this rank's shards being written
 
@@ -180,8 +180,6 @@ class Trainer(Checkpointing):
         finally:
             with contextlib.suppress(CheckpointError):  # a failure elsewhere: keep what is being written
                 self.wait_for_saves(stop.time_left())  # (a failed shard is already reported on rank 0)
-            if self.stager is not None and hasattr(self.stager, "close"):  # its staging thread and buffers
-                self.stager.close()
             if self.uploader:  # wait for the uploads; after a stop, only within what is left of the grace period
                 self.uploader.close(stop.time_left())
             self.finish(status)
@@ -287,7 +285,6 @@ class Trainer(Checkpointing):
             self.saver = checkpoint.BackgroundSaver()
         if self.sharded and cfg.checkpoint.async_save:  # every rank: DCP writes its shards in a thread
             self.checkpoint_group = dist.checkpoint_group(cfg.dist)
-            self.stager = make_stager(self.device)
         self.memory_peak = MemoryPeak(self.device)
         self.counted_at = (self.state.step, optimizer_steps(self.optimizer))  # (step, optimizer steps) last counted
         self.meter.tokens0 = self.state.tokens
