@@ -3,11 +3,13 @@ without gradient checkpointing, through the real loop (`kubetrain train`).
 
 The figure is the peak resident set of the largest process of a run: ru_maxrss of RUSAGE_CHILDREN, read by a
 small wrapper process after `kubetrain train` (and its elastic agent's workers) ended. Each run trains a few
-steps and writes its final checkpoint (under FSDP rank 0 gathers the weights for the portable model file).
+steps with a checkpoint every `--every` steps (2: in the background, as configured by default) and at the end.
+Under FSDP every rank writes its own DCP shards of the model and optimizer; nothing is gathered.
 The baseline is one process that imported kubetrain's trainer, torch, FSDP and DCP, and nothing else; ratios
 are given of the peaks and of the growth over that baseline (what the model and its training add).
 
     PYTHONPATH=src .venv/bin/python bench/bench_memory.py [--layers 12 --width 768 --context 256] [--out auto]
+        [--only ddp4,fsdp4]   (the figure of issue 27: FSDP's largest process over DDP's, 4 ranks)
 
 The default shape is GPT-2 small's blocks with a byte vocabulary: 85M parameters. 4 ranks under DDP take ~10 GB
 of RAM together: run it alone.
@@ -38,7 +40,8 @@ def settings(args: argparse.Namespace, cwd: Path) -> list[str]:
     return [f"model.n_layer={args.layers}", f"model.n_head={args.width // 64}", f"model.n_embd={args.width}",
             f"model.block_size={args.context}", f"train.micro_batch_size={args.batch}", f"train.max_steps={args.steps}",
             "train.warmup_steps=0", "train.log_every_steps=1", "eval.every_steps=100000", "eval.batches=1",
-            "eval.sample_prompt=null", "checkpoint.every_steps=100000", "run.threads=1",
+            "eval.sample_prompt=null", f"checkpoint.every_steps={args.every}", "checkpoint.keep_last=1",
+            "run.threads=1",
             f"data.sources=[{{kind: text, path: {cwd / 'corpus.txt'}}}]", f"data.cache_dir={cwd / 'cache'}",
             "track.console=false"]
 
@@ -57,6 +60,8 @@ def measure(args: argparse.Namespace, cwd: Path) -> dict[str, Any]:
     for checkpointing in (False, True):
         for strategy, nproc in (("single", 1), ("ddp", 2), ("fsdp", 2), ("ddp", 4), ("fsdp", 4)):
             name = f"{strategy}{nproc}{'-ac' if checkpointing else ''}"
+            if args.only and name not in args.only.split(","):
+                continue
             sets = [*settings(args, cwd), f"run.name={name}", f"dist.strategy={'ddp' if strategy == 'ddp' else 'fsdp'}",
                     f"model.gradient_checkpointing={str(checkpointing).lower()}"]
             cmd = [*base, *[x for s in sets for x in ("--set", s)], *(["--nproc", str(nproc)] if nproc > 1 else [])]
@@ -70,14 +75,14 @@ def measure(args: argparse.Namespace, cwd: Path) -> dict[str, Any]:
 def ratios(rows: list[dict[str, Any]], base: float = 0.0) -> dict[str, float]:
     """FSDP / DDP and FSDP / one process, per rank count and checkpointing (of the peaks less `base`)."""
     peak = {(r["strategy"], r["ranks"], r["gradient_checkpointing"]): r["peak_rss_mib"] - base for r in rows}
-    out = {}
+    pairs = {}
     for ac in (False, True):
         tag = "-ac" if ac else ""
         for n in (2, 4):
-            out[f"fsdp{n}/ddp{n}{tag}"] = round(peak[("fsdp", n, ac)] / peak[("ddp", n, ac)], 3)
-            out[f"fsdp{n}/single{tag}"] = round(peak[("fsdp", n, ac)] / peak[("single", 1, ac)], 3)
-        out["ac/no-ac single"] = round(peak[("single", 1, True)] / peak[("single", 1, False)], 3)
-    return out
+            pairs[f"fsdp{n}/ddp{n}{tag}"] = (("fsdp", n, ac), ("ddp", n, ac))
+            pairs[f"fsdp{n}/single{tag}"] = (("fsdp", n, ac), ("single", 1, ac))
+    pairs["ac/no-ac single"] = (("single", 1, True), ("single", 1, False))
+    return {name: round(peak[a] / peak[b], 3) for name, (a, b) in pairs.items() if a in peak and b in peak}
 
 
 def main() -> None:
@@ -86,7 +91,9 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--every", type=int, default=2, help="Steps between checkpoints (and one at the end).")
+    ap.add_argument("--only", default=None, help="Runs to measure, e.g. ddp4,fsdp4 (default: all ten).")
     ap.add_argument("--out", default=None, help="a JSON file, or 'auto': bench/results/memory-<shape>_<hw>_<date>.json")
     args = ap.parse_args()
     import torch
@@ -111,7 +118,7 @@ def main() -> None:
     report = {
         "what": "peak RSS of the largest process, kubetrain train (gloo, CPU, 1 thread per process)",
         "model": {"params": params, "layers": args.layers, "width": args.width, "context": args.context,
-                  "vocab": 256, "micro_batch": args.batch, "steps": args.steps},
+                  "vocab": 256, "micro_batch": args.batch, "steps": args.steps, "checkpoint_every": args.every},
         "baseline_mib": base,
         **result, "ratios": ratios(result["runs"]), "ratios_over_baseline": ratios(result["runs"], base),
         "commit": commit.strip() + ("-dirty" if dirty.strip() else ""), "torch": torch.__version__,

@@ -18,7 +18,7 @@ import yaml
 from kubetrain.launch.elastic import LaunchOptions, torchrun_args
 from kubetrain.torch_compat import (
     agent_takes_shutdown_timeout,
-    save_completion,
+    async_save_futures,
     torch_version,
     unsupported_torch,
 )
@@ -70,9 +70,9 @@ def test_the_torchrun_command_line_parses_on_this_torch() -> None:
     assert flag == agent_takes_shutdown_timeout() == (torch_version() >= (2, 13))
 
 
-def test_a_plain_future_is_its_own_completion() -> None:
+def test_a_plain_future_is_the_save_and_nothing_is_left_to_stage() -> None:
     done: Future[int] = Future()
-    assert save_completion(done) is done
+    assert async_save_futures(done) == (None, done)
 
 
 AGENT = """

@@ -1,4 +1,6 @@
-"""checkpoint.safe_dcp: a sharded optimizer checkpoint loads back, and a forged or tampered one cannot run code."""
+"""checkpoint.safe_dcp and checkpoint.sharded in one process: FSDP shards (and the earlier format, the optimizer alone
+beside model.safetensors) load back, the whole model is assembled from them, and a forged or tampered checkpoint
+cannot run code."""
 
 from __future__ import annotations
 
@@ -10,11 +12,20 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from kubetrain import checkpoint
 from kubetrain.checkpoint.safe_dcp import SafeLoadPlanner, load_metadata
+from kubetrain.checkpoint.sharded import (
+    load_model_shards,
+    load_optimizer_shards,
+    pinned_staging,
+    save_shards,
+    shard_writer,
+)
 from kubetrain.errors import CheckpointError
 from tests.checkpoint.conftest import age_files, count_hashing
 
@@ -38,13 +49,35 @@ def _model_and_optimizer(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.8, 0.9))
 
 
-def _sharded_checkpoint(root: Path) -> checkpoint.Checkpoint:
-    """A checkpoint with its optimizer written through DCP, as an FSDP run writes it (here in one process)."""
-    model, opt = _model_and_optimizer(0)
+def _trained(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model, opt = _model_and_optimizer(seed)
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
-    checkpoint.save_optimizer(model, opt, checkpoint.begin(root, 1))
+    return model, opt
+
+
+def _sharded_checkpoint(root: Path) -> checkpoint.Checkpoint:
+    """A checkpoint whose model and optimizer are DCP shards, as an FSDP run writes it (here in one process)."""
+    model, opt = _trained()
+    save_shards(model, opt, checkpoint.begin(root, 1))
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    return checkpoint.save(root, 1, None, {"optimizer": None}, {"shapes": shapes}, keep_last=2, prepared=True)
+
+
+def _earlier_checkpoint(root: Path) -> checkpoint.Checkpoint:
+    """An FSDP checkpoint as earlier versions wrote it: the weights whole, the optimizer alone through DCP."""
+    model, opt = _trained()
+    folder = checkpoint.begin(root, 1)
+    dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(folder / checkpoint.OPTIMIZER_DIR))
     return checkpoint.save(root, 1, model.state_dict(), {"optimizer": None}, {}, keep_last=2, prepared=True)
+
+
+def _assert_same_optimizer(opt: torch.optim.Optimizer, saved: torch.optim.Optimizer) -> None:
+    mine, theirs = opt.state_dict(), saved.state_dict()
+    assert mine["param_groups"][0]["betas"] == (0.8, 0.9) and mine["param_groups"][0]["lr"] == 0.1
+    for i in theirs["state"]:
+        assert mine["state"][i]["exp_avg"].equal(theirs["state"][i]["exp_avg"])
+        assert mine["state"][i]["exp_avg_sq"].equal(theirs["state"][i]["exp_avg_sq"])
 
 
 def _forge(ckpt: checkpoint.Checkpoint, name: str, data: bytes) -> None:
@@ -55,19 +88,36 @@ def _forge(ckpt: checkpoint.Checkpoint, name: str, data: bytes) -> None:
     (ckpt.path / "meta.json").write_text(json.dumps(meta))
 
 
-def test_sharded_optimizer_round_trips(tmp_path: Path) -> None:
+def test_shards_round_trip_and_assemble_into_the_whole_model(tmp_path: Path) -> None:
     ckpt = _sharded_checkpoint(tmp_path)
-    assert "optimizer/.metadata" in ckpt.meta["files"]  # the metadata is checksummed like the shards
-    saved_model, saved_opt = _model_and_optimizer(0)
-    saved_model(torch.ones(2, 4)).sum().backward()
-    saved_opt.step()
-    model, opt = _model_and_optimizer(0)
-    checkpoint.load_optimizer(model, opt, ckpt.path)
-    mine, theirs = opt.state_dict(), saved_opt.state_dict()
-    assert mine["param_groups"][0]["betas"] == (0.8, 0.9) and mine["param_groups"][0]["lr"] == 0.1
-    for i in theirs["state"]:
-        assert mine["state"][i]["exp_avg"].equal(theirs["state"][i]["exp_avg"])
-        assert mine["state"][i]["exp_avg_sq"].equal(theirs["state"][i]["exp_avg_sq"])
+    # the one writer hashed its shard file; .metadata was hashed by whoever finished the checkpoint
+    assert {"shards/.metadata", "shards/__0_0.distcp"} <= set(ckpt.meta["files"])
+    assert not (ckpt.path / "model.safetensors").exists() and not (ckpt.path / ".digests").exists()
+    saved_model, saved_opt = _trained()
+    model, opt = _model_and_optimizer(1)  # other weights: the load must replace them
+    load_model_shards(model, ckpt.path)
+    load_optimizer_shards(model, opt, ckpt.path)
+    _assert_same_optimizer(opt, saved_opt)
+    whole = ckpt.model_state()  # what export and generate read: assembled from the shards
+    assert whole.keys() == saved_model.state_dict().keys()
+    assert all(whole[k].equal(v) and model.state_dict()[k].equal(v) for k, v in saved_model.state_dict().items())
+
+
+def test_a_checkpoint_of_the_earlier_format_still_loads(tmp_path: Path) -> None:
+    ckpt = _earlier_checkpoint(tmp_path)
+    saved_model, saved_opt = _trained()
+    model, opt = _model_and_optimizer(1)
+    checkpoint.sharded.load_optimizer(model, opt, ckpt.path)
+    _assert_same_optimizer(opt, saved_opt)
+    assert all(ckpt.model_state()[k].equal(v) for k, v in saved_model.state_dict().items())
+
+
+def test_background_saves_stage_into_reused_pinned_buffers_on_cuda_only(tmp_path: Path) -> None:
+    assert pinned_staging("cuda") and not pinned_staging("cpu") and not pinned_staging("mps")
+    writer = shard_writer(tmp_path, torch.device("cpu"))  # what a CPU run uses: DCP's copy per save, no cache
+    assert writer.cache_staged_state_dict is False
+    staged = writer.stage({"w": torch.ones(3)})
+    assert staged["w"].equal(torch.ones(3)) and not staged["w"].is_pinned()
 
 
 def test_the_optimizer_files_are_not_hashed_again_after_the_resume_verified_them(
@@ -78,7 +128,7 @@ def test_the_optimizer_files_are_not_hashed_again_after_the_resume_verified_them
     hashed = count_hashing(monkeypatch)
     assert checkpoint.find_resumable(tmp_path) is not None
     assert sorted(hashed) == sorted(Path(f).name for f in ckpt.meta["files"])
-    checkpoint.load_optimizer(*_model_and_optimizer(0), ckpt.path)
+    load_optimizer_shards(*_model_and_optimizer(0), ckpt.path)
     assert len(hashed) == len(ckpt.meta["files"])  # once, by the resume: not a second time by the load
 
 
@@ -94,13 +144,13 @@ def test_forged_metadata_cannot_run_code(tmp_path: Path) -> None:
     assert unsafe.exists()
 
     marker = tmp_path / "marker"
-    _forge(ckpt, "optimizer/.metadata", pickle.dumps(TouchOnLoad(marker)))
+    _forge(ckpt, "shards/.metadata", pickle.dumps(TouchOnLoad(marker)))
     checkpoint.verify(ckpt.path)  # meta.json was forged along with it: the digests alone cannot tell
     model, opt = _model_and_optimizer(0)
     with pytest.raises(CheckpointError, match=r"refusing to load .*pathlib\.Path\.touch is not part of"):
-        checkpoint.load_optimizer(model, opt, ckpt.path)
+        load_optimizer_shards(model, opt, ckpt.path)
     with pytest.raises(CheckpointError, match="refusing"):
-        load_metadata(ckpt.path / "optimizer" / ".metadata")
+        load_metadata(ckpt.path / "shards" / ".metadata")
     assert not marker.exists()
 
 
@@ -114,21 +164,21 @@ def test_values_load_as_plain_data_only(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-def test_tampered_missing_or_extra_optimizer_files_are_refused_before_loading(tmp_path: Path) -> None:
+def test_tampered_missing_or_extra_shard_files_are_refused_before_loading(tmp_path: Path) -> None:
     ckpt = _sharded_checkpoint(tmp_path)
     model, opt = _model_and_optimizer(0)
-    shard = next((ckpt.path / "optimizer").glob("*.distcp"))
+    shard = next((ckpt.path / "shards").glob("*.distcp"))
     original = shard.read_bytes()
     data = bytearray(original)
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="fails its checksum"):
-        checkpoint.load_optimizer(model, opt, ckpt.path)
+        load_optimizer_shards(model, opt, ckpt.path)
     shard.write_bytes(original)
-    (ckpt.path / "optimizer" / "__1_0.distcp").write_bytes(b"not listed")
-    with pytest.raises(CheckpointError, match=r"does not match meta\.json \(optimizer/__1_0\.distcp\)"):
-        checkpoint.load_optimizer(model, opt, ckpt.path)
-    (ckpt.path / "optimizer" / "__1_0.distcp").unlink()
-    (ckpt.path / "optimizer" / ".metadata").unlink()
-    with pytest.raises(CheckpointError, match=r"optimizer/\.metadata"):
-        checkpoint.load_optimizer(model, opt, ckpt.path)
+    (ckpt.path / "shards" / "__1_0.distcp").write_bytes(b"not listed")
+    with pytest.raises(CheckpointError, match=r"does not match meta\.json \(shards/__1_0\.distcp\)"):
+        load_optimizer_shards(model, opt, ckpt.path)
+    (ckpt.path / "shards" / "__1_0.distcp").unlink()
+    (ckpt.path / "shards" / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"shards/\.metadata"):
+        load_optimizer_shards(model, opt, ckpt.path)

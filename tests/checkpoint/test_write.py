@@ -170,17 +170,24 @@ def test_a_background_save_with_shards_finishes_only_once_every_shard_is_written
     saver, trainer = _saver_with_step_1(tmp_path)
     folder = checkpoint.begin(tmp_path, 2)
     shards: Future[None] = Future()  # what DCP's async_save hands back: done once every rank wrote its shard
-    saver.save(tmp_path, 2, tiny_state(2), trainer, {}, keep_last=5, shards=shards)
+    saver.save(tmp_path, 2, None, trainer, {"shapes": {"w": [2]}}, keep_last=5, shards=shards)
     saver.wait_staged()
     assert not saver.wait(timeout=0.2)  # held by the shards: nothing renamed, `latest` unmoved
     assert checkpoint.pointer(tmp_path, "latest") == "step-000001" and folder.is_dir()
-    (folder / "optimizer").mkdir()
-    (folder / "optimizer" / "__0_0.distcp").write_bytes(b"shard")
+    (folder / "shards").mkdir()
+    (folder / "shards" / "__0_0.distcp").write_bytes(b"shard")
+    (folder / "shards" / ".metadata").write_bytes(b"index")  # rank 0's, which no writer hashed
+    (folder / ".digests").mkdir()  # what each rank's HashingWriter leaves: the digests of the files it wrote
+    digest = checkpoint.file_digest(folder / "shards" / "__0_0.distcp")
+    (folder / ".digests" / "__0_json").write_text(json.dumps({"shards/__0_0.distcp": digest}))
     shards.set_result(None)
     assert saver.wait()
     [done] = saver.collect()
     assert checkpoint.pointer(tmp_path, "latest") == "step-000002"
-    assert "optimizer/__0_0.distcp" in checkpoint.verify(done.checkpoint.path).meta["files"]  # hashed with the rest
+    files = checkpoint.verify(done.checkpoint.path).meta["files"]
+    assert files["shards/__0_0.distcp"]["xxh3_128"] == digest and "shards/.metadata" in files
+    assert "model.safetensors" not in files and not (done.checkpoint.path / ".digests").exists()
+    assert done.checkpoint.meta["shapes"] == {"w": [2]}
 
 
 def test_a_shard_that_failed_fails_the_background_save_and_keeps_the_previous(tmp_path: Path) -> None:
@@ -190,7 +197,7 @@ def test_a_shard_that_failed_fails_the_background_save_and_keeps_the_previous(tm
     shards.set_exception(OSError(28, "No space left on device"))  # a rank could not write its shard
     saver.save(tmp_path, 2, tiny_state(2), trainer, {}, keep_last=5, shards=shards)
     saver.wait()
-    with pytest.raises(CheckpointError, match=r"step-000002.*optimizer shard.*previous checkpoint step-000001 is"):
+    with pytest.raises(CheckpointError, match=r"step-000002.*its shards.*previous checkpoint step-000001 is"):
         saver.collect()
     assert checkpoint.pointer(tmp_path, "latest") == "step-000001"
     assert not (tmp_path / "step-000002.tmp").exists() and not (tmp_path / "step-000002").exists()

@@ -199,7 +199,8 @@ def test_mixed_precision_trains_on_the_cpu(tmp_path: Path, precision: str) -> No
 def test_fp16_counts_skipped_steps_and_resumes_the_scaler(tmp_path: Path) -> None:
     trainer = opened(tmp_path, precision="fp16")
     # a loss scale far past fp16's range: the gradients overflow, the step is skipped, the scale shrinks
-    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=1000)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=1000)
+    trainer.scaler = trainer.checkpointer.scaler = scaler  # the checkpointer saves the scaler it was given
     before = {k: v.clone() for k, v in trainer.base.state_dict().items()}
     trainer.train_step()
     assert trainer.state.step == 1 and trainer.scaler.get_scale() == 2.0**39

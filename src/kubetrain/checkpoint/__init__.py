@@ -1,4 +1,4 @@
-"""The checkpoint format: layout, write, verify, read, newest-that-verifies, sharded optimizer state; copies in
+"""The checkpoint format: layout, write, verify, read, newest-that-verifies, FSDP shards (checkpoint.sharded); copies in
 object storage (`checkpoint.remote`, `checkpoint.sync`).
 
 Callers say `from kubetrain import checkpoint` and `checkpoint.save(...)`, `checkpoint.find_resumable(...)`.
@@ -11,16 +11,18 @@ from kubetrain.checkpoint.layout import (
     LATEST,
     META_FILE,
     MODEL_FILE,
+    OPTIMIZER_DIR,
+    SHARDS_DIR,
     TRAINER_FILE,
     TRAINER_TENSORS,
     complete_checkpoints,
     file_digest,
+    is_checkpoint_dir,
     pointer,
     step_name,
     tmp_dir,
 )
 from kubetrain.checkpoint.read import Checkpoint, check_compatible, find_resumable, resolve, verify
-from kubetrain.checkpoint.sharded import OPTIMIZER_DIR, full_model_state, load_optimizer, save_optimizer
 from kubetrain.checkpoint.write import BackgroundSaver, Saved, begin, prune, save, stage, unique_tensors
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "META_FILE",
     "MODEL_FILE",
     "OPTIMIZER_DIR",
+    "SHARDS_DIR",
     "TRAINER_FILE",
     "TRAINER_TENSORS",
     "BackgroundSaver",
@@ -40,13 +43,11 @@ __all__ = [
     "complete_checkpoints",
     "file_digest",
     "find_resumable",
-    "full_model_state",
-    "load_optimizer",
+    "is_checkpoint_dir",
     "pointer",
     "prune",
     "resolve",
     "save",
-    "save_optimizer",
     "stage",
     "step_name",
     "tmp_dir",

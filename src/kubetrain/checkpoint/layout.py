@@ -1,7 +1,8 @@
 """Where a checkpoint's files live, what they are called, and the checksum that proves them.
 
 checkpoints/
-  step-000200/       model.safetensors  trainer.safetensors  trainer.pt  optimizer/ (FSDP)  meta.json
+  step-000200/       model.safetensors  trainer.safetensors  trainer.pt  meta.json       (one process, DDP)
+  step-000400/       shards/ (model and optimizer, DCP: every rank's files)  trainer.*  meta.json   (FSDP)
   step-000300.tmp/   a save in progress (or killed): never read
   latest             name of the newest complete checkpoint
   best               name of the checkpoint with the lowest val loss
@@ -18,6 +19,8 @@ MODEL_FILE = "model.safetensors"
 TRAINER_FILE = "trainer.pt"  # optimizer, schedule, RNG and data cursor, with its tensors in TRAINER_TENSORS
 TRAINER_TENSORS = "trainer.safetensors"
 META_FILE = "meta.json"
+SHARDS_DIR = "shards"  # FSDP: {"model": ..., "optimizer": ...} through DCP, the files each rank wrote
+OPTIMIZER_DIR = "optimizer"  # FSDP checkpoints of earlier versions: the optimizer alone (weights in MODEL_FILE)
 LATEST = "latest"
 BEST = "best"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
@@ -58,3 +61,8 @@ def complete_checkpoints(root: Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))  # type: ignore[union-attr]
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """A checkpoint folder (not a run folder): its meta.json and its weights, whole or in shards."""
+    return (path / META_FILE).is_file() and ((path / MODEL_FILE).exists() or (path / SHARDS_DIR).is_dir())

@@ -25,10 +25,12 @@ from kubetrain.checkpoint.layout import (
     CHECKSUM,
     META_FILE,
     MODEL_FILE,
+    SHARDS_DIR,
     TRAINER_FILE,
     TRAINER_TENSORS,
     complete_checkpoints,
     file_digest,
+    is_checkpoint_dir,
 )
 from kubetrain.errors import BadCheckpointError, CheckpointError, IncompatibleCheckpointError
 
@@ -43,7 +45,17 @@ class Checkpoint:
         return int(self.meta["step"])
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        return load_file(self.path / MODEL_FILE)
+        """Every saved weight, whole: from model.safetensors, or assembled from an FSDP checkpoint's shards."""
+        if (self.path / MODEL_FILE).exists():
+            return load_file(self.path / MODEL_FILE)
+        from kubetrain.checkpoint.sharded import consolidated_model
+
+        return consolidated_model(self.path)
+
+    @property
+    def sharded(self) -> bool:
+        """Its model and optimizer are DCP shards (an FSDP checkpoint of this version)."""
+        return (self.path / SHARDS_DIR).is_dir()
 
     def trainer_state(self) -> dict[str, Any]:
         # weights_only: a checkpoint from elsewhere cannot run code when it is loaded.
@@ -119,7 +131,7 @@ def find_resumable(root: Path, warn: Callable[[str], None] | None = None) -> Che
 
 def resolve(path: Path) -> Checkpoint:
     """A checkpoint named by the user: a checkpoint folder, or a run/checkpoints folder (its newest good one)."""
-    if (path / META_FILE).is_file() and (path / MODEL_FILE).exists():
+    if is_checkpoint_dir(path):
         return verify_named(path)
     for root in (path / "checkpoints", path):
         if root.is_dir() and complete_checkpoints(root):

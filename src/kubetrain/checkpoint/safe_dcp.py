@@ -2,9 +2,9 @@
 
 DCP's own reader unpickles `.metadata` with `pickle.load`, and its load planner reads every non-tensor value
 with `torch.load(weights_only=False)`: a checkpoint from elsewhere could run anything. Two guards:
-- the files under `optimizer/` must match the xxh3-128 digests the checkpoint's meta.json recorded when it was
-  written (no file missing, none added). This catches a corrupted or tampered shard, but an attacker who forges
-  the whole checkpoint forges meta.json too;
+- the files under `shards/` (or `optimizer/`, earlier checkpoints) must match the xxh3-128 digests the
+  checkpoint's meta.json recorded when they were written (no file missing, none added). This catches a
+  corrupted or tampered shard, but an attacker who forges the whole checkpoint forges meta.json too;
 - so the real guarantee is the loading itself: `.metadata` goes through an unpickler that knows only DCP's
   metadata classes, and non-tensor values only through `torch.load(weights_only=True)`.
 """

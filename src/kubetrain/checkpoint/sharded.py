@@ -1,69 +1,221 @@
-"""FSDP2 state through torch.distributed.checkpoint: full weights for the portable model file, the optimizer
-sharded (each rank writes its own part; DCP reshards on load, so the world size may change)."""
+"""FSDP2 state through torch.distributed.checkpoint (DCP), torchtitan's way: every rank writes its own shards of the
+model and the optimizer into `shards/`, hashes the files it wrote, and no process ever holds the whole model to
+save it. DCP reshards on load, so the world size may change (also to one process, or DDP).
+
+The portable whole-model file is made from the shards only when asked (`consolidated_model`: export, generate,
+a DDP or single-process run starting from them). Checkpoints of earlier versions (model.safetensors, the
+optimizer alone in `optimizer/`) still load (`load_optimizer`).
+"""
 
 from __future__ import annotations
 
+import json
+import shutil
+import warnings
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as td
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.storage import WriteResult
 
-OPTIMIZER_DIR = "optimizer"
+from kubetrain.checkpoint.layout import OPTIMIZER_DIR, SHARDS_DIR, file_digest
+from kubetrain.files import fsync_dir, write_atomic
 
-
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every weight gathered to rank 0 on the CPU (collective: all ranks call it; the others get {})."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+DIGESTS_DIR = ".digests"  # beside shards/ while a save is in flight: each rank's digests of the files it wrote
+_DCP_SUFFIX = ".distcp"  # FileSystemWriter's file names: __<rank>_<n>.distcp, then .metadata from rank 0
 
 
-def save_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Collective: each rank writes its shard of the optimizer state into `folder`."""
-    import torch.distributed.checkpoint as dcp
+class HashingWriter(FileSystemWriter):
+    """DCP's file writer, and each rank hashes (xxh3-128) the files it just wrote, while it still has them in the
+    page cache, into `<checkpoint>/.digests/<prefix>json`: rank 0 reads those small files to write meta.json, so no
+    digest, and no tensor, travels through a collective or is hashed twice. The digest file is written before this
+    rank reports its write to DCP's coordinator, so it exists by the time `.metadata` does."""
+
+    def write_data(self, plan: Any, planner: Any) -> torch.futures.Future[list[WriteResult]]:
+        written = super().write_data(plan, planner)
+        written.wait()  # FileSystemWriter writes synchronously: the future is already done
+        prefix = plan.storage_data.prefix  # "__<rank in the checkpoint's group>_", FileSystemWriter's own naming
+        folder = Path(self.path)
+        # every file this rank made, also one with nothing in it (a rank whose plan is empty still writes a file)
+        mine = sorted(f for f in folder.iterdir() if f.name.startswith(prefix) and f.name.endswith(_DCP_SUFFIX))
+        digests = {f"{folder.name}/{f.name}": file_digest(f) for f in mine}
+        digest_dir = folder.parent / DIGESTS_DIR
+        digest_dir.mkdir(exist_ok=True)
+        write_atomic(digest_dir / f"{prefix}json", json.dumps(digests))
+        return written
+
+
+def collect_digests(checkpoint_dir: Path) -> dict[str, str]:
+    """Rank 0, once every rank wrote: the digests the ranks recorded, by file; the digest files are removed."""
+    digest_dir = checkpoint_dir / DIGESTS_DIR
+    if not digest_dir.is_dir():
+        return {}
+    found: dict[str, str] = {}
+    for f in sorted(digest_dir.iterdir()):
+        found.update(json.loads(f.read_text()))
+    shutil.rmtree(digest_dir)
+    fsync_dir(checkpoint_dir)
+    return found
+
+
+# --- what is saved ------------------------------------------------------------------------------------------------
+
+
+def checkpointed_names(model: nn.Module) -> set[str] | None:
+    """The weights a checkpoint keeps: the trainable ones when some are frozen (LoRA), else None (all of them)."""
+    params = dict(model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    return None if len(trainable) == len(params) else trainable
+
+
+def model_shards(model: nn.Module) -> dict[str, Any]:
+    """This rank's part of every checkpointed weight (sharded DTensors under FSDP, not copies; whole tensors
+    otherwise). Never a full state dict: nothing is gathered."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state = get_model_state_dict(model)
+    keep = checkpointed_names(model)
+    return {k: v for k, v in state.items() if keep is None or k in keep}
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(folder / OPTIMIZER_DIR))
+    return {"model": model_shards(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
-def save_optimizer_in_background(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path,
-                                  group: td.ProcessGroup) -> Future[Any]:
-    """Collective: each rank's optimizer shard copied to host memory now, written into `folder` by a DCP thread.
+def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: Path) -> None:
+    """Collective: each rank writes (and hashes) its shards of the model and optimizer into checkpoint_dir/shards."""
+    import torch.distributed.checkpoint as dcp
 
-    Returns once the copy is made (training may change the optimizer from then on). The write plans and gathers
-    on `group` (a group of its own, see distributed.setup.checkpoint_group). The future completes on every rank
-    only after all of them wrote: DCP's last step (state_dict_saver._save_state_dict: `distW.all_reduce("write",
-    write_data, finish_checkpoint)`, utils._DistWrapper.all_reduce) gathers every rank's write results on rank 0,
-    which then writes `.metadata`, and broadcasts the outcome; a rank's failure fails every rank's future.
+    dcp.save(sharded_state(model, optimizer), storage_writer=HashingWriter(checkpoint_dir / SHARDS_DIR))
+
+
+@dataclass
+class ShardsInFlight:
+    """A background save of this rank's shards: `staged` once the copy to host memory is made (the optimizer may
+    change the weights from then on), `written` once every rank wrote and rank 0 wrote `.metadata`."""
+
+    staged: Future[Any] | None
+    written: Future[Any]
+
+
+def save_shards_in_background(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: Path,
+                              group: td.ProcessGroup, writer: HashingWriter) -> ShardsInFlight:
+    """Collective: this rank's shards copied to host memory by `writer` (its staging, see `shard_writer`), then
+    written and hashed by DCP's thread, which plans and gathers on `group` (a group of its own, see
+    distributed.setup.checkpoint_group).
+
+    DCP's last step (state_dict_saver._save_state_dict: `distW.all_reduce("write", write_data, finish_checkpoint)`)
+    gathers every rank's write results on rank 0, which then writes `.metadata`, and broadcasts the outcome: the
+    `written` future completes on every rank only after all of them wrote, and a rank's failure fails them all.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from kubetrain.torch_compat import save_completion
+    from kubetrain.torch_compat import async_save_futures
 
-    written = dcp.async_save({"optimizer": get_optimizer_state_dict(model, optimizer)},
-                             checkpoint_id=str(folder / OPTIMIZER_DIR), process_group=group)
-    return save_completion(written)
+    response = dcp.async_save(sharded_state(model, optimizer), checkpoint_id=str(checkpoint_dir / SHARDS_DIR),
+                              storage_writer=writer, process_group=group)
+    # a stager that copies in a thread gives a staging future: wait on it before the optimizer step
+    staged, written = async_save_futures(response)
+    return ShardsInFlight(staged, written)
 
 
-def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Collective: read the sharded optimizer state back, resharded to this world size.
+# --- staging to host memory -----------------------------------------------------------------------------------------
 
-    Nothing in the checkpoint can run code: its optimizer files must match the digests in its meta.json, and
-    DCP reads them through safe_dcp (metadata through a restricted unpickler, values as plain data only).
+
+def pinned_staging(device_type: str) -> bool:
+    """Whether background saves stage into pinned host buffers made once and reused by every later save.
+
+    On CUDA, yes: the writer is DCP's BlockingAsyncStager with `cache_staged_state_dict=True` (torch 2.4 to 2.13,
+    2.8 included): the first save allocates a pinned CPU copy of the state (`_create_cpu_state_dict(...,
+    pin_memory=True)`), every save copies into it (`_copy_state_dict`), so a save costs one device-to-host copy at
+    pinned speed and no allocation. That is torchtitan's `async_with_pinned_mem` idea (CheckpointManager: a pinned
+    CPU state dict made once, copied into at each save, written in the background). Not DCP's DefaultStager, which
+    torchtitan now passes (`DefaultStager(StagingOptions(True, True, True, True))`): from torch 2.11 it drops its
+    cached storages after every stage (staging.py, DefaultStager._stage: `self._state_dict_stager.close()`), so each
+    save would pin fresh memory; and torch 2.8 has none. Shared memory is for torchtitan's separate writer process;
+    ours is DCP's thread in this process. On the CPU there is nothing to pin (the cache is pinned-only):
+    DCP's default, a fresh copy per save, freed once written.
     """
+    return device_type == "cuda"
+
+
+def shard_writer(checkpoint_dir: Path, device: torch.device) -> HashingWriter:
+    """The writer of this process's background saves: made once and passed to every save (checkpoint_id names
+    the folder), so that its staging buffers are reused."""
+    return HashingWriter(checkpoint_dir / SHARDS_DIR, cache_staged_state_dict=pinned_staging(device.type))
+
+
+# --- loading --------------------------------------------------------------------------------------------------------
+
+
+def _read(state: dict[str, Any], checkpoint_dir: Path, folder: str, no_dist: bool = False) -> None:
+    """DCP load of `state` from checkpoint_dir/folder, after its files proved to be what meta.json lists, and with
+    nothing in them able to run code (safe_dcp)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     from kubetrain.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, load_metadata, verify_files
 
-    verify_files(folder, OPTIMIZER_DIR)
-    load_metadata(folder / OPTIMIZER_DIR / ".metadata")  # refused here, with our message, before DCP starts
+    verify_files(checkpoint_dir, folder)
+    load_metadata(checkpoint_dir / folder / ".metadata")  # refused here, with our message, before DCP starts
+    with warnings.catch_warnings():  # one process without a process group is what we mean, not a mistake
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint_dir / folder), planner=SafeLoadPlanner(),
+                 no_dist=no_dist)
+
+
+def has_shards(checkpoint_dir: Path) -> bool:
+    return (checkpoint_dir / SHARDS_DIR).is_dir()
+
+
+def load_model_shards(model: nn.Module, checkpoint_dir: Path) -> None:
+    """Collective: this rank's part of every weight, read from the shards (resharded to this world)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = {"model": model_shards(model)}
+    _read(state, checkpoint_dir, SHARDS_DIR)
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+
+
+def load_optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: Path) -> None:
+    """Collective: the optimizer state read from the shards, resharded to this world (FSDP, DDP or one process)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
     # get_optimizer_state_dict initialises empty AdamW state (a zero-lr step), giving DCP tensors to load into.
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, storage_reader=SafeFileSystemReader(folder / OPTIMIZER_DIR), planner=SafeLoadPlanner())
+    _read(state, checkpoint_dir, SHARDS_DIR)
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint_dir: Path) -> None:
+    """Collective: the optimizer of an earlier FSDP checkpoint (optimizer/ beside model.safetensors)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    _read(state, checkpoint_dir, OPTIMIZER_DIR)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def consolidated_model(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """Every checkpointed weight whole, read from the shards by this process alone (export, generate, a run that
+    starts from them without FSDP): the one place a whole model is assembled, and only when asked.
+
+    What DCP's format_utils.dcp_to_torch_save does (an empty state dict planned from `.metadata`), but only for
+    the model's keys (the optimizer's are not read), through safe_dcp, and into tensors, not a pickle."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from kubetrain.checkpoint.safe_dcp import load_metadata
+
+    metadata = load_metadata(checkpoint_dir / SHARDS_DIR / ".metadata")
+    weights = {key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
+               for key, md in metadata.state_dict_metadata.items()
+               if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+    state = {"model": weights}
+    _read(state, checkpoint_dir, SHARDS_DIR, no_dist=True)
+    return state["model"]

@@ -36,6 +36,7 @@ from kubetrain.checkpoint.layout import (
     tmp_dir,
 )
 from kubetrain.checkpoint.read import Checkpoint
+from kubetrain.checkpoint.sharded import collect_digests
 from kubetrain.errors import CheckpointError
 from kubetrain.files import fsync_dir, fsync_file, write_atomic
 
@@ -56,7 +57,7 @@ def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def save(
     root: Path,
     step: int,
-    model_state: dict[str, torch.Tensor],
+    model_state: dict[str, torch.Tensor] | None,
     trainer_state: dict[str, Any],
     meta: dict[str, Any],
     *,
@@ -68,7 +69,9 @@ def save(
 
     A failure at any point (full disk, no permission, a kill) leaves the previous checkpoint and the
     `latest` pointer as they were. `prepared`: the caller made the temporary folder with `begin` and
-    wrote more into it (sharded optimizer state); those files are checksummed too.
+    the ranks wrote their shards into it (FSDP); the digests each rank took of its own files go into meta.json
+    as they are, the rest is hashed here. `model_state` None: the weights are in those shards (then
+    meta["shapes"] names their whole shapes).
     """
     name = step_name(step)
     final = root / name
@@ -77,8 +80,12 @@ def save(
     try:
         if not prepared:
             begin(root, step)
-        tensors = unique_tensors(model_state)
-        written = {MODEL_FILE: tensorfile.write(tmp / MODEL_FILE, tensors)}
+        written = collect_digests(tmp)  # the shards' digests, taken by the ranks that wrote them
+        shapes = meta.get("shapes", {})
+        if model_state is not None:
+            tensors = unique_tensors(model_state)
+            written[MODEL_FILE] = tensorfile.write(tmp / MODEL_FILE, tensors)
+            shapes = {k: list(v.shape) for k, v in tensors.items()}
         # The big optimizer tensors go to a safetensors file at disk speed; trainer.pt keeps the small rest.
         trainer_tensors: dict[str, torch.Tensor] = {}
         skeleton = tensorfile.split(trainer_state, trainer_tensors)
@@ -86,7 +93,7 @@ def save(
         torch.save(skeleton, tmp / TRAINER_FILE)
         files = sorted(f for f in tmp.rglob("*") if f.is_file() and f.name != META_FILE)
         others = [f for f in files if str(f.relative_to(tmp)) not in written]
-        # The rest (trainer.pt, sharded optimizer files) is hashed and fsynced at once: both release the GIL.
+        # The rest (trainer.pt, the shards' .metadata) is hashed and fsynced at once: both release the GIL.
         with ThreadPoolExecutor(max_workers=4) as pool:
             written.update(zip((str(f.relative_to(tmp)) for f in others), pool.map(_digest_and_sync, others),
                                strict=True))
@@ -98,7 +105,7 @@ def save(
                 str(f.relative_to(tmp)): {CHECKSUM: d, "bytes": f.stat().st_size}
                 for f, d in zip(files, digests, strict=True)
             },
-            "shapes": {k: list(v.shape) for k, v in tensors.items()},
+            "shapes": shapes,
         }
         write_atomic(tmp / META_FILE, json.dumps(full_meta, indent=2))
         fsync_dir(tmp)
@@ -126,11 +133,11 @@ def _not_saved(root: Path, step: int, why: str, previous: str | None) -> Checkpo
 
 
 def wait_for_shards(written: Future[Any], root: Path, step: int) -> None:
-    """Wait until every rank wrote its part of this checkpoint (the sharded optimizer); a failed part fails it."""
+    """Wait until every rank wrote its part of this checkpoint (its shards); a failed part fails it."""
     try:
         written.result()
     except BaseException as e:  # DCP's CheckpointException is a BaseException; it names the ranks that failed
-        raise _not_saved(root, step, f"a rank could not write its optimizer shard ({str(e).splitlines()[0]})",
+        raise _not_saved(root, step, f"a rank could not write its shards ({str(e).splitlines()[0]})",
                          pointer(root, LATEST)) from None
 
 
@@ -203,8 +210,8 @@ class BackgroundSaver:
     `save` holds (temporary folder, checksums, fsync, rename, `latest` moved last): the thread runs that same
     function on the copies. The thread is not a daemon, so a process that ends normally finishes the save;
     a SIGKILL at any point leaves the previous checkpoint and `latest` as they were. Under FSDP the ranks write
-    their optimizer shards into the same temporary folder through DCP's own thread (`shards`): this one waits
-    for all of them before it hashes, fsyncs and renames.
+    their shards of the model and optimizer into the same temporary folder through DCP's own thread (`shards`)
+    and hash them there: this one waits for all of them, then writes the small rest, meta.json, and renames.
     """
 
     def __init__(self) -> None:
@@ -216,14 +223,15 @@ class BackgroundSaver:
         self._step = -1  # the step of the save in flight
         self._lock = threading.Lock()
 
-    def save(self, root: Path, step: int, model_state: dict[str, torch.Tensor], trainer_state: dict[str, Any],
+    def save(self, root: Path, step: int, model_state: dict[str, torch.Tensor] | None, trainer_state: dict[str, Any],
              meta: dict[str, Any], *, keep_last: int, is_best: bool = False, waited: float = 0.0,
              shards: Future[Any] | None = None) -> float:
         """Wait for the save in flight, then copy and write this one in a thread; the seconds blocked so far.
 
         `waited`: seconds the caller already spent for this save (gathering state), counted as blocked. The
         caller must not change the state before `wait_staged()` returns. `shards`: the ranks are writing their
-        optimizer shards into the temporary folder (FSDP); the checkpoint is finished once they all have.
+        shards of the model and optimizer into the temporary folder (FSDP, `model_state` None); the checkpoint is
+        finished once they all have.
         """
         t0 = time.perf_counter()
         self.wait()

@@ -30,7 +30,7 @@ def locate(target: Path, which: str = "best", warn: Callable[[str], None] | None
     warn = warn or (lambda m: print(m, file=sys.stderr, flush=True))
     if not target.exists():
         raise UserInputError(f"no such run directory or checkpoint: {target}")
-    if (target / checkpoint.META_FILE).is_file() and (target / checkpoint.MODEL_FILE).exists():
+    if checkpoint.is_checkpoint_dir(target):
         return target.parent.parent, verify_named(target)
     if not (target / CONFIG_FILE).is_file() and phase_dirs(target):
         phase = last_finished_phase(target)
@@ -75,7 +75,7 @@ def load_trained(target: Path, which: str = "best") -> tuple[nn.Module, Tokenize
     model = build_model(cfg.model, tokenizer.vocab_size)
     if cfg.model.lora is not None:
         model = apply_lora(model, cfg.model.lora)
-    state = ckpt.model_state()
+    state = ckpt.model_state()  # an FSDP checkpoint's shards assembled here, in this process
     _, unexpected = model.load_state_dict(state, strict=False)
     # Frozen base weights come from the config's model; tied aliases are not separate parameters.
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}

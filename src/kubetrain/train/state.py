@@ -11,6 +11,7 @@ from torch import nn
 
 from kubetrain import checkpoint
 from kubetrain.checkpoint.sharded import load_optimizer as load_sharded_optimizer
+from kubetrain.checkpoint.sharded import load_optimizer_shards
 from kubetrain.errors import IncompatibleCheckpointError
 
 
@@ -104,7 +105,9 @@ def load_optimizer(
         if sharded:
             raise IncompatibleCheckpointError(f"{ckpt.path} was saved without FSDP; resume it with dist.strategy ddp")
         optimizer.load_state_dict(trainer["optimizer"])
-    elif sharded:
+    elif ckpt.sharded:  # DCP shards reshard to any world: FSDP at another size, DDP, one process
+        load_optimizer_shards(model, optimizer, ckpt.path)
+    elif sharded:  # an FSDP checkpoint of an earlier version: the optimizer alone in optimizer/
         load_sharded_optimizer(model, optimizer, ckpt.path)
     else:
         raise IncompatibleCheckpointError(f"{ckpt.path} holds a sharded (FSDP) optimizer; resume it with FSDP")

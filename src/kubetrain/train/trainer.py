@@ -8,7 +8,6 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
 from kubetrain.track.console import Throughput, console_log, count
 from kubetrain.track.jsonl import truncate_after
-from kubetrain.train.checkpointing import Checkpointing
+from kubetrain.train.checkpointing import Checkpointer, tokenizer_fingerprint
 from kubetrain.train.device import (
     MemoryPeak,
     apply_torch_settings,
@@ -83,10 +82,10 @@ def train(cfg: Config, *, log: Log | None = None, **options: Any) -> TrainResult
     return Trainer(cfg, RunOptions(**options), log=log).run()
 
 
-class Trainer(Checkpointing):
+class Trainer:
     """One run of a config. `run` is the spine; each other method is one part of it, usable on its own.
 
-    What goes into a checkpoint and comes back from one (save, its bookkeeping, resume) is in checkpointing.py.
+    Saving and resuming are its checkpointer's (train/checkpointing.py), given the parts it saves.
     """
 
     # setup(): data and model
@@ -103,12 +102,9 @@ class Trainer(Checkpointing):
     loader: TrainLoader
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    resumed: checkpoint.Checkpoint | None = None
+    checkpointer: Checkpointer
     sinks: Fanout | None = None
     uploader: remote.Uploader | None = None  # rank 0, with checkpoint.uri: copies checkpoints to object storage
-    saver: checkpoint.BackgroundSaver | None = None  # rank 0, checkpoint.async_save: writes in the background
-    checkpoint_group: torch.distributed.ProcessGroup | None = None  # FSDP + async_save: for DCP's write thread
-    shards_written: Future[Any] | None = None  # FSDP + async_save, ranks but 0: this rank's shard being written
 
     def __init__(self, cfg: Config, opts: RunOptions | None = None, log: Log | None = None) -> None:
         self.cfg, self.opts = cfg, opts or RunOptions()
@@ -121,7 +117,6 @@ class Trainer(Checkpointing):
         self.say: Log = self.out if self.main else (lambda m: None)
         self.sharded = self.penv.distributed and cfg.dist.shards_weights  # FSDP or HSDP
         self.state = TrainState()
-        self.last_checkpoint: checkpoint.Checkpoint | None = None
         self.evaluated_step = -1  # the step of the last evaluation: only a checkpoint of that step can be `best`
         self.heartbeat = Heartbeat.from_env(self.penv.rank)  # under the launcher: what its hang watch reads
 
@@ -142,7 +137,7 @@ class Trainer(Checkpointing):
                     self.train_step()
                     if state.step == self.start_step + 1:  # start-up is behind us: the short timeout from now on
                         dist.use_step_timeout(cfg.dist, self.device)
-                    self.collect_saves()  # a background save that finished: its bookkeeping, or its error
+                    self.checkpointer.collect_saves()  # a background save that finished: its record, or its error
                     final = state.step >= self.max_steps
                     if state.step % cfg.train.log_every_steps == 0 or final:
                         self.log_train()
@@ -176,7 +171,7 @@ class Trainer(Checkpointing):
             raise TrainingFailed(f"failed while running at step {state.step}: {e.strerror or e}{where}") from e
         finally:
             with contextlib.suppress(CheckpointError):  # a failure elsewhere: keep what is being written
-                self.wait_for_saves(stop.time_left())  # (a failed shard is already reported on rank 0)
+                self.checkpointer.wait_for_saves(stop.time_left())  # (a failed shard is already reported on rank 0)
             if self.uploader:  # wait for the uploads; after a stop, only within what is left of the grace period
                 self.uploader.close(stop.time_left())
             self.finish(status)
@@ -256,13 +251,17 @@ class Trainer(Checkpointing):
         self.loader = TrainLoader(self.train_windows, cfg.train.micro_batch_size, cfg.run.seed, penv.rank,
                                   penv.world_size)
         self.shapes = weight_shapes(self.base)
-        source = self.restore_weights()
+        self.checkpointer = Checkpointer(cfg, self.path, penv, self.device, sharded=self.sharded,
+                                         phase=self.opts.phase, tokenizer=tokenizer_fingerprint(self.prepared),
+                                         shapes=self.shapes, say=self.say)
+        source = self.checkpointer.restore_weights(self.base, self.opts.resume, self.opts.init_weights)
         # Built on the parallelized model's parameters (FSDP's are shards), its state loaded after.
         self.optimizer = build_optimizer(self.model, cfg.train, self.device)
         # fp16 gradients underflow without loss scaling; bf16 and fp32 need none (the scaler is then a no-op)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         if self.resumed is not None:
-            self.restore_trainer(self.resumed)
+            self.state = self.checkpointer.restore_trainer(self.resumed, self.model, self.optimizer, self.loader,
+                                                           self.scaler)
         elif source is not None:
             if self.opts.init_optimizer:
                 load_optimizer(self.model, self.optimizer, source, source.trainer_state(), self.sharded)
@@ -274,10 +273,8 @@ class Trainer(Checkpointing):
         self.start_step = self.state.step
         self.meter = Throughput()
         self.compute_timer = ComputeTimer(self.device, self.base)  # stragglers: data wait + forward per rank
-        if self.main and cfg.checkpoint.async_save:
-            self.saver = checkpoint.BackgroundSaver()
-        if self.sharded and cfg.checkpoint.async_save:  # every rank: DCP writes its optimizer shards in a thread
-            self.checkpoint_group = dist.checkpoint_group(cfg.dist)
+        self.checkpointer.attach(self.model, self.base, self.optimizer, self.loader, self.scaler, self.sinks,
+                                 self.uploader)
         self.memory_peak = MemoryPeak(self.device)
         self.counted_at = (self.state.step, optimizer_steps(self.optimizer))  # (step, optimizer steps) last counted
         self.meter.tokens0 = self.state.tokens
@@ -328,8 +325,8 @@ class Trainer(Checkpointing):
             self.compute_timer.stop()
             scaler.scale(loss).backward()
             self.loss_sum += loss.detach()
-        if self.saver is not None:  # a background save copies the weights until here; the optimizer changes them
-            self.saver.wait_staged()
+        self.checkpointer.wait_for_staging()  # a background save copies the weights until here; the optimizer
+        # changes them
         if self.cfg.train.grad_clip > 0:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.train.grad_clip)
@@ -347,6 +344,47 @@ class Trainer(Checkpointing):
             self.sinks.heartbeat(self.state.step)
         if self.heartbeat:
             self.heartbeat.beat(self.state.step)
+
+    def save(self, is_best: bool | None = None, background: bool = False) -> checkpoint.Checkpoint | None:
+        """A checkpoint of this step (collective: every rank calls it); rank 0 gets it back (None in the background).
+
+        `best` moves only among saved checkpoints: to this one when it was evaluated at this step with a lower
+        val loss than every saved one (`is_best` overrides that).
+        """
+        state = self.state
+        self.count_skipped_steps()
+        if is_best is None:
+            is_best = self.evaluated_step == state.step and state.last_val_loss is not None and (
+                state.best_saved_val_loss is None or state.last_val_loss < state.best_saved_val_loss)
+        if is_best:
+            state.best_saved_val_loss = state.last_val_loss
+        state.window_loss_sum, state.window_steps = float(self.loss_sum), self.loss_count
+        return self.checkpointer.save(state, is_best, background)
+
+    def collect_saves(self, wait: bool = False) -> None:
+        """Rank 0: record the background saves that finished (waiting for the one in flight when asked)."""
+        self.checkpointer.collect_saves(wait)
+
+    @property
+    def resumed(self) -> checkpoint.Checkpoint | None:
+        return self.checkpointer.resumed
+
+    @property
+    def last_checkpoint(self) -> checkpoint.Checkpoint | None:
+        return self.checkpointer.last_checkpoint
+
+    def count_skipped_steps(self) -> None:
+        """fp16: add the steps since the last count that the scaler skipped (inf/nan gradients).
+
+        Read from the optimizer's own step counter at log and save time only: comparing the loss scale before
+        and after every step (scaler.get_scale) synchronised the host with the GPU twice per step.
+        """
+        if not self.scaler.is_enabled():
+            return
+        taken = optimizer_steps(self.optimizer)
+        steps, last_taken = self.state.step - self.counted_at[0], taken - self.counted_at[1]
+        self.state.skipped_steps += steps - last_taken
+        self.counted_at = (self.state.step, taken)
 
     def log_train(self) -> None:
         """The mean loss of the window since the last log (over every rank), throughput, MFU, memory, ETA."""
