@@ -36,14 +36,14 @@ def age_files(folder: Path) -> None:
 
 def count_hashing(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the files checkpoint reading hashes from now on, in order."""
-    from kubetrain.checkpoint import read
+    from kubetrain.checkpoint import verdict
 
     hashed: list[str] = []
-    digest = read.file_digest
+    digest = verdict.file_digest
 
     def spy(path: Path) -> str:
         hashed.append(path.name)
         return digest(path)
 
-    monkeypatch.setattr(read, "file_digest", spy)
+    monkeypatch.setattr(verdict, "file_digest", spy)
     return hashed

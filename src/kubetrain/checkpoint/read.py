@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,14 +21,12 @@ from safetensors.torch import load_file
 
 from kubetrain.checkpoint import tensorfile, verdict
 from kubetrain.checkpoint.layout import (
-    CHECKSUM,
     META_FILE,
     MODEL_FILE,
     SHARDS_DIR,
     TRAINER_FILE,
     TRAINER_TENSORS,
     complete_checkpoints,
-    file_digest,
     is_checkpoint_dir,
 )
 from kubetrain.errors import BadCheckpointError, CheckpointError, IncompatibleCheckpointError
@@ -82,27 +79,10 @@ def verify(path: Path, deep: bool = True) -> Checkpoint:
         if f.stat().st_size != info["bytes"]:
             raise CheckpointError(f"{path.name}: {fname} has {f.stat().st_size} bytes, expected {info['bytes']}")
     if deep:
-        problem = _hashed_verdict(path, files)
+        problem = verdict.hashed(path, files)
         if problem:
             raise CheckpointError(f"{path.name}: {problem}")
     return Checkpoint(path, meta)
-
-
-def _hashed_verdict(path: Path, files: dict[str, Any]) -> str | None:
-    """What is wrong with the files' bytes (None: nothing), hashed by one process and recorded for the others."""
-    held, problem = verdict.recorded(path, files)
-    if held:
-        return problem
-    with verdict.exclusive(path):  # another rank may be hashing it right now: wait for its verdict
-        held, problem = verdict.recorded(path, files)
-        if held:
-            return problem
-        with ThreadPoolExecutor(max_workers=len(files)) as pool:
-            digests = dict(zip(files, pool.map(file_digest, (path / f for f in files)), strict=True))
-        problem = next((f"{f} fails its checksum" for f, info in files.items() if digests[f] != info.get(CHECKSUM)),
-                       None)
-        verdict.record(path, files, problem)
-    return problem
 
 
 def verify_named(path: Path) -> Checkpoint:

@@ -21,8 +21,8 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from kubetrain.checkpoint import verdict
 from kubetrain.checkpoint.layout import META_FILE
-from kubetrain.checkpoint.read import verify
 from kubetrain.errors import CheckpointError
 
 # What DCP's metadata pickle names (torch 2.4 to 2.13): its dataclasses, the file index, tensor shapes and dtypes.
@@ -100,4 +100,6 @@ def verify_files(checkpoint_dir: Path, folder: str) -> None:
         odd = sorted(present ^ expected)
         raise CheckpointError(f"{checkpoint_dir.name}: {folder}/ does not match meta.json ({', '.join(odd[:3])})")
     # every listed file's digest, hashed once per checkpoint: by now it usually has its verdict from the resume
-    verify(checkpoint_dir)
+    problem = verdict.hashed(checkpoint_dir, listed)
+    if problem:
+        raise CheckpointError(f"{checkpoint_dir.name}: {problem}")

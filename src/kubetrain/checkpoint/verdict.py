@@ -18,11 +18,12 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from kubetrain import locks
-from kubetrain.checkpoint.layout import CHECKSUM, META_FILE
+from kubetrain.checkpoint.layout import CHECKSUM, META_FILE, file_digest
 from kubetrain.files import write_atomic
 
 VERDICTS = ".verified"  # in the checkpoints folder: <name>.json verdicts, <name>.lock locks
@@ -97,3 +98,20 @@ def exclusive(folder: Path) -> Iterator[None]:
         except OSError:
             pass  # read-only: verify without the lock
         yield
+
+
+def hashed(path: Path, files: dict[str, Any]) -> str | None:
+    """What is wrong with the files' bytes (None: nothing), hashed by one process and recorded for the others."""
+    held, problem = recorded(path, files)
+    if held:
+        return problem
+    with exclusive(path):  # another rank may be hashing it right now: wait for its verdict
+        held, problem = recorded(path, files)
+        if held:
+            return problem
+        with ThreadPoolExecutor(max_workers=len(files)) as pool:
+            digests = dict(zip(files, pool.map(file_digest, (path / f for f in files)), strict=True))
+        problem = next((f"{f} fails its checksum" for f, info in files.items() if digests[f] != info.get(CHECKSUM)),
+                       None)
+        record(path, files, problem)
+    return problem
