@@ -31,6 +31,9 @@ from kubetrain.checkpoint.layout import (
     file_digest,
 )
 from kubetrain.errors import BadCheckpointError, CheckpointError, IncompatibleCheckpointError
+from kubetrain.outside_names import OutsideName, join_inside
+
+HASH_THREADS = 8  # at most: a meta.json from elsewhere may list any number of files
 
 
 @dataclass(frozen=True)
@@ -61,10 +64,10 @@ def verify(path: Path, deep: bool = True) -> Checkpoint:
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path.name}: unreadable meta.json ({e})") from None
     files = meta.get("files") or {}
-    if not files:
+    if not isinstance(files, dict) or not files:
         raise CheckpointError(f"{path.name}: meta.json lists no files")
     for fname, info in files.items():
-        f = path / fname
+        f = inside_checkpoint(path, fname)
         if not f.is_file():
             raise CheckpointError(f"{path.name}: {fname} is missing")
         if f.stat().st_size != info["bytes"]:
@@ -76,6 +79,15 @@ def verify(path: Path, deep: bool = True) -> Checkpoint:
     return Checkpoint(path, meta)
 
 
+def inside_checkpoint(path: Path, fname: str) -> Path:
+    """path/fname for a file name that meta.json lists; CheckpointError for one outside the checkpoint folder."""
+    try:
+        return join_inside(path, fname)
+    except OutsideName as e:
+        raise CheckpointError(f"{path.name}: meta.json names {fname!r}, not a file inside the checkpoint "
+                              f"({e.why})") from None
+
+
 def _hashed_verdict(path: Path, files: dict[str, Any]) -> str | None:
     """What is wrong with the files' bytes (None: nothing), hashed by one process and recorded for the others."""
     held, problem = verdict.recorded(path, files)
@@ -85,7 +97,7 @@ def _hashed_verdict(path: Path, files: dict[str, Any]) -> str | None:
         held, problem = verdict.recorded(path, files)
         if held:
             return problem
-        with ThreadPoolExecutor(max_workers=len(files)) as pool:
+        with ThreadPoolExecutor(max_workers=min(len(files), HASH_THREADS)) as pool:
             digests = dict(zip(files, pool.map(file_digest, (path / f for f in files)), strict=True))
         problem = next((f"{f} fails its checksum" for f, info in files.items() if digests[f] != info.get(CHECKSUM)),
                        None)

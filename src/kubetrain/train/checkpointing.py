@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kubetrain import checkpoint, runs
-from kubetrain.checkpoint import remote
+from kubetrain.checkpoint import remote, restore
 from kubetrain.checkpoint.sharded import full_model_state, save_optimizer_in_background
 from kubetrain.checkpoint.sharded import save_optimizer as save_sharded_optimizer
 from kubetrain.config.loading import config_hash
@@ -208,10 +208,9 @@ class Checkpointing:
             raise UserInputError(
                 f"{self.path} already has checkpoints; resume it (--resume auto), or choose another run.name"
             )
-        if mode == "auto":
-            if self.penv.local_rank == 0:  # a local folder without checkpoints resumes from object storage
-                remote.restore_newest(self.cfg, self.opts.phase, self.ckpt_root, self.say)
-            dist.barrier()
+        if mode == "auto":  # a local folder without checkpoints resumes from object storage: one process
+            # per folder downloads, the others wait on the folder (no collective)
+            restore.restore_once(self.cfg, self.opts.phase, self.ckpt_root, self.say)
             self.resumed = checkpoint.find_resumable(self.ckpt_root, warn=lambda m: self.say(f"warning: {m}"))
         elif mode != "never":
             if not Path(mode).exists():
