@@ -227,10 +227,7 @@ def no_delete_store(own_bucket: Bucket) -> tuple[str, str]:
     """(uri, endpoint) of a bucket whose credentials may upload checkpoints but not read the `best` pointer, which
     only the retention pass reads: a bucket policy that the server enforces as AWS does. (A denied DeleteObject
     would not do: s3fs's bulk delete ignores the per-key errors S3 returns.)"""
-    import boto3
-
-    s3 = boto3.client("s3", endpoint_url=own_bucket.endpoint)
-    s3.put_bucket_policy(Bucket=own_bucket.name, Policy=json.dumps({
+    own_bucket.fs.call_s3("put_bucket_policy", Bucket=own_bucket.name, Policy=json.dumps({
         "Version": "2012-10-17", "Statement": [{"Effect": "Deny", "Principal": "*", "Action": "s3:GetObject",
                                                 "Resource": f"arn:aws:s3:::{own_bucket.name}/*/best"}]}))
     return own_bucket.uri, own_bucket.endpoint
