@@ -31,11 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.object_store: the server
 
 import torch  # noqa: E402
+from tests.object_store import ADMIN, S3Server, start_server  # noqa: E402
 
 from kubetrain import checkpoint  # noqa: E402
 from kubetrain.checkpoint import remote  # noqa: E402
 from kubetrain.config.schema import Config  # noqa: E402
-from tests.object_store import ADMIN, S3Server, start_server  # noqa: E402
 
 NODE = """
 import sys, time
