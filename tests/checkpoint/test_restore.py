@@ -208,3 +208,32 @@ def test_processes_that_share_a_folder_read_the_store_once(own_bucket: Bucket, t
         assert [p.name for p in checkpoint.complete_checkpoints(folder)] == ["step-000003"]
         assert checkpoint.pointer(folder, checkpoint.LATEST) == "step-000003"
         assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_failed_restore_fails_the_processes_waiting_for_it_with_its_message(
+    bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = _cfg(bucket.uri, bucket.endpoint, restore_attempts=3, restore_backoff_seconds=0.3)
+    store = remote.checkpoint_store(cfg)
+    assert store is not None
+    remote.upload(store, _save(tmp_path / "source", 3).path, "step-000003", is_best=False)
+    use_credentials(monkeypatch, WRITER)  # every read is denied: the restore fails after its 3 attempts
+    root = tmp_path / "run" / "checkpoints"
+    said: dict[str, list[str]] = {"first": [], "second": []}
+    errors: dict[str, str] = {}
+
+    def rank(name: str) -> None:
+        try:
+            restore.restore_once(cfg, None, root, said[name].append)
+        except CheckpointError as e:
+            errors[name] = str(e)
+
+    first = threading.Thread(target=rank, args=("first",))
+    first.start()
+    while not (root / restore.RESTORE_DIR / "restore").exists() and first.is_alive():
+        time.sleep(0.01)  # the first holds the claim: the second waits for it
+    rank("second")
+    first.join()
+    assert errors["first"] == errors["second"] and "(3 attempts)" in errors["first"]
+    assert sum("attempt" in line for line in said["first"]) == 2  # the tries are the first's alone
+    assert not any("attempt" in line for line in said["second"]), said["second"]

@@ -57,7 +57,7 @@ def restore_once(cfg: Config, phase: str | None, ckpt_root: Path, log: Log) -> N
 
     def finished() -> set[str]:
         restored = checkpoint.complete_checkpoints(ckpt_root) and not claims.is_claimed(_TASK)
-        return {_TASK} if fresh() or restored else set()
+        return {_TASK} if downloaded or fresh() or restored else set()  # (done here: whatever the file times say)
 
     def restore(_: str) -> None:
         lines: list[str] = []
