@@ -237,3 +237,16 @@ def test_a_failed_restore_fails_the_processes_waiting_for_it_with_its_message(
     assert errors["first"] == errors["second"] and "(3 attempts)" in errors["first"]
     assert sum("attempt" in line for line in said["first"]) == 2  # the tries are the first's alone
     assert not any("attempt" in line for line in said["second"]), said["second"]
+
+
+def test_an_upload_never_sends_a_file_from_outside_the_checkpoint(tmp_path: Path) -> None:
+    saved = _save(tmp_path / "run" / "checkpoints", 3)
+    (tmp_path / "secret").write_bytes(b"s")
+    meta = json.loads((saved.path / checkpoint.META_FILE).read_text())
+    meta["files"]["../../../secret"] = {checkpoint.CHECKSUM: _digest(b"s"), "bytes": 1}
+    (saved.path / checkpoint.META_FILE).write_text(json.dumps(meta))
+    store = remote.checkpoint_store(_cfg(str(tmp_path / "store")))
+    assert store is not None
+    with pytest.raises(CheckpointError, match="meta.json names '../../../secret', not a file inside"):
+        remote.upload(store, saved.path, saved.path.name, is_best=False)
+    assert b"s" not in [p.read_bytes() for p in (tmp_path / "store").rglob("*") if p.is_file()]

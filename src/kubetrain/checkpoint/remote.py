@@ -28,6 +28,7 @@ from pathlib import Path
 
 from kubetrain import checkpoint
 from kubetrain.checkpoint import BEST, LATEST, META_FILE, Checkpoint
+from kubetrain.checkpoint.read import inside_checkpoint
 from kubetrain.checkpoint.store import Store, describe, open_store
 from kubetrain.config.schema import Config
 from kubetrain.errors import CheckpointError
@@ -77,7 +78,7 @@ def upload(store: Store, local: Path, name: str, *, is_best: bool, keep_last: in
     """
     meta = json.loads((local / META_FILE).read_text())
     expected = {f: int(info["bytes"]) for f, info in meta["files"].items()}
-    store.put([(local / f, f"{name}/{f}") for f in sorted(expected)])
+    store.put([(inside_checkpoint(local, f), f"{name}/{f}") for f in sorted(expected)])  # never a file elsewhere
     delay = float(os.environ.get(FAULT_SLOW_UPLOAD) or 0)
     if delay:
         time.sleep(delay)

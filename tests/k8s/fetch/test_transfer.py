@@ -192,6 +192,28 @@ def test_an_archive_member_outside_the_run_directory_is_refused(tmp_path: Path) 
     assert "evil" not in _all(tmp_path)
 
 
+def test_an_archive_member_that_is_a_link_is_refused(tmp_path: Path) -> None:
+    class LinkingPod(UntrustedPod):
+        @contextmanager
+        def run(self, args: list[str]) -> Iterator[IO[bytes]]:
+            if args[0] == "list":
+                with super().run(args) as out:
+                    yield out
+                return
+            out = io.BytesIO()
+            with tarfile.open(fileobj=out, mode="w|") as tar:
+                link = tarfile.TarInfo("metrics.jsonl")
+                link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+                tar.addfile(link)
+            out.seek(0)
+            yield out
+
+    local = tmp_path / "work" / "run1"
+    with pytest.raises(UserInputError, match=r"the pod sent 'metrics.jsonl', which is not a plain file"):
+        fetch_run(LinkingPod({"metrics.jsonl": b"{}\n"}), "/claim/run1", local)
+    assert _all(tmp_path / "work") == {"run1"}
+
+
 def test_a_pointer_outside_or_naming_no_step_folder_is_not_followed(claim: Path, tmp_path: Path) -> None:
     with pytest.raises(UserInputError, match="would land outside"):
         fetch_run(UntrustedPod({}, pointers={"../../checkpoints/latest": "step-000003"}), "/claim/run1",

@@ -349,6 +349,9 @@ def _members(stream: IO[bytes]) -> Iterator[tuple[str, IO[bytes], int]]:
     """(name, contents, size) of each file of a tar stream, read in order (the stream cannot seek)."""
     with tarfile.open(fileobj=stream, mode="r|") as tar:
         for member in tar:
+            if not member.isfile():  # the pod program sends files only: a link or a device is not followed
+                raise UserInputError(f"the pod sent {member.name!r}, which is not a plain file; the fetch stopped "
+                                     "there")
             source = tar.extractfile(member)
             if source is not None:
                 yield member.name, source, member.size
