@@ -191,3 +191,22 @@ def test_a_checkpoint_in_the_store_that_names_a_file_outside_is_never_restored(
     assert f"restored step-000003 from {store}/victim/checkpoints" in resumed.stdout
     assert "resuming from runs/victim/checkpoints/step-000003" in resumed.stdout
     assert sorted(str(p.relative_to(node)) for p in node.iterdir()) == ["runs"]
+
+
+def test_two_ranks_on_an_empty_folder_read_the_store_once(reference: tuple[Path, Path], own_bucket: Bucket,
+                                                         tmp_path: Path) -> None:
+    """`--nproc 2` resuming from the bucket: one rank downloads, the other waits on the folder (no barrier)."""
+    _, cache = reference
+    args = _args("pair", cache, "train.max_steps=6", *_on(own_bucket))
+    kubetrain(*args, cwd=tmp_path)
+    shutil.rmtree(tmp_path / "runs" / "pair")
+    folder = own_bucket.path("pair/checkpoints/step-000006")
+    size = sum(info["size"] for info in own_bucket.fs.find(folder, detail=True).values())
+    before = own_bucket.server.sent_bytes(own_bucket.name)
+    resumed = kubetrain(*args, "--set", "train.max_steps=9", "--nproc", "2", cwd=tmp_path)
+    read = own_bucket.server.sent_bytes(own_bucket.name) - before
+    assert resumed.stdout.count(f"restored step-000006 from {own_bucket.uri}/pair/checkpoints") == 1, resumed.stdout
+    assert "resuming from runs/pair/checkpoints/step-000006" in resumed.stdout
+    # the files once (two ranks each downloading would be twice); beside them the pointers, and the uploader of the
+    # resumed run reading the newest checkpoint's meta.json to know it is in the store already
+    assert size <= read < 1.5 * size, (read, size)
