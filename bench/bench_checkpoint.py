@@ -6,7 +6,7 @@ with `write + fsync` and `read` of one file of the same size. Usage:
 
     .venv/bin/python bench/bench_checkpoint.py [--dir DIR] [--rounds 3]
 
-With --store, object storage instead (checkpoint.uri), against moto's S3 server started here as a process:
+With --store, object storage instead (checkpoint.uri), against a SeaweedFS S3 server started here as a process:
 upload and download of the same checkpoint by kubetrain (kubetrain.checkpoint.remote: files, meta.json,
 pointers, retention; download with checksum verification and fsync) interleaved with s3fs's own recursive
 `put`/`get` of the same folder; then training-step time of the same model while the background uploader
@@ -21,12 +21,9 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -86,7 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default=None, help="Folder on the disk to measure (default: a temp folder).")
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--store", action="store_true", help="Measure object storage (moto's S3 server) instead.")
+    ap.add_argument("--store", action="store_true", help="Measure object storage (a SeaweedFS S3 server) instead.")
     ap.add_argument("--steps", type=int, default=200, help="--store: training steps for the step-time part.")
     ap.add_argument("--every", type=int, default=50, help="--store: a checkpoint every this many steps.")
     ap.add_argument("--context", type=int, default=128, help="--store: tokens per training sequence (batch 1).")
@@ -144,34 +141,14 @@ def main() -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def start_moto(folder: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """moto's standalone S3 server on a free port, as its own process (it spills objects to temp files)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "TMPDIR": str(folder)}
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            break
-        except urllib.error.HTTPError:
-            break
-        except OSError:
-            time.sleep(0.1)
-    return proc, url
-
-
 def bench_store(args: argparse.Namespace) -> None:
-    for key, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ.setdefault(key, value)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests.object_store
+    from tests.object_store import ADMIN, start_server
+
+    os.environ.update(ADMIN)
     folder = Path(tempfile.mkdtemp(dir=args.dir, prefix="kt-bench-store-"))
-    proc, endpoint = start_moto(folder)
+    server = start_server(parent=folder)
+    endpoint = server.url
     try:
         bucket = f"kt-bench-{uuid.uuid4().hex[:8]}"
         store = open_store(f"s3://{bucket}/ours", endpoint)
@@ -179,8 +156,7 @@ def bench_store(args: argparse.Namespace) -> None:
         transfer_rates(args, folder, store, bucket)
         step_times(args, folder, store)
     finally:
-        proc.kill()
-        proc.wait()
+        server.stop()
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -214,11 +190,11 @@ def transfer_rates(args: argparse.Namespace, folder: Path, store: Store, bucket:
                 fs.get(raw, str(dest / "raw"), recursive=True)
                 gets.append(time.perf_counter() - t)
             shutil.rmtree(dest)
-        store.remove(name)  # moto keeps every object: free them outside the timings
+        store.remove(name)  # free the objects outside the timings
         fs.rm(raw, recursive=True)
     gb = nbytes / 1e9
     u, p, d, g = (statistics.median(x) for x in (ups, puts, downs, gets))
-    print(f"object storage (moto server, s3fs over HTTP): checkpoint of {gb:.2f} GB, {args.rounds} rounds (median)")
+    print(f"object storage (SeaweedFS, s3fs over HTTP): checkpoint of {gb:.2f} GB, {args.rounds} rounds (median)")
     print(f"upload   {gb / u:.3f} GB/s vs s3fs put {gb / p:.3f} GB/s -> ratio {p / u:.2f} "
           f"(median of per-round ratios {statistics.median(x / y for x, y in zip(puts, ups, strict=True)):.2f})")
     print(f"download {gb / d:.3f} GB/s vs s3fs get {gb / g:.3f} GB/s -> ratio {g / d:.2f} "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kubetrain import checkpoint
 
 
@@ -23,3 +25,9 @@ def test_pointer_is_none_when_missing_or_empty(tmp_path: Path) -> None:
     assert checkpoint.pointer(tmp_path, checkpoint.LATEST) is None
     (tmp_path / checkpoint.LATEST).write_text("step-000003\n")
     assert checkpoint.pointer(tmp_path, checkpoint.LATEST) == "step-000003"
+
+
+@pytest.mark.parametrize("text", ["../../outside", "/etc", "step-000003/../../x", "..", "step-3", "\xff"])
+def test_a_pointer_names_a_step_folder_or_nothing(tmp_path: Path, text: str) -> None:
+    (tmp_path / "latest").write_bytes(text.encode("latin-1"))  # copied from a store or a pod: not trusted
+    assert checkpoint.pointer(tmp_path, checkpoint.LATEST) is None

@@ -1,4 +1,4 @@
-"""Checkpoints in object storage, against a real S3-compatible server (moto's, over HTTP through s3fs)."""
+"""Checkpoints in object storage, against a real S3 server (SeaweedFS, over HTTP through s3fs)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kubetrain import checkpoint
-from kubetrain.checkpoint import remote, verdict
+from kubetrain.checkpoint import remote, restore, verdict
 from kubetrain.config.schema import Config
 from kubetrain.errors import CheckpointError
-from tests.object_store import CREDENTIALS, Bucket, free_port, start_moto, stop
+from tests.object_store import ADMIN, Bucket, S3Server, free_port, start_server, use_credentials
 
 
 def _cfg(uri: str, endpoint: str, **section: object) -> Config:
@@ -33,7 +33,10 @@ def _save(root: Path, step: int, *, best: bool = False, keep_last: int = 100) ->
 
 
 def _names(bucket: Bucket, rel: str) -> list[str]:
-    return sorted(p.rsplit("/", 1)[1] for p in bucket.fs.ls(bucket.path(rel)))
+    """The files and the folders that hold files directly under `rel` (by the files: SeaweedFS still lists a
+    folder whose objects were all deleted as a prefix, where AWS lists nothing)."""
+    top = bucket.path(rel) + "/"
+    return sorted({p.removeprefix(top).split("/", 1)[0] for p in bucket.fs.find(top)})
 
 
 def test_uploads_files_then_pointers_and_keeps_last_in_the_bucket(bucket: Bucket, tmp_path: Path) -> None:
@@ -77,7 +80,7 @@ def test_restore_skips_unfinished_and_corrupt_uploads(bucket: Bucket, tmp_path: 
 
     root = tmp_path / "run" / "checkpoints"
     lines: list[str] = []
-    restored = remote.restore_newest(cfg, None, root, lines.append)
+    restored = restore.restore_newest(cfg, None, root, lines.append)
     assert restored is not None and restored.step == 3
     assert lines == [  # `latest` (step 6, uploaded last) first, then the others newest first
         f"warning: skipping {bucket.uri}/r/checkpoints/step-000006: model.safetensors fails its checksum",
@@ -91,12 +94,12 @@ def test_restore_skips_unfinished_and_corrupt_uploads(bucket: Bucket, tmp_path: 
     for f in ("model.safetensors", "trainer.pt", "trainer.safetensors", "meta.json"):
         assert (root / "step-000003" / f).read_bytes() == (source / "step-000003" / f).read_bytes()
     # a local checkpoint wins: nothing is downloaded
-    assert remote.restore_newest(cfg, None, root, lines.append) is None
+    assert restore.restore_newest(cfg, None, root, lines.append) is None
 
 
 def test_an_empty_store_restores_nothing(bucket: Bucket, tmp_path: Path) -> None:
     lines: list[str] = []
-    assert remote.restore_newest(_cfg(bucket.uri, bucket.endpoint), None, tmp_path / "c", lines.append) is None
+    assert restore.restore_newest(_cfg(bucket.uri, bucket.endpoint), None, tmp_path / "c", lines.append) is None
     assert lines == []
 
 
@@ -107,34 +110,33 @@ def test_a_store_whose_every_checkpoint_is_damaged_stops_the_run(bucket: Bucket,
     remote.upload(store, _save(tmp_path / "source", 4).path, "step-000004", is_best=False, keep_last=5)
     bucket.fs.rm(bucket.path("r/checkpoints/step-000004/trainer.pt"))
     with pytest.raises(CheckpointError, match=f"none of the 1 checkpoints in {bucket.uri}/r/checkpoints verifies"):
-        remote.restore_newest(cfg, None, tmp_path / "run" / "checkpoints", lambda m: None)
+        restore.restore_newest(cfg, None, tmp_path / "run" / "checkpoints", lambda m: None)
 
 
 def test_a_store_down_for_the_first_tries_is_read_when_it_answers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for key, value in CREDENTIALS.items():
-        monkeypatch.setenv(key, value)
+    use_credentials(monkeypatch, ADMIN)
     port = free_port()
     uri, endpoint = "s3://kt-late/store", f"http://127.0.0.1:{port}"
     cfg = _cfg(uri, endpoint, restore_attempts=5, restore_backoff_seconds=0.1)
-    servers = []
+    servers: list[S3Server] = []
     lines: list[str] = []
 
     def log(line: str) -> None:
         lines.append(line)
         if "attempt 2 of 5" in line:  # the store comes up, with a checkpoint in it, after two failed tries
-            servers.append(start_moto(port)[0])
+            servers.append(start_server(port, tmp_path))
             bucket = remote.checkpoint_store(cfg)
             assert bucket is not None
             bucket.fs.mkdir("kt-late")
             remote.upload(bucket, _save(tmp_path / "source", 7).path, "step-000007", is_best=True, keep_last=5)
 
     try:
-        restored = remote.restore_newest(cfg, None, tmp_path / "run" / "checkpoints", log)
+        restored = restore.restore_newest(cfg, None, tmp_path / "run" / "checkpoints", log)
     finally:
         for server in servers:
-            stop(server)
+            server.stop()
     assert restored is not None and restored.step == 7
     assert [line.split(":", 1)[0] for line in lines] == ["warning", "warning", "restored step-000007 from s3"]
     assert f"cannot read checkpoints from {uri}/r/checkpoints (attempt 1 of 5)" in lines[0]
@@ -144,19 +146,27 @@ def test_a_store_down_for_the_first_tries_is_read_when_it_answers(
 def test_a_missing_bucket_is_not_an_empty_store(bucket: Bucket, tmp_path: Path) -> None:
     cfg = _cfg(f"s3://kt-{uuid.uuid4().hex[:12]}/store", bucket.endpoint, restore_attempts=1)
     with pytest.raises(CheckpointError, match=r"\(1 attempts\): bucket kt-\w+ does not exist; the local folder"):
-        remote.restore_newest(cfg, None, tmp_path / "c", lambda m: None)
+        restore.restore_newest(cfg, None, tmp_path / "c", lambda m: None)
 
 
-@pytest.fixture(params=["unreachable", "wrong-credentials"])
-def bad_store(request: pytest.FixtureRequest, bucket: Bucket) -> object:
-    """(uri, endpoint) of a store that cannot be used: nothing listens there, or it refuses our keys."""
-    uri = f"s3://kt-{uuid.uuid4().hex[:12]}/store"
+@pytest.fixture(params=["unreachable", "wrong-secret"])
+def bad_store(request: pytest.FixtureRequest, bucket: Bucket, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
+    """(uri, endpoint) of a store that cannot be used: nothing listens there, or it refuses our secret."""
     if request.param == "unreachable":
-        yield uri, f"http://127.0.0.1:{free_port()}"
-        return
-    proc, url = start_moto(INITIAL_NO_AUTH_ACTION_COUNT="0")  # moto then checks credentials: ours are unknown
-    yield uri, url
-    stop(proc)
+        return f"s3://kt-{uuid.uuid4().hex[:12]}/store", f"http://127.0.0.1:{free_port()}"
+    use_credentials(monkeypatch, {**ADMIN, "AWS_SECRET_ACCESS_KEY": "not-the-secret"})
+    return bucket.uri, bucket.endpoint
+
+
+def test_a_wrong_secret_is_refused_by_the_server(bucket: Bucket, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kubetrain.checkpoint.store import check_reachable, describe, open_store
+
+    bucket.fs.pipe_file(bucket.path("x"), b"x")
+    assert check_reachable(open_store(bucket.uri, bucket.endpoint)) == "1 entry under it"
+    use_credentials(monkeypatch, {**ADMIN, "AWS_SECRET_ACCESS_KEY": "not-the-secret"})
+    with pytest.raises(PermissionError) as refused:
+        check_reachable(open_store(bucket.uri, bucket.endpoint))
+    assert "signature" in describe(refused.value).lower()
 
 
 def test_a_store_down_is_one_warning_and_a_list_of_what_is_not_uploaded(bad_store: tuple[str, str],
@@ -167,7 +177,7 @@ def test_a_store_down_is_one_warning_and_a_list_of_what_is_not_uploaded(bad_stor
     cfg = _cfg(uri, endpoint, restore_attempts=2, restore_backoff_seconds=0.01)
     # with no local checkpoint, a store that cannot be read stops the run instead of rewinding it
     with pytest.raises(CheckpointError, match=f"cannot read checkpoints from {uri}/r/checkpoints \\(2 attempts\\)"):
-        remote.restore_newest(cfg, None, root, lines.append)
+        restore.restore_newest(cfg, None, root, lines.append)
     assert len(lines) == 1 and "(attempt 1 of 2)" in lines[0] and "trying again in 0.01 s" in lines[0]
     lines.clear()
     uploader = remote.Uploader.from_config(cfg, None, root, lines.append)
@@ -213,30 +223,14 @@ def test_a_phase_has_its_own_folder_in_the_store(bucket: Bucket) -> None:
 
 
 @pytest.fixture
-def no_delete_store(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
+def no_delete_store(own_bucket: Bucket) -> tuple[str, str]:
     """(uri, endpoint) of a bucket whose credentials may upload checkpoints but not read the `best` pointer, which
-    only the retention pass reads: an IAM policy that moto's server enforces as AWS does. (A denied DeleteObject
+    only the retention pass reads: a bucket policy that the server enforces as AWS does. (A denied DeleteObject
     would not do: s3fs's bulk delete ignores the per-key errors S3 returns.)"""
-    import boto3
-
-    proc, url = start_moto(INITIAL_NO_AUTH_ACTION_COUNT="4")  # its readiness probe and 3 IAM calls
-    try:
-        iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", aws_access_key_id="testing",
-                           aws_secret_access_key="testing")
-        iam.create_user(UserName="writer")
-        iam.put_user_policy(UserName="writer", PolicyName="no-best", PolicyDocument=json.dumps({
-            "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
-                                                   {"Effect": "Deny", "Action": "s3:GetObject",
-                                                    "Resource": "arn:aws:s3:::*/best"}]}))
-        key = iam.create_access_key(UserName="writer")["AccessKey"]
-        monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
-        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
-        monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        name = f"kt-{uuid.uuid4().hex[:12]}"
-        boto3.client("s3", endpoint_url=url).create_bucket(Bucket=name)
-        yield f"s3://{name}/store", url
-    finally:
-        stop(proc)
+    own_bucket.fs.call_s3("put_bucket_policy", Bucket=own_bucket.name, Policy=json.dumps({
+        "Version": "2012-10-17", "Statement": [{"Effect": "Deny", "Principal": "*", "Action": "s3:GetObject",
+                                                "Resource": f"arn:aws:s3:::{own_bucket.name}/*/best"}]}))
+    return own_bucket.uri, own_bucket.endpoint
 
 
 def test_a_failed_retention_pass_does_not_mark_a_complete_upload_as_missing(
@@ -289,8 +283,7 @@ def test_an_endpoint_that_drops_connections_is_one_warning_not_a_flood_of_traceb
     import s3fs
 
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # fail in seconds: each retry only repeats the drop
-    for key, value in CREDENTIALS.items():  # without credentials botocore gives up before it connects
-        monkeypatch.setenv(key, value)
+    use_credentials(monkeypatch, ADMIN)  # without credentials botocore gives up before it connects
     root = tmp_path / "checkpoints"
     lines: list[str] = []
     uri = f"s3://kt-{uuid.uuid4().hex[:12]}/store"

@@ -1,6 +1,7 @@
 """`kubetrain train` with `checkpoint.uri` on a real S3-compatible server: a run whose local folder is lost
 resumes from the bucket, bitwise equal to a run never interrupted (CPU); a store that is down never stops a run
-that has its checkpoints, and stops one that would otherwise start again from step 0."""
+that has its checkpoints, and stops one that would otherwise start again from step 0; a checkpoint in the store that
+names a file outside its folder is never restored."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from kubetrain.checkpoint.remote import FAULT_SLOW_UPLOAD
 from kubetrain.errors import EXIT_STOPPED_RESUMABLE
 from tests.conftest import assert_same_weights
-from tests.object_store import Bucket, free_port, start_moto, stop
+from tests.object_store import ADMIN, WRITER, Bucket, free_port, use_credentials
 from tests.train.conftest import _no_leftover_processes, kubetrain, lines_in, sets, start, wait_until
 
 pytestmark = pytest.mark.slow
@@ -126,25 +127,27 @@ def test_sigkill_during_an_upload_never_leaves_latest_on_a_partial_checkpoint(
     _assert_same_end(run, ref, int(latest.removeprefix("step-")))
 
 
-@pytest.mark.parametrize("trouble", ["unreachable", "wrong-credentials"])
+@pytest.mark.parametrize("trouble", ["unreachable", "wrong-secret", "reads-denied"])
 def test_a_store_that_is_down_stops_a_run_with_no_checkpoint_and_resume_never_starts_afresh(
-    trouble: str, reference: tuple[Path, Path], bucket: Bucket, tmp_path: Path
+    trouble: str, reference: tuple[Path, Path], bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, cache = reference
-    uri = f"s3://kt-{uuid.uuid4().hex[:12]}/store"
-    server = None
+    uri, endpoint = bucket.uri, bucket.endpoint
     if trouble == "unreachable":
-        endpoint = f"http://127.0.0.1:{free_port()}"
+        uri, endpoint = f"s3://kt-{uuid.uuid4().hex[:12]}/store", f"http://127.0.0.1:{free_port()}"
+    elif trouble == "reads-denied":  # a checkpoint is there; these credentials may list and write, not read
+        bucket.fs.pipe_file(bucket.path("down/checkpoints/step-000003/meta.json"), b"{}")
+        use_credentials(monkeypatch, WRITER)
     else:
-        server, endpoint = start_moto(INITIAL_NO_AUTH_ACTION_COUNT="0")  # checks credentials; ours are unknown
+        use_credentials(monkeypatch, {**ADMIN, "AWS_SECRET_ACCESS_KEY": "not-the-secret"})
     args = _args("down", cache, "train.max_steps=6", f"checkpoint.uri={uri}", f"checkpoint.endpoint_url={endpoint}",
                  "checkpoint.restore_attempts=2", "checkpoint.restore_backoff_seconds=0.1")
-    try:
-        refused = kubetrain(*args, cwd=tmp_path, check=False)  # --resume auto: the store is the only record
-        done = kubetrain(*args, "--resume", "never", cwd=tmp_path)  # starting afresh on purpose
-    finally:
-        if server is not None:
-            stop(server)
+    refused = kubetrain(*args, cwd=tmp_path, check=False)  # --resume auto: the store is the only record
+    assert not list((tmp_path / "runs" / "down" / "checkpoints").glob("step-*"))  # nothing restored
+    if trouble == "reads-denied":
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", ADMIN["AWS_ACCESS_KEY_ID"])  # uploads need no reads, but
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")  # the counts below are the store-down ones
+    done = kubetrain(*args, "--resume", "never", cwd=tmp_path)  # starting afresh on purpose
     assert refused.returncode == 1, refused.stdout + refused.stderr
     assert refused.stderr.splitlines()[-1].startswith(
         f"error: cannot read checkpoints from {uri}/down/checkpoints (2 attempts): ")
@@ -155,3 +158,55 @@ def test_a_store_that_is_down_stops_a_run_with_no_checkpoint_and_resume_never_st
             f"(they are in runs/down/checkpoints)") in lines
     assert "Traceback" not in done.stderr
     assert (tmp_path / "runs" / "down" / "checkpoints" / "step-000006" / "meta.json").is_file()
+
+
+def test_a_checkpoint_in_the_store_that_names_a_file_outside_is_never_restored(
+    reference: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The attack of issue 29: a path store whose newest checkpoint's meta.json lists ../../../../<name> (with that
+    file and its checksum), restored by --resume auto into an empty run folder, wrote <name> outside the run."""
+    import xxhash
+
+    _, cache = reference
+    store = tmp_path / "store"
+    args = _args("victim", cache, "train.max_steps=6", f"checkpoint.uri={store}")
+    trained = tmp_path / "first"
+    trained.mkdir()
+    kubetrain(*args, cwd=trained)  # uploads step 3 and step 6 to the store
+    newest = store / "victim" / "checkpoints" / "step-000006"
+    assert (newest / "meta.json").is_file() and (store / "victim" / "checkpoints" / "step-000003").is_dir()
+    payload = b"written by whoever can write to the bucket\n"
+    meta = json.loads((newest / "meta.json").read_text())
+    meta["files"]["../../../../pwned.txt"] = {"xxh3_128": xxhash.xxh3_128(payload).hexdigest(), "bytes": len(payload)}
+    (newest / "meta.json").write_text(json.dumps(meta))
+    (newest / "../../../../pwned.txt").write_bytes(payload)  # where the store reads that name: beside the store
+
+    node = tmp_path / "node"  # a new node: an empty run folder, the same config
+    node.mkdir()
+    resumed = kubetrain(*args, cwd=node, check=False)
+    assert not (node / "pwned.txt").exists(), "the checkpoint wrote outside the run directory"
+    assert resumed.returncode == 0, resumed.stderr
+    assert (f"warning: skipping {store}/victim/checkpoints/step-000006: meta.json names '../../../../pwned.txt', "
+            f"not a file inside the checkpoint (it climbs out with ..)") in resumed.stdout
+    assert f"restored step-000003 from {store}/victim/checkpoints" in resumed.stdout
+    assert "resuming from runs/victim/checkpoints/step-000003" in resumed.stdout
+    assert sorted(str(p.relative_to(node)) for p in node.iterdir()) == ["runs"]
+
+
+def test_two_ranks_on_an_empty_folder_read_the_store_once(reference: tuple[Path, Path], own_bucket: Bucket,
+                                                         tmp_path: Path) -> None:
+    """`--nproc 2` resuming from the bucket: one rank downloads, the other waits on the folder (no barrier)."""
+    _, cache = reference
+    args = _args("pair", cache, "train.max_steps=6", *_on(own_bucket))
+    kubetrain(*args, cwd=tmp_path)
+    shutil.rmtree(tmp_path / "runs" / "pair")
+    folder = own_bucket.path("pair/checkpoints/step-000006")
+    size = sum(info["size"] for info in own_bucket.fs.find(folder, detail=True).values())
+    before = own_bucket.server.sent_bytes(own_bucket.name)
+    resumed = kubetrain(*args, "--set", "train.max_steps=9", "--nproc", "2", cwd=tmp_path)
+    read = own_bucket.server.sent_bytes(own_bucket.name) - before
+    assert resumed.stdout.count(f"restored step-000006 from {own_bucket.uri}/pair/checkpoints") == 1, resumed.stdout
+    assert "resuming from runs/pair/checkpoints/step-000006" in resumed.stdout
+    # the files once (two ranks each downloading would be twice); beside them the pointers, and the uploader of the
+    # resumed run reading the newest checkpoint's meta.json to know it is in the store already
+    assert size <= read < 1.5 * size, (read, size)

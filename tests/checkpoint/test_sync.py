@@ -1,8 +1,10 @@
-"""`kubetrain runs sync`: a run directory pushed to a real S3-compatible server and pulled back, changed files only."""
+"""`kubetrain runs sync`: a run directory pushed to a real S3 server (SeaweedFS) and pulled back, changed files only;
+a store whose keys would land outside the run directory, or that denies reads, is one error line and no file."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ from kubetrain.checkpoint.store import open_store
 from kubetrain.checkpoint.sync import MANIFEST, _in_order, pull, push, sync_run
 from kubetrain.errors import CheckpointError, UserInputError
 from tests.conftest import Cli, RunMain
-from tests.object_store import Bucket
+from tests.object_store import WRITER, Bucket, use_credentials
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -114,3 +116,51 @@ def test_a_trained_run_round_trips_through_the_bucket(bucket: Bucket, cli: Cli, 
         info.pop("path")
     assert shown[0] == shown[1] and shown[0]["status"] == "finished" and shown[0]["checkpoints"]
     assert _files(tmp_cwd / "restored" / "r") == {k: v for k, v in _files(tmp_cwd / "runs" / "r").items()}
+
+
+def _everything(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("key", ["../evil", "checkpoints/../../evil", "a/../../../evil", "/abs/evil", "a//b"])
+def test_pull_refuses_a_store_that_lists_a_key_outside_the_run_directory(
+    run_main: RunMain, tmp_path: Path, key: str
+) -> None:
+    uri = f"memory://kt-{uuid.uuid4().hex[:8]}/run"  # fsspec's memory store keeps any key, as S3 does
+    store = open_store(uri)
+    store.fs.pipe_file(f"{store.root}/metrics.jsonl", b"{}\n")
+    store.fs.pipe_file(f"{store.root}/{key}", b"pwned")
+    assert key in store.sizes()
+    work = tmp_path / "work"
+    (work / "runs").mkdir(parents=True)
+    code, out, err = run_main("runs", "sync", uri, str(work / "runs" / "r"))
+    assert code == 2 and out == ""
+    assert err.strip() == (f"error: {uri} lists {key!r}, which would land outside {work / 'runs' / 'r'} "
+                           f"({err.split('(')[-1].split(')')[0]}); nothing was pulled")
+    assert _everything(work) == {"runs"}
+
+
+def test_pull_refuses_a_run_folder_whose_link_leads_outside(tmp_path: Path) -> None:
+    run = _fake_run(tmp_path / "run")
+    store = open_store(str(tmp_path / "backup"))
+    push(run, store)
+    back, elsewhere = tmp_path / "back", tmp_path / "elsewhere"
+    back.mkdir()
+    elsewhere.mkdir()
+    (back / "checkpoints").symlink_to(elsewhere)  # pulled into, its checkpoints would land in `elsewhere`
+    with pytest.raises(UserInputError, match=r"'checkpoints/\S+', which would land outside .*through a link"):
+        pull(store, back)
+    assert list(elsewhere.iterdir()) == [] and _everything(back) == {"checkpoints"}
+
+
+def test_pull_with_credentials_that_may_not_read_is_one_line_and_writes_nothing(
+    bucket: Bucket, run_main: RunMain, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    push(_fake_run(tmp_path / "run"), open_store(f"{bucket.uri}/run", bucket.endpoint))
+    use_credentials(monkeypatch, WRITER)  # Write and List only
+    code, out, err = run_main("runs", "sync", f"{bucket.uri}/run", str(tmp_path / "back"), "--endpoint-url",
+                              bucket.endpoint)
+    assert code == 1 and out == "", err
+    assert err.startswith(f"error: cannot sync with {bucket.uri}/run: ") and "denied" in err.lower(), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "back").exists()

@@ -48,11 +48,13 @@ def file_digest(path: Path) -> str:
 
 
 def pointer(root: Path, which: str) -> str | None:
+    """The checkpoint folder name `latest`/`best` holds; None without one, or for anything but a step-N name
+    (a pointer copied from elsewhere must not lead out of the folder)."""
     try:
         name = (root / which).read_text().strip()
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return None
-    return name or None
+    return name if _STEP_DIR.match(name) else None
 
 
 def complete_checkpoints(root: Path) -> list[Path]:

@@ -30,6 +30,7 @@ from kubetrain.checkpoint.layout import (
     is_checkpoint_dir,
 )
 from kubetrain.errors import BadCheckpointError, CheckpointError, IncompatibleCheckpointError
+from kubetrain.outside_names import OutsideName, join_inside
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,10 @@ def verify(path: Path, deep: bool = True) -> Checkpoint:
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path.name}: unreadable meta.json ({e})") from None
     files = meta.get("files") or {}
-    if not files:
+    if not isinstance(files, dict) or not files:
         raise CheckpointError(f"{path.name}: meta.json lists no files")
     for fname, info in files.items():
-        f = path / fname
+        f = inside_checkpoint(path, fname)
         if not f.is_file():
             raise CheckpointError(f"{path.name}: {fname} is missing")
         if f.stat().st_size != info["bytes"]:
@@ -83,6 +84,15 @@ def verify(path: Path, deep: bool = True) -> Checkpoint:
         if problem:
             raise CheckpointError(f"{path.name}: {problem}")
     return Checkpoint(path, meta)
+
+
+def inside_checkpoint(path: Path, fname: str) -> Path:
+    """path/fname for a file name that meta.json lists; CheckpointError for one outside the checkpoint folder."""
+    try:
+        return join_inside(path, fname)
+    except OutsideName as e:
+        raise CheckpointError(f"{path.name}: meta.json names {fname!r}, not a file inside the checkpoint "
+                              f"({e.why})") from None
 
 
 def verify_named(path: Path) -> Checkpoint:

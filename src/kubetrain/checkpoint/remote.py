@@ -23,16 +23,15 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from kubetrain import checkpoint
-from kubetrain.checkpoint import BEST, LATEST, META_FILE, Checkpoint, verdict
-from kubetrain.checkpoint.store import Store, check_reachable, describe, open_store
+from kubetrain.checkpoint import BEST, LATEST, META_FILE, Checkpoint
+from kubetrain.checkpoint.read import inside_checkpoint
+from kubetrain.checkpoint.store import Store, describe, open_store
 from kubetrain.config.schema import Config
 from kubetrain.errors import CheckpointError
-from kubetrain.files import write_atomic
 
 Log = Callable[[str], None]
 
@@ -40,7 +39,7 @@ Log = Callable[[str], None]
 # test can kill the process while an upload is half done.
 FAULT_SLOW_UPLOAD = "KUBETRAIN_FAULT_SLOW_UPLOAD"
 STAGING = ".upload"  # under checkpoints/: hard links of the checkpoints waiting for upload
-_STEP = re.compile(r"^step-(\d{6,})$")
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
 _warned: set[str] = set()  # stores already warned about in this process: one warning line each
 _warned_lock = threading.Lock()
 
@@ -62,12 +61,12 @@ def checkpoint_store(cfg: Config, phase: str | None = None) -> Store | None:
     return open_store(cfg.checkpoint.uri, cfg.checkpoint.endpoint_url).child(rel)
 
 
-def _step(name: str) -> int:
-    m = _STEP.match(name)
+def step_of(name: str) -> int:
+    m = STEP_DIR.match(name)
     return int(m.group(1)) if m else -1
 
 
-def _pointer(store: Store, which: str) -> str | None:
+def store_pointer(store: Store, which: str) -> str | None:
     text = store.read_text(which)
     return (text or "").strip() or None
 
@@ -79,7 +78,7 @@ def upload(store: Store, local: Path, name: str, *, is_best: bool, keep_last: in
     """
     meta = json.loads((local / META_FILE).read_text())
     expected = {f: int(info["bytes"]) for f, info in meta["files"].items()}
-    store.put([(local / f, f"{name}/{f}") for f in sorted(expected)])
+    store.put([(inside_checkpoint(local, f), f"{name}/{f}") for f in sorted(expected)])  # never a file elsewhere
     delay = float(os.environ.get(FAULT_SLOW_UPLOAD) or 0)
     if delay:
         time.sleep(delay)
@@ -92,7 +91,7 @@ def upload(store: Store, local: Path, name: str, *, is_best: bool, keep_last: in
     if is_best:
         store.write_text(BEST, name + "\n")
     if keep_last is not None:
-        prune(store, keep_last, current=_step(name))
+        prune(store, keep_last, current=step_of(name))
 
 
 def prune(store: Store, keep_last: int, current: int) -> None:
@@ -101,124 +100,12 @@ def prune(store: Store, keep_last: int, current: int) -> None:
     Unfinished uploads older than `current` are removed; anything newer than `current` is left alone.
     """
     listing = store.sizes()
-    names = sorted({rel.split("/")[0] for rel in listing if _STEP.match(rel.split("/")[0])}, key=_step)
+    names = sorted({rel.split("/")[0] for rel in listing if STEP_DIR.match(rel.split("/")[0])}, key=step_of)
     complete = [n for n in names if f"{n}/{META_FILE}" in listing]
-    keep = {_pointer(store, LATEST), _pointer(store, BEST), *complete[-keep_last:]}
+    keep = {store_pointer(store, LATEST), store_pointer(store, BEST), *complete[-keep_last:]}
     for name in names:
-        if name not in keep and _step(name) <= current:
+        if name not in keep and step_of(name) <= current:
             store.remove(name)
-
-
-def restore_newest(cfg: Config, phase: str | None, ckpt_root: Path, log: Log) -> Checkpoint | None:
-    """With `checkpoint.uri` and no local checkpoint: download the newest checkpoint in the store that verifies.
-
-    It is downloaded into a temporary folder, verified against its checksums and renamed into place, so
-    `--resume auto` then continues from it exactly as from a local checkpoint. The one the store's `latest`
-    names is tried first: a run restarted from scratch under the same name may have left newer steps of
-    its earlier life there. Then the others, newest first.
-
-    A store that cannot be read never rewinds the run to step 0: it is tried `checkpoint.restore_attempts`
-    times with a doubling wait, then this raises CheckpointError (exit 1) naming the store and the error.
-    So does a store whose complete checkpoints all fail to verify. An empty store starts the run afresh.
-    """
-    if not cfg.checkpoint.uri or checkpoint.complete_checkpoints(ckpt_root):
-        return None
-    store = checkpoint_store(cfg, phase)
-    assert store is not None
-    attempts, wait = cfg.checkpoint.restore_attempts, cfg.checkpoint.restore_backoff_seconds
-    for attempt in range(1, attempts + 1):
-        try:
-            return _restore_from(store, ckpt_root, log)
-        except CheckpointError:
-            raise
-        except Exception as e:  # network, credentials, a missing bucket: the store cannot be read (yet)
-            if attempt == attempts:
-                raise CheckpointError(
-                    f"cannot read checkpoints from {store.uri} ({attempts} attempts): {describe(e)}; the local "
-                    f"folder has none, so the run would start again from step 0: fix the store, or start afresh on "
-                    f"purpose with --resume never"
-                ) from None
-            log(f"warning: cannot read checkpoints from {store.uri} (attempt {attempt} of {attempts}): "
-                f"{describe(e)}; trying again in {wait:g} s")
-            time.sleep(wait)
-            wait *= 2
-    return None
-
-
-def _restore_from(store: Store, ckpt_root: Path, log: Log) -> Checkpoint | None:
-    """One attempt of `restore_newest`: what the store raises, it raises."""
-    listing = store.sizes()
-    if not listing:
-        check_reachable(store)  # an empty folder in a bucket that exists, not a missing bucket
-    names = sorted({rel.split("/")[0] for rel in listing if _STEP.match(rel.split("/")[0])}, key=_step)
-    latest = _pointer(store, LATEST)
-    complete = 0
-    for name in sorted(names, key=lambda n: (n == latest, _step(n)), reverse=True):
-        complete += f"{name}/{META_FILE}" in listing
-        try:
-            restored = download(store, name, listing, ckpt_root)
-        except CheckpointError as e:
-            log(f"warning: skipping {store.uri}/{name}: {e}")
-            continue
-        log(f"restored {name} from {store.uri}")
-        return restored
-    if complete:
-        raise CheckpointError(
-            f"none of the {complete} checkpoints in {store.uri} verifies and the local folder has none: the run "
-            f"would start again from step 0; repair the store, or start afresh on purpose with --resume never"
-        )
-    return None
-
-
-def download(store: Store, name: str, listing: dict[str, int], ckpt_root: Path) -> Checkpoint:
-    """Download checkpoint `name` into `ckpt_root`, verified, and point `latest` (and `best`) at it."""
-    if f"{name}/{META_FILE}" not in listing:
-        raise CheckpointError("its upload did not finish (no meta.json)")
-    # A name of its own per process: two nodes that share the folder may both download.
-    tmp = ckpt_root / f"{name}.download-{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        _fetch(store, f"{name}/{META_FILE}", tmp / META_FILE)
-        try:
-            files = json.loads((tmp / META_FILE).read_text())["files"]
-            digests = {f: str(info[checkpoint.CHECKSUM]) for f, info in files.items()}
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"unreadable meta.json ({e})") from None
-        # Each file is hashed and flushed to disk as soon as it is in, while the others still download.
-        with ThreadPoolExecutor(max_workers=max(1, len(files))) as pool:
-            got = dict(zip(files, pool.map(lambda f: _fetch(store, f"{name}/{f}", tmp / f), files), strict=True))
-        for f in sorted(files):
-            if got[f] != digests[f]:
-                raise CheckpointError(f"{f} fails its checksum")
-        try:
-            checkpoint.verify(tmp, deep=False)  # sizes and the layout; the checksums were compared above
-        except CheckpointError as e:
-            raise CheckpointError(str(e).removeprefix(f"{tmp.name}: ")) from None
-        try:
-            os.rename(tmp, ckpt_root / name)
-        except OSError:  # another process put the same checkpoint there first
-            pass
-        else:  # hashed above as it arrived: the ranks that resume from it need not read it again
-            verdict.record(ckpt_root / name, files, None, written_here=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    write_atomic(ckpt_root / LATEST, name + "\n")
-    if _pointer(store, BEST) == name:
-        write_atomic(ckpt_root / BEST, name + "\n")
-    return checkpoint.verify(ckpt_root / name, deep=False)
-
-
-def _fetch(store: Store, rel: str, local: Path) -> str:
-    """Download one file, then return its xxh3-128 digest once it is on disk (fsynced)."""
-    try:
-        store.get([(rel, local)])
-    except FileNotFoundError:
-        raise CheckpointError(f"{rel.split('/', 1)[-1]} is missing") from None
-    digest = checkpoint.file_digest(local)
-    with open(local, "rb") as fh:
-        os.fsync(fh.fileno())
-    return digest
 
 
 @dataclass(frozen=True)
@@ -282,7 +169,7 @@ class Uploader:
 
     def _run(self) -> None:
         try:
-            self.newest = _pointer(self.store, LATEST)  # also tells early when the store cannot be reached
+            self.newest = store_pointer(self.store, LATEST)  # also tells early when the store cannot be reached
         except Exception as e:  # training never fails because the store does
             self._failed(None, e)
         while (job := self._queue.get()) is not None:
@@ -303,7 +190,7 @@ class Uploader:
     def _prune(self, name: str) -> None:
         """The retention pass after `name` is complete in the store: its failure costs old copies, not `name`."""
         try:
-            prune(self.store, self.keep_last, current=_step(name))
+            prune(self.store, self.keep_last, current=step_of(name))
         except Exception as e:
             if not self._prune_warned:
                 self._prune_warned = True
@@ -311,7 +198,7 @@ class Uploader:
                          f"the uploads go on, older checkpoints stay there")
 
     def _in_store(self, name: str) -> bool:
-        return _pointer(self.store, LATEST) == name and self.store.read_text(f"{name}/{META_FILE}") is not None
+        return store_pointer(self.store, LATEST) == name and self.store.read_text(f"{name}/{META_FILE}") is not None
 
     def _failed(self, name: str | None, e: BaseException) -> None:
         if name:

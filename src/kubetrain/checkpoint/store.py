@@ -91,7 +91,10 @@ def check_reachable(store: Store) -> str:
 def describe(e: BaseException) -> str:
     """An exception from a store as one short line (botocore messages run over several)."""
     text = str(e).strip().splitlines()
-    return text[0][:300] if text else type(e).__name__
+    line = text[0][:300] if text else type(e).__name__
+    if isinstance(e, PermissionError) and "denied" not in line.lower():  # a 403 to a HEAD has no body: "Forbidden"
+        line += " (access denied to these credentials)"
+    return line
 
 
 class Store:

@@ -17,16 +17,18 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from kubetrain.checkpoint import BEST, CHECKSUM, LATEST, META_FILE, file_digest
-from kubetrain.checkpoint.store import Store, is_remote, open_store
+from kubetrain.checkpoint.store import Store, describe, is_remote, open_store
 from kubetrain.checkpoint.verdict import VERDICTS
-from kubetrain.errors import CheckpointError, UserInputError
+from kubetrain.errors import CheckpointError, KubetrainError, UserInputError
+from kubetrain.outside_names import OutsideName, join_inside
 
 MANIFEST = ".kubetrain-sync.json"
 _STEP_DIR = re.compile(r"^step-\d{6,}$")
 # in-progress files and folders: a checkpoint being written (step-N.tmp), an atomic write (.name.tmpPID),
 # a download (.name.PID.tmp), the uploader's hard links (checkpoints/.upload); and a live run's lock
-# (runs/lock.py's run.lock: it names a process of the machine it was written on)
-_IN_PROGRESS = re.compile(r"\.tmp\d*$|^\.upload$|^run\.lock$")
+# (runs/lock.py's run.lock: it names a process of the machine it was written on); a restore's claim
+# (checkpoints/.restore, checkpoint/restore.py)
+_IN_PROGRESS = re.compile(r"\.tmp\d*$|^\.upload$|^run\.lock$|^\.restore$")
 
 
 @dataclass
@@ -41,12 +43,18 @@ def sync_run(source: str, destination: str, endpoint_url: str | None = None) -> 
     """Push a run directory to a URI (`RUN_DIR URI`) or pull one back (`URI RUN_DIR`)."""
     if is_remote(source) and is_remote(destination):
         raise UserInputError("runs sync copies between a run directory and a URI; both arguments are URIs")
-    if is_remote(source):
-        return pull(open_store(source, endpoint_url), Path(_local_path(destination)))
-    local = Path(_local_path(source))
-    if not local.is_dir():
-        raise UserInputError(f"no such run directory: {source}")
-    return push(local, open_store(destination, endpoint_url))
+    try:
+        if is_remote(source):
+            return pull(open_store(source, endpoint_url), Path(_local_path(destination)))
+        local = Path(_local_path(source))
+        if not local.is_dir():
+            raise UserInputError(f"no such run directory: {source}")
+        return push(local, open_store(destination, endpoint_url))
+    except KubetrainError:
+        raise
+    except OSError as e:  # the store refused (credentials, a denied read), or cannot be reached
+        uri = source if is_remote(source) else destination
+        raise CheckpointError(f"cannot sync with {uri}: {describe(e)}") from None
 
 
 def _local_path(text: str) -> str:
@@ -119,24 +127,31 @@ def pull(store: Store, root: Path) -> SyncResult:
     remote = {rel: size for rel, size in store.sizes().items() if _wanted(rel)}
     if not remote:
         raise UserInputError(f"nothing to pull at {store.uri}")
+    targets: dict[str, Path] = {}
+    for rel in remote:  # every key before any byte: a store that names anything outside `root` is refused whole
+        try:
+            targets[rel] = join_inside(root, rel)
+        except OutsideName as e:
+            raise UserInputError(f"{store.uri} lists {rel!r}, which would land outside {root} ({e.why}); nothing "
+                                 f"was pulled") from None
     known = _remote_digests(store, remote)
     todo = []
     for rel, size in remote.items():
-        p = root / rel
+        p = targets[rel]
         same = p.is_file() and p.stat().st_size == size and rel in known and file_digest(p) == known[rel]
         if not same:
             todo.append(rel)
     for batch in _in_order(todo):
-        parts = [(rel, (root / rel).with_name(f".{PurePosixPath(rel).name}.{os.getpid()}.tmp")) for rel in batch]
+        parts = [(rel, targets[rel].with_name(f".{targets[rel].name}.{os.getpid()}.tmp")) for rel in batch]
         try:
             store.get(parts)
             for rel, tmp in parts:
                 if rel in known and file_digest(tmp) != known[rel]:
                     raise CheckpointError(
-                        f"{store.uri}/{rel} does not match its recorded checksum; {root / rel} was left as it was"
+                        f"{store.uri}/{rel} does not match its recorded checksum; {targets[rel]} was left as it was"
                     )
             for rel, tmp in parts:
-                os.replace(tmp, root / rel)
+                os.replace(tmp, targets[rel])
         finally:
             for _, tmp in parts:
                 tmp.unlink(missing_ok=True)

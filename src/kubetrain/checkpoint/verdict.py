@@ -100,6 +100,9 @@ def exclusive(folder: Path) -> Iterator[None]:
         yield
 
 
+HASH_THREADS = 8  # at most: a meta.json from elsewhere may list any number of files
+
+
 def hashed(path: Path, files: dict[str, Any]) -> str | None:
     """What is wrong with the files' bytes (None: nothing), hashed by one process and recorded for the others."""
     held, problem = recorded(path, files)
@@ -109,7 +112,7 @@ def hashed(path: Path, files: dict[str, Any]) -> str | None:
         held, problem = recorded(path, files)
         if held:
             return problem
-        with ThreadPoolExecutor(max_workers=len(files)) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(len(files), HASH_THREADS))) as pool:
             digests = dict(zip(files, pool.map(file_digest, (path / f for f in files)), strict=True))
         problem = next((f"{f} fails its checksum" for f, info in files.items() if digests[f] != info.get(CHECKSUM)),
                        None)

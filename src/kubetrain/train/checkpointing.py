@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kubetrain import checkpoint, runs
-from kubetrain.checkpoint import remote
+from kubetrain.checkpoint import remote, restore
 from kubetrain.checkpoint.sharded import (
     HashingWriter,
     load_model_shards,
@@ -203,10 +203,9 @@ class Checkpointer:
             raise UserInputError(
                 f"{self.run_dir} already has checkpoints; resume it (--resume auto), or choose another run.name"
             )
-        if resume == "auto":
-            if self.penv.local_rank == 0:  # a local folder without checkpoints resumes from object storage
-                remote.restore_newest(self.cfg, self.phase, self.root, self.say)
-            dist.barrier()
+        if resume == "auto":  # a local folder without checkpoints resumes from object storage: one process
+            # per folder downloads, the others wait on the folder (no collective)
+            restore.restore_once(self.cfg, self.phase, self.root, self.say)
             self.resumed = checkpoint.find_resumable(self.root, warn=lambda m: self.say(f"warning: {m}"))
         elif resume != "never":
             if not Path(resume).exists():

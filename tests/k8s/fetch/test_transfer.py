@@ -3,15 +3,21 @@ for the claim (the same program and code path as through exec in a pod)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
+import tarfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import pytest
 
 from kubetrain import checkpoint
+from kubetrain.errors import UserInputError
+from kubetrain.k8s.fetch.program import NOTES
 from kubetrain.k8s.fetch.transfer import MANIFEST, FetchError, LocalTransport, fetch_run
 from tests.checkpoint.conftest import save_step
 
@@ -137,3 +143,94 @@ def test_files_are_copied_with_their_content(claim: Path, tmp_path: Path) -> Non
     os.remove(local / "config.yaml")
     again = fetch_run(LocalTransport(), str(claim), local, "all")
     assert "config.yaml" in again.copied and "checkpoints/step-000006" in again.checkpoints
+
+
+class UntrustedPod:
+    """A pod that sends a listing and an archive of its own choosing: what a compromised image, or a claim someone
+    else can write, may send instead of what the real pod program (used everywhere else here) sends."""
+
+    def __init__(self, members: dict[str, bytes], listed: list[str] | None = None,
+                 pointers: dict[str, str] | None = None) -> None:
+        self.members, self.listed, self.pointers = members, listed or list(members), pointers or {}
+
+    @contextmanager
+    def run(self, args: list[str]) -> Iterator[IO[bytes]]:
+        if args[0] == "list":
+            files = [[name, len(self.members.get(name, b"")), 1] for name in self.listed]
+            yield io.BytesIO(json.dumps({"files": files, "pointers": self.pointers}).encode())
+            return
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w|") as tar:
+            for name, data in [*self.members.items(), (NOTES, b'{"gone": [], "changed": []}')]:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        out.seek(0)
+        yield out
+
+
+def _all(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("name", ["../evil", "checkpoints/../../evil", "/tmp/kt-fetch-evil", "", ".", "a//b"])
+def test_a_pod_that_lists_a_name_outside_the_run_directory_is_refused_before_any_copy(
+    tmp_path: Path, name: str
+) -> None:
+    local = tmp_path / "work" / "run1"
+    pod = UntrustedPod({"metrics.jsonl": b"{}\n", name: b"pwned"})
+    with pytest.raises(UserInputError, match=r"the pod sent .*which would land outside .*the fetch stopped there"):
+        fetch_run(pod, "/claim/run1", local)
+    assert _all(tmp_path / "work") == {"run1"} and not Path("/tmp/kt-fetch-evil").exists()
+
+
+def test_an_archive_member_outside_the_run_directory_is_refused(tmp_path: Path) -> None:
+    local = tmp_path / "work" / "run1"
+    pod = UntrustedPod({"metrics.jsonl": b"{}\n", "../../evil": b"pwned"}, listed=["metrics.jsonl"])
+    with pytest.raises(UserInputError, match=r"the pod sent '../../evil', which would land outside"):
+        fetch_run(pod, "/claim/run1", local)
+    assert "evil" not in _all(tmp_path)
+
+
+def test_an_archive_member_that_is_a_link_is_refused(tmp_path: Path) -> None:
+    class LinkingPod(UntrustedPod):
+        @contextmanager
+        def run(self, args: list[str]) -> Iterator[IO[bytes]]:
+            if args[0] == "list":
+                with super().run(args) as out:
+                    yield out
+                return
+            out = io.BytesIO()
+            with tarfile.open(fileobj=out, mode="w|") as tar:
+                link = tarfile.TarInfo("metrics.jsonl")
+                link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+                tar.addfile(link)
+            out.seek(0)
+            yield out
+
+    local = tmp_path / "work" / "run1"
+    with pytest.raises(UserInputError, match=r"the pod sent 'metrics.jsonl', which is not a plain file"):
+        fetch_run(LinkingPod({"metrics.jsonl": b"{}\n"}), "/claim/run1", local)
+    assert _all(tmp_path / "work") == {"run1"}
+
+
+def test_a_pointer_outside_or_naming_no_step_folder_is_not_followed(claim: Path, tmp_path: Path) -> None:
+    with pytest.raises(UserInputError, match="would land outside"):
+        fetch_run(UntrustedPod({}, pointers={"../../checkpoints/latest": "step-000003"}), "/claim/run1",
+                  tmp_path / "a")
+    files = {f"checkpoints/step-000003/{f.name}": f.read_bytes() for f in (claim / "checkpoints" / "step-000003")
+             .iterdir()}
+    pod = UntrustedPod(files, pointers={"checkpoints/latest": "../../../elsewhere"})
+    fetched = fetch_run(pod, "/claim/run1", tmp_path / "b", "all")
+    assert fetched.checkpoints == ["checkpoints/step-000003"]
+    assert (tmp_path / "b" / "checkpoints" / "latest").read_text() == "step-000003\n"  # the newest here instead
+
+
+def test_a_link_in_the_local_folder_that_leads_outside_is_refused(claim: Path, tmp_path: Path) -> None:
+    local, elsewhere = tmp_path / "local" / "run1", tmp_path / "elsewhere"
+    local.mkdir(parents=True)
+    elsewhere.mkdir()
+    (local / "checkpoints").symlink_to(elsewhere)
+    with pytest.raises(UserInputError, match=r"'checkpoints/.*would land outside .*through a link"):
+        fetch_run(LocalTransport(), str(claim), local)
+    assert list(elsewhere.iterdir()) == []

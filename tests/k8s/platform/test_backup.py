@@ -1,5 +1,5 @@
 """`kubetrain k8s backup`: through the test API server (the pod program really runs on a folder standing for the
-claim) into a real S3-compatible server (moto, over HTTP); restored with `runs sync` and verified."""
+claim) into a real S3 server (SeaweedFS, over HTTP); restored with `runs sync` and verified."""
 
 from __future__ import annotations
 

@@ -15,10 +15,12 @@ import sqlite3
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from kubetrain.config.schema import Config
+from kubetrain.errors import UserInputError
+from kubetrain.outside_names import OutsideName, join_inside
 from kubetrain.secrets import redact_text
 
 LOCAL_DIR = "mlflow"  # in the fetched run folder
@@ -75,6 +77,11 @@ def plan_store(listing: dict[str, Any], local: Path, manifest: dict[str, list[in
         manifest.get(STORE_KEY) != listing["db"] or not (here / STORE_FILE).is_file())
     files, unchanged = [], 0
     for rel, size, mtime in listing.get("files", []):
+        try:
+            join_inside(here, rel)
+        except OutsideName as e:
+            raise UserInputError(f"the pod listed the MLflow artifact {rel!r}, which would land outside {here} "
+                                 f"({e.why}); the fetch stopped there") from None
         if manifest.get(f"{LOCAL_DIR}/{rel}") == [size, mtime] and (here / rel).is_file():
             unchanged += 1
         else:
@@ -102,7 +109,11 @@ def relocate(location: str, pod_bases: list[str], here: Path) -> str | None:
     for base in pod_bases:
         base = base.rstrip("/")
         if path == base or path.startswith(f"{base}/"):
-            moved = here.resolve() / PurePosixPath(path[len(base):].lstrip("/"))
+            rel = path[len(base):].strip("/")
+            try:  # a location the store holds: under `here` or left as it was
+                moved = join_inside(here.resolve(), rel) if rel else here.resolve()
+            except OutsideName:
+                return None
             return moved.as_uri() if as_uri else str(moved)
     return None
 

@@ -4,7 +4,8 @@ It needs nothing but the Python standard library, so it works with any image tha
 whichever kubetrain version the image holds; and it only reads, so the claim can be mounted read-only.
 
   list ROOT        one JSON object on stdout: {"files": [[rel, bytes, mtime_ns], ...], "pointers": {rel: text}}
-                   (every file under ROOT but in-progress ones: `*.tmp*` names, `checkpoints/.upload/`;
+                   (every file under ROOT but in-progress ones: `*.tmp*` names, `checkpoints/.upload/`,
+                   `checkpoints/.restore/`;
                    `pointers` holds the text of each checkpoints/latest and checkpoints/best)
   tar ROOT SPEC    an uncompressed tar stream on stdout of the files SPEC names (base64 of zlib of a JSON list
                    of relative paths), in that order; last, a member NOTES with the files that were gone or
@@ -35,7 +36,7 @@ STORE_MEMBER = "mlflow.db"
 PROGRAM = r'''
 import base64, hashlib, io, json, os, re, sqlite3, sys, tarfile, tempfile, urllib.parse, urllib.request, zlib
 mode, root = sys.argv[1], sys.argv[2]
-skip = re.compile(r"\.tmp\d*$|^\.upload$|^run\.lock$")  # in progress; the pod's run lock
+skip = re.compile(r"\.tmp\d*$|^\.upload$|^run\.lock$|^\.restore$")  # in progress; the pod's run lock; a restore's claim
 if not os.path.isdir(root):
     parent = os.path.dirname(root.rstrip("/"))
     runs = sorted(d for d in (os.listdir(parent) if os.path.isdir(parent) else [])

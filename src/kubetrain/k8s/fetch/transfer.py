@@ -45,12 +45,14 @@ from kubetrain.k8s.fetch.program import (
     store_tar_args,
     tar_args,
 )
+from kubetrain.outside_names import OutsideName, join_inside
 
 MANIFEST = ".kubetrain-fetch.json"
 TMP = ".fetch.tmp"
 CHOICES = ("latest", "best", "all", "none")
 _CKPT = re.compile(r"^(?P<dir>(?:.*/)?checkpoints/step-\d{6,})/(?P<file>.+)$")
 _POINTER = re.compile(r"^(?:.*/)?checkpoints/(?:latest|best)$")
+_STEP_NAME = re.compile(r"^step-\d{6,}$")
 Log = Callable[[str], None]
 
 
@@ -132,6 +134,9 @@ def _chosen(listing: dict[str, tuple[int, int]], pointers: dict[str, str], which
 def plan(listing_json: dict[str, Any], local: Path, which: str) -> _Plan:
     listing = {str(rel): (int(size), int(mtime)) for rel, size, mtime in listing_json["files"]}
     pointers = {str(k): str(v) for k, v in listing_json["pointers"].items()}
+    for rel in [*listing, *pointers]:  # every name before any byte: a pod that names anything outside is refused
+        _safe(rel, local)
+    pointers = {k: v for k, v in pointers.items() if _STEP_NAME.match(v)}  # a pointer names a step folder, or nothing
     manifest = _load_manifest(local)
 
     def changed(rel: str) -> bool:
@@ -217,7 +222,7 @@ def _unpack_store(stream: IO[bytes], local: Path, pod_bases: list[str], result: 
         if name == NOTES:
             notes = json.loads(source.read())
             continue
-        rel = _safe(name)
+        rel = _safe(name, here)
         final = here / rel
         tmp = final.with_name(f".{final.name}{TMP}")
         _write_synced(source, tmp)
@@ -259,7 +264,7 @@ class _Unpacker:
             if name == NOTES:
                 notes = json.loads(source.read())
                 continue
-            rel = _safe(name)
+            rel = _safe(name, self.local)
             m = _CKPT.match(rel)
             target = (self.local / f"{m['dir']}{TMP}" / m["file"]) if m else self._tmp_name(rel)
             _write_synced(source, target)
@@ -289,12 +294,15 @@ class _Unpacker:
         self.result.copied += [str(p.relative_to(self.local).as_posix()) for p in final.rglob("*") if p.is_file()]
 
 
-def _safe(name: str) -> str:
-    """A member name as a relative path that stays inside the folder (the pod is not trusted with ../)."""
-    p = PurePosixPath(name)
-    if p.is_absolute() or ".." in p.parts or not p.parts:
-        raise FetchError(f"the pod sent a file outside the run directory: {name}")
-    return str(p)
+def _safe(name: str, folder: Path) -> str:
+    """A name the pod sent (listed, or a member of its archive), checked to stay inside `folder`: the pod is not
+    trusted with ../, absolute paths or a link. Anything else refuses the fetch (exit 2)."""
+    try:
+        join_inside(folder, name)
+    except OutsideName as e:
+        raise UserInputError(f"the pod sent {name!r}, which would land outside {folder} ({e.why}); the fetch "
+                             f"stopped there") from None
+    return name
 
 
 def _remove_leftovers(local: Path) -> None:
@@ -341,6 +349,9 @@ def _members(stream: IO[bytes]) -> Iterator[tuple[str, IO[bytes], int]]:
     """(name, contents, size) of each file of a tar stream, read in order (the stream cannot seek)."""
     with tarfile.open(fileobj=stream, mode="r|") as tar:
         for member in tar:
+            if not member.isfile():  # the pod program sends files only: a link or a device is not followed
+                raise UserInputError(f"the pod sent {member.name!r}, which is not a plain file; the fetch stopped "
+                                     "there")
             source = tar.extractfile(member)
             if source is not None:
                 yield member.name, source, member.size
