@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import traceback
@@ -34,6 +35,12 @@ OPTIONAL_EXTRAS = {
     "gguf": "export", "tiktoken": "tiktoken",
     "fsspec": "storage", "s3fs": "storage",
 }
+
+
+# OSErrors about a path the user gave (an output folder on a read-only mount, a file where a folder belongs): bad
+# input, one line. Raised while training they were already turned into one line by the Trainer (exit 1).
+PATH_ERRORS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.EISDIR, errno.ENOTDIR,
+               errno.ENAMETOOLONG, errno.ELOOP}
 
 
 def _register() -> None:
@@ -83,7 +90,10 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             traceback.print_exc()
         _bad_input(f"this needs the optional package '{e.name}': pip install 'kubetrain[{extra}]'")
-    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+    except OSError as e:
+        if e.errno not in PATH_ERRORS or e.filename is None:  # not a path the user named: a bug or the machine
+            record_worker_error(e)
+            raise
         if debug:
             traceback.print_exc()
         _bad_input(f"{e.strerror}: {e.filename}")

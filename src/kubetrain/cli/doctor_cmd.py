@@ -7,13 +7,14 @@ from typing import Annotated
 
 import typer
 
-from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
+from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, at_least, load
 
 
 def doctor(
     config: ConfigArg = None, preset: PresetOpt = None, set_: SetOpt = None, json_: JsonOpt = False,
-    nproc: Annotated[int, typer.Option("--nproc", min=1, help="Processes the run will have (all nodes): the "
-                                       "memory estimate is per process, sharded under dist.strategy fsdp.")] = 1,
+    nproc: Annotated[int, typer.Option("--nproc", callback=at_least(1, "--nproc"),
+                                       help="Processes the run will have (all nodes): the memory estimate is per "
+                                       "process, sharded under dist.strategy fsdp.")] = 1,
 ) -> None:
     """Check this machine: device, memory, bf16, attention kernels, versions, disk, extras; with a CONFIG,
     whether the model and a micro-batch fit (an estimate) and the settings a run here would pick."""
