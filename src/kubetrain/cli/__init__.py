@@ -26,6 +26,27 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        import torch
+
+        from kubetrain import __version__
+
+        typer.echo(f"kubetrain {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="Print kubetrain's version (and torch's) and exit."),
+    debug: bool = typer.Option(False, "--debug", help="On an error, show the traceback too (anywhere on the line; "
+                               "or KUBETRAIN_DEBUG=1)."),
+) -> None:
+    # --debug is read by main() from anywhere in the arguments (it never reaches here): listed for --help
+    """Train and fine-tune decoder-only language models from one YAML config."""
+
+
 # Packages of the optional extras (pyproject.toml), for a one-line hint when one is missing.
 OPTIONAL_EXTRAS = {
     "transformers": "hf", "peft": "hf", "datasets": "hf", "accelerate": "hf",
