@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -94,8 +95,13 @@ def test_a_worker_stopped_and_continued_in_a_loop_is_named_the_slowest_rank(tmp_
         done.set()
         loop.join()
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_STOPPED_RESUMABLE
+    # a stop that was asked for is no error: one line, from global rank 0, naming the step and the checkpoint
+    stopped = [line for line in err.splitlines() if "stopped by SIGTERM" in line]
+    assert len(stopped) == 1 and "error" not in err, err[-3000:]
+    assert re.fullmatch(r"stopped by SIGTERM at step \d+; checkpoint step-\d+; resume with the same command",
+                        stopped[0]), stopped
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert all({"slowest_rank", "straggler_ratio", "rank_compute_seconds"} <= set(r) for r in train)

@@ -11,7 +11,14 @@ from typing import NoReturn
 import typer
 
 from kubetrain.distributed.peers import lost_peer
-from kubetrain.errors import EXIT_BAD_INPUT, EXIT_FAILURE, KubetrainError, TrainingFailed, UserInputError
+from kubetrain.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILURE,
+    KubetrainError,
+    TrainingFailed,
+    TrainingStopped,
+    UserInputError,
+)
 from kubetrain.launch.elastic import record_worker_error
 
 app = typer.Typer(
@@ -97,6 +104,12 @@ def main(argv: list[str] | None = None) -> None:
         _register()
     try:
         app(args=args, prog_name="kubetrain", standalone_mode=True)
+    except TrainingStopped as e:  # asked for, and resumable: not an error; global rank 0 says it for the job
+        if debug:
+            traceback.print_exc()
+        if os.environ.get("RANK", "0") == "0":
+            print(str(e), file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
     except KubetrainError as e:
         if debug:
             traceback.print_exc()
