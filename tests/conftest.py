@@ -45,6 +45,15 @@ def tiny_args() -> list[str]:
     return [arg for kv in TINY for arg in ("--set", kv)]
 
 
+@pytest.fixture(autouse=True)
+def _empty_working_folder(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test starts in an empty folder of its own: what the checkout holds (a `runs/` left by the README's
+    first command) never changes a result, and nothing a test writes by a relative path lands in the checkout."""
+    folder = tmp_path_factory.mktemp("cwd")
+    monkeypatch.chdir(folder)
+    return folder
+
+
 @pytest.fixture
 def tmp_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Run the test inside an empty folder, so `runs/` and caches land there."""

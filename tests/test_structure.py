@@ -150,3 +150,11 @@ def test_every_import_of_our_own_modules_resolves() -> None:
                 if name.split(".")[0] == "kubetrain" and importlib.util.find_spec(name) is None:
                     missing.add(f"{name} (in {module})")
     assert not missing, f"imports of modules that do not exist: {', '.join(sorted(missing))}"
+
+
+def test_a_test_runs_in_an_empty_folder_outside_the_checkout() -> None:
+    # tests/conftest.py's autouse fixture: a `runs/` the README's first command leaves in the checkout (k8s render
+    # and doctor read runs/<run.name> of the working folder) must not change any test's result
+    here = Path.cwd().resolve()
+    assert list(here.iterdir()) == []
+    assert Path(kubetrain.__file__).resolve().parents[2] not in [here, *here.parents]

@@ -32,3 +32,27 @@ def fsync_file(path: Path) -> None:
 def fsync_dir(path: Path) -> None:
     with contextlib.suppress(OSError):  # some filesystems do not fsync directories
         fsync_file(path)
+
+
+def umask() -> int:
+    """This process's umask, read without changing it (/proc/self/status; 0o022 where there is none)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def usual_modes(folder: Path) -> None:
+    """Give every file under `folder` the mode a plain open() gives (0644 under the usual umask).
+
+    Writers that go through a temporary file (safetensors' save_file, mkstemp) leave 0600: an exported model
+    that only its writer can read is no use to the server or the colleague it is for.
+    """
+    mode = 0o666 & ~umask()
+    for path in [folder, *folder.rglob("*")] if folder.is_dir() else [folder]:
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
+

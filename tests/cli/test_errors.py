@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, Cli, RunMain
+from tests.conftest import TINY, Cli, RunMain, cli_env
 
 
 def setup_case(case: str, tmp: Path) -> list[str]:
@@ -66,6 +70,20 @@ def setup_case(case: str, tmp: Path) -> list[str]:
                 "--set", "dist.strategy=hsdp", "--set", "dist.shard_size=3"]
     if case == "generate from a missing run":
         return ["generate", str(tmp / "runs" / "nope"), "--prompt", "hi"]
+    if case == "render -o naming a file":
+        (tmp / "out.yaml").write_text("kept\n")
+        return ["k8s", "render", "-o", str(tmp / "out.yaml")]
+    if case == "run name that leaves output_dir":
+        return ["train", *tiny, "--set", "run.name=../evil"]
+    if case == "run name with a folder, in render":
+        return ["k8s", "render", "--set", "run.name=team/evil"]
+    if case == "duplicate key in a file":
+        (tmp / "c.yaml").write_text("train:\n  max_steps: 3\n  lr: 0.01\n  max_steps: 5\n")
+        return ["config", "validate", str(tmp / "c.yaml")]
+    if case == "runs list of a missing folder":
+        return ["runs", "list", str(tmp / "nonexistent")]
+    if case == "prepare with no processes":
+        return ["prepare", "--nproc", "0"]
     raise AssertionError(case)
 
 
@@ -91,6 +109,12 @@ CASES = {
     "runs show on a folder that is no run": "is not a run directory (no meta.json, config.yaml or phases/)",
     "no processes": "--nproc: must be at least 1, got 0",
     "hsdp shard group that does not divide the world": "hsdp: dist.shard_size 3 must divide the world size 4",
+    "render -o naming a file": "out.yaml: that is a file; name a folder",
+    "run name that leaves output_dir": "run.name: '../evil' must be one folder name",
+    "run name with a folder, in render": "run.name: 'team/evil' must be one folder name",
+    "duplicate key in a file": "not valid YAML (line 4, column 3): duplicate key 'max_steps' (first on line 2)",
+    "runs list of a missing folder": "no such folder: ",
+    "prepare with no processes": "--nproc: must be at least 1, got 0",
 }
 
 
@@ -107,6 +131,24 @@ def test_bad_input_is_one_line_and_exit_2(case: str, run_main: RunMain, tmp_cwd:
     code, _, err = run_main(*setup_case(case, tmp_cwd))
     assert_one_error_line(code, err, CASES[case])
     assert not (tmp_cwd / "runs" / "tiny").exists()  # nothing half-made is left behind
+    assert not (tmp_cwd.parent / "evil").exists()
+    assert not (tmp_cwd / "out.yaml").exists() or (tmp_cwd / "out.yaml").read_text() == "kept\n"
+
+
+@pytest.mark.slow
+def test_an_output_folder_on_a_read_only_mount_is_one_line(tmp_cwd: Path, tiny_args: list[str]) -> None:
+    # A read-only filesystem (EROFS: a pod's read-only root, a ro bind mount) refuses even root: mounted for real
+    # in a user and mount namespace of its own (unshare), where the machine allows one
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "-rm", "true"], capture_output=True, check=False) if unshare else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("unshare -rm (user and mount namespaces) is not available here")
+    (tmp_cwd / "ro").mkdir()
+    train = [sys.executable, "-m", "kubetrain", "train", *tiny_args, "--set", "run.output_dir=ro"]
+    script = f"mount --bind -o ro ro ro && exec {shlex.join(train)}"
+    done = subprocess.run([unshare or "unshare", "-rm", "sh", "-c", script], cwd=tmp_cwd, env=cli_env(),
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert_one_error_line(done.returncode, done.stderr, "error: Read-only file system: ro/")
 
 
 def test_debug_shows_the_traceback(run_main: RunMain, tmp_cwd: Path) -> None:

@@ -9,6 +9,7 @@ import pytest
 from gguf import GGUFReader
 
 from kubetrain.cli import main
+from kubetrain.files import umask
 
 
 def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -35,6 +36,15 @@ def test_a_gpt_lora_run_to_gguf_and_hf(
                        capsys)
     assert code == 0 and out.startswith("wrote merged model of ")
     assert (tmp_path / "hf" / "config.json").is_file()
+    # readable by the server it is for, like every other output (safetensors' writer left model.safetensors 0600)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [*(tmp_path / "hf").iterdir(), tmp_path / "m.gguf"]}
+    assert set(modes.values()) == {0o666 & ~umask()} and "model.safetensors" in modes
+    # a second GGUF beside the first keeps the first's Modelfile, and says where its own went
+    code, out, _ = run(["export", gpt_lora_run, "-f", "gguf", "-o", tmp_path / "m2.gguf", "--merge"], capsys)
+    assert code == 0 and out.splitlines()[1] == (
+        f"wrote the Ollama Modelfile {tmp_path / 'm2.Modelfile'} (the Modelfile there is another export's): "
+        f"ollama create NAME -f {tmp_path / 'm2.Modelfile'}")
+    assert "FROM ./m.gguf" in (tmp_path / "Modelfile").read_text()
 
 
 def test_generate_chat_on_a_lora_run(lora_run: Path, capsys: pytest.CaptureFixture[str]) -> None:

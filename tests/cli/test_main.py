@@ -34,3 +34,14 @@ def test_help_shows_flags_as_flags_and_each_default_on_its_line(
     if command == ["generate"]:
         prompt = next(line for line in out.splitlines() if "--prompt" in line)
         assert prompt.rstrip().endswith("[default: (a newline)]")  # not "[default:" and "]" on two lines
+
+
+def test_version_and_the_debug_flag_are_in_the_help(run_main: RunMain) -> None:
+    import torch
+
+    import kubetrain
+
+    code, out, _ = run_main("--version")
+    assert code == 0 and out.startswith(f"kubetrain {kubetrain.__version__} (torch {torch.__version__}, Python ")
+    code, out, _ = run_main("--help")
+    assert code == 0 and "--version" in out and "--debug" in out and "KUBETRAIN_DEBUG=1" in out

@@ -89,10 +89,14 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def rank_of(pid: int) -> int:
-    """The global rank torch's agent gave a worker (its RANK variable)."""
-    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return int(next(v for v in env if v.startswith(b"RANK=")).split(b"=", 1)[1])
+def rank_of(pid: int) -> int | None:
+    """The global rank torch's agent gave a worker (its RANK variable); None for a child that is no worker (or one
+    gone meanwhile)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((int(v.split(b"=", 1)[1]) for v in env if v.startswith(b"RANK=")), None)
 
 
 def kill_tree(pid: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -31,18 +32,30 @@ def test_the_slowest_rank_is_compared_with_the_median_of_the_others() -> None:
     assert (four.slowest_rank, four.ratio) == (2, 1.5) and four.ratios[0] == 1.0
 
 
-def test_the_timer_counts_data_wait_and_forward_not_the_rest() -> None:
+class Clock:
+    """time.perf_counter for the timer, moved by hand: what is counted is exact, whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_timer_counts_data_wait_and_forward_not_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    monkeypatch.setattr("kubetrain.train.straggler.time.perf_counter", clock)
     model = nn.Linear(4, 4)
+    model.register_forward_hook(lambda *_: setattr(clock, "now", clock.now + 0.03))  # the forward takes 0.03 s
     timer = ComputeTimer(torch.device("cpu"), model)
     timer.start()
-    time.sleep(0.05)  # waiting for data
+    clock.now += 0.05  # waiting for data
     timer.batch_ready()
-    time.sleep(0.2)  # e.g. DDP's buffer broadcast, before the module's own forward: not counted
+    clock.now += 0.2  # e.g. DDP's buffer broadcast, before the module's own forward: not counted
     model(torch.zeros(1, 4))
     timer.stop()
-    time.sleep(0.1)  # backward and the collective: not counted
-    seconds = timer.window()
-    assert 0.05 <= seconds < 0.2
+    clock.now += 0.1  # backward and the collective: not counted
+    assert timer.window() == pytest.approx(0.08)
     assert timer.window() == 0.0  # a fresh window
     assert timer.gather() is None  # one process: nothing to compare
 
@@ -55,27 +68,36 @@ def test_a_worker_stopped_and_continued_in_a_loop_is_named_the_slowest_rank(tmp_
     metrics = tmp_path / "runs" / "slow" / "metrics.jsonl"
     wait_until(lambda: lines_in(metrics) >= 2, proc)
     target = next(pid for pid in children(proc.pid) if rank_of(pid) == 1)
-    done = threading.Event()
+    done, stopping = threading.Event(), threading.Event()
 
     def stop_and_continue() -> None:
         pace = random.Random(0)  # random lengths: a fixed period can lock onto the step and hit only the backward
         while not done.is_set():
             os.kill(target, signal.SIGSTOP)
-            time.sleep(pace.uniform(0.02, 0.05))
+            stopping.set()
+            time.sleep(pace.uniform(0.03, 0.06))
             os.kill(target, signal.SIGCONT)
-            time.sleep(pace.uniform(0.005, 0.02))
+            time.sleep(pace.uniform(0.005, 0.015))
 
-    slowed_from = lines_in(metrics)
     loop = threading.Thread(target=stop_and_continue)
     loop.start()
     try:
+        # Counted from the first stop, not from the thread's start: on a loaded machine a whole logging window
+        # can pass before the thread first runs, and that window would then count as a slowed one.
+        wait_until(stopping.is_set, proc)
+        slowed_from = lines_in(metrics)
         wait_until(lambda: lines_in(metrics) >= slowed_from + 6, proc)
     finally:
         done.set()
         loop.join()
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_STOPPED_RESUMABLE
+    # a stop that was asked for is no error: one line, from global rank 0, naming the step and the checkpoint
+    stopped = [line for line in err.splitlines() if "stopped by SIGTERM" in line]
+    assert len(stopped) == 1 and "error" not in err, err[-3000:]
+    assert re.fullmatch(r"stopped by SIGTERM at step \d+; checkpoint step-\d+; resume with the same command",
+                        stopped[0]), stopped
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     train = [r for r in records if r["kind"] == "train"]
     assert all({"slowest_rank", "straggler_ratio", "rank_compute_seconds"} <= set(r) for r in train)

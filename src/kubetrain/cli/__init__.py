@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import traceback
@@ -10,7 +11,14 @@ from typing import NoReturn
 import typer
 
 from kubetrain.distributed.peers import lost_peer
-from kubetrain.errors import EXIT_BAD_INPUT, EXIT_FAILURE, KubetrainError, TrainingFailed, UserInputError
+from kubetrain.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILURE,
+    KubetrainError,
+    TrainingFailed,
+    TrainingStopped,
+    UserInputError,
+)
 from kubetrain.launch.elastic import record_worker_error
 
 app = typer.Typer(
@@ -25,6 +33,27 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        import torch
+
+        from kubetrain import __version__
+
+        typer.echo(f"kubetrain {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="Print kubetrain's version (and torch's) and exit."),
+    debug: bool = typer.Option(False, "--debug", help="On an error, show the traceback too (anywhere on the line; "
+                               "or KUBETRAIN_DEBUG=1)."),
+) -> None:
+    # --debug is read by main() from anywhere in the arguments (it never reaches here): listed for --help
+    """Train and fine-tune decoder-only language models from one YAML config."""
+
+
 # Packages of the optional extras (pyproject.toml), for a one-line hint when one is missing.
 OPTIONAL_EXTRAS = {
     "transformers": "hf", "peft": "hf", "datasets": "hf", "accelerate": "hf",
@@ -34,6 +63,12 @@ OPTIONAL_EXTRAS = {
     "gguf": "export", "tiktoken": "tiktoken",
     "fsspec": "storage", "s3fs": "storage",
 }
+
+
+# OSErrors about a path the user gave (an output folder on a read-only mount, a file where a folder belongs): bad
+# input, one line. Raised while training they were already turned into one line by the Trainer (exit 1).
+PATH_ERRORS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.EISDIR, errno.ENOTDIR,
+               errno.ENAMETOOLONG, errno.ELOOP}
 
 
 def _register() -> None:
@@ -69,6 +104,12 @@ def main(argv: list[str] | None = None) -> None:
         _register()
     try:
         app(args=args, prog_name="kubetrain", standalone_mode=True)
+    except TrainingStopped as e:  # asked for, and resumable: not an error; global rank 0 says it for the job
+        if debug:
+            traceback.print_exc()
+        if os.environ.get("RANK", "0") == "0":
+            print(str(e), file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
     except KubetrainError as e:
         if debug:
             traceback.print_exc()
@@ -83,7 +124,10 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             traceback.print_exc()
         _bad_input(f"this needs the optional package '{e.name}': pip install 'kubetrain[{extra}]'")
-    except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+    except OSError as e:
+        if e.errno not in PATH_ERRORS or e.filename is None:  # not a path the user named: a bug or the machine
+            record_worker_error(e)
+            raise
         if debug:
             traceback.print_exc()
         _bad_input(f"{e.strerror}: {e.filename}")

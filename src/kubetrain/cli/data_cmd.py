@@ -7,10 +7,11 @@ from typing import Annotated
 
 import typer
 
-from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
+from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, at_least, load
 
 NprocOpt = Annotated[
-    int, typer.Option("--nproc", min=1, help="Local processes that tokenize parts of the data in parallel.")
+    int, typer.Option("--nproc", callback=at_least(1, "--nproc"),
+                      help="Local processes that tokenize parts of the data in parallel.")
 ]
 
 

@@ -43,6 +43,9 @@ def export(
         return
     what = {"model": "model", "merged": "merged model", "adapter": "LoRA adapter"}[done.kind]
     typer.echo(f"wrote {what} of {done.checkpoint} (step {done.step}) as {done.format}: {done.path}")
+    if done.modelfile:  # `Modelfile`, or `<name>.Modelfile` where another export's Modelfile is already beside it
+        beside = "" if Path(done.modelfile).name == "Modelfile" else " (the Modelfile there is another export's)"
+        typer.echo(f"wrote the Ollama Modelfile {done.modelfile}{beside}: ollama create NAME -f {done.modelfile}")
 
 
 def register(app: typer.Typer) -> None:

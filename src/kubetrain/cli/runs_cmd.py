@@ -17,12 +17,15 @@ app = typer.Typer(help="List, inspect, compare and plot run directories.", no_ar
 
 @app.command("list")
 def list_runs(
-    folder: Annotated[Path, typer.Argument(help="Folder of run directories.")] = Path("runs"),
+    folder: Annotated[Path | None, typer.Argument(help="Folder of run directories (default: runs).")] = None,
     json_: JsonOpt = False,
 ) -> None:
     """Every run under FOLDER with its status, step, tokens, best val loss and latest checkpoint."""
     from kubetrain.runs.reader import list_runs as find
 
+    if folder is not None and not folder.is_dir():  # a folder named by hand; ./runs before a first run has none
+        raise UserInputError(f"no such folder: {folder}" if not folder.exists() else f"{folder} is not a folder")
+    folder = folder or Path("runs")
     rows = find(folder)
     if json_:
         typer.echo(json.dumps(rows))

@@ -35,6 +35,24 @@ def read_preset(name: str) -> dict[str, Any]:
     return yaml.safe_load(text) or {}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (YAML 1.2 forbids it; PyYAML keeps the last
+    value silently, so a config could say one thing twice and mean the second)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` merges keys that a mapping may override
+            key = self.construct_object(key_node)
+            if key in first:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}' (first on line {first[key].start_mark.line + 1})",
+                    key_node.start_mark)
+            first[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if p.is_dir():
@@ -44,7 +62,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # a SafeLoader
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

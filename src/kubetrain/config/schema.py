@@ -30,6 +30,13 @@ class RunConfig(Section):
         "memory free here (false: start anyway, for those who know the estimate is too high)."
     )
 
+    @field_validator("name")
+    @classmethod
+    def _one_folder_name(cls, value: str) -> str:
+        # The name is a folder under output_dir, a prefix in object storage and a pod's job name: `../x` or `a/b`
+        # would put the run outside output_dir, and `.data` is the prepared-data cache beside the runs.
+        return one_folder_name(value)
+
 
 class SourceConfig(Section):
     kind: Literal["auto", "builtin", "text", "jsonl", "chat", "hf"] = Field(
@@ -236,6 +243,16 @@ class CheckpointConfig(Section):
         return value
 
 
+_FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def one_folder_name(value: str) -> str:
+    """`value` when it is safe as one folder name (no separator, no `..`, not hidden); else ValueError."""
+    if not _FOLDER_NAME.fullmatch(value):
+        raise ValueError(f"{value!r} must be one folder name: letters, digits, '.', '_' and '-', starting with a "
+                         "letter or digit (at most 128)")
+    return value
+
 # user:password@ in a URL, AWS access key ids, and signed or keyed query parameters
 _CREDENTIALS = re.compile(
     r"://[^/@\s]*:[^/@\s]*@|\b(?:AKIA|ASIA)[0-9A-Z]{16}\b|"
@@ -289,7 +306,7 @@ class DistConfig(Section):
 class PhaseConfig(Section):
     """One stage of a multi-phase run; its sections override the top-level ones."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="Phase name; its run is phases/<name>.")
+    name: str = Field(description="Phase name; its run is phases/<name>.")
     init_from: Literal["best", "final"] = Field(
         "best", description="Which checkpoint of the previous phase this one starts from."
     )
@@ -297,6 +314,11 @@ class PhaseConfig(Section):
     data: dict[str, Any] | None = Field(None, description="Keys of `data:` that this phase overrides.")
     train: dict[str, Any] | None = Field(None, description="Keys of `train:` that this phase overrides.")
     eval: dict[str, Any] | None = Field(None, description="Keys of `eval:` that this phase overrides.")
+
+    @field_validator("name")
+    @classmethod
+    def _one_folder_name(cls, value: str) -> str:
+        return one_folder_name(value)  # `..` would make phases/.. the run directory itself
 
 
 class Config(Section):

@@ -16,6 +16,7 @@ from torch import nn
 
 from kubetrain.config.schema import Config
 from kubetrain.errors import UserInputError
+from kubetrain.files import usual_modes
 from kubetrain.models.gpt import GPT
 from kubetrain.models.hf import HFCausalLM
 
@@ -82,6 +83,7 @@ def _write_gguf(model: nn.Module, tokenizer: Any, out: Path, dtype: str, cfg: Co
     template = cfg.data.chat.template
     write_gguf(model, tokenizer, out, "f32" if dtype == "float32" else "f16", name=cfg.run.name,
                chat_template=NAMED_TEMPLATES.get(template, template) if template else None)
+    usual_modes(out)
     return _write_modelfile(out, tokenizer, cfg)
 
 
@@ -122,6 +124,7 @@ def _write_hf_folder(model: nn.Module, tokenizer: Any, out: Path, dtype: str | N
             save_hf(model, tokenizer, tmp, dtype)
         else:
             raise UserInputError(f"export does not know models of type {type(model).__name__}")
+        usual_modes(tmp)
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)

@@ -41,8 +41,9 @@ class GracefulStop:
                   file=sys.stderr, flush=True)
             os._exit(128 + signum)
         self.requested, self.signal_name, self.requested_at = True, name, time.monotonic()
+        rank = f"[rank {os.environ['RANK']}] " if "RANK" in os.environ else ""  # each worker gets the signal
         print(
-            f"\n{name}: finishing this step and saving a checkpoint (up to {self.grace_seconds:.0f}s); "
+            f"\n{rank}{name}: finishing this step and saving a checkpoint (up to {self.grace_seconds:.0f}s); "
             "send it again to exit at once",
             file=sys.stderr,
             flush=True,

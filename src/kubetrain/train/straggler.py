@@ -76,6 +76,7 @@ class ComputeTimer:
         self.seconds += now - self._t0
         self._t0 = now  # the forward's start, unless the pre-hook sees a later one
 
+    @torch.compiler.disable  # a clock read: under train.compile, Dynamo runs it as it is instead of warning
     def _forward_begins(self) -> None:
         if self.cuda:
             self._begin = torch.cuda.Event(enable_timing=True)

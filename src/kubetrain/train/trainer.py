@@ -152,9 +152,10 @@ class Trainer:
                         vote.close()
                         stop.done()
                         status = "stopped"
+                        saved = self.last_checkpoint.path.name if self.last_checkpoint else "saved"  # rank 0's
                         raise TrainingStopped(
                             f"stopped by {stop.signal_name or 'a signal on another rank'} at step {state.step}; "
-                            f"checkpoint saved, resume with the same command"
+                            f"checkpoint {saved}; resume with the same command"
                         )
                 vote.close()
                 self.t_end = time.perf_counter()

@@ -10,7 +10,7 @@ import pytest
 from kubetrain.config import load_config
 from kubetrain.config.schema import Config
 from kubetrain.k8s.render.context import RenderError
-from kubetrain.k8s.render.manifest import render
+from kubetrain.k8s.render.manifest import pod_templates, render
 from kubetrain.k8s.render.memory import GIB, host_need, size
 from kubetrain.memory import Layout, estimate_memory, model_shape
 
@@ -77,8 +77,11 @@ def test_a_hugging_face_model_is_counted_from_its_config_json(llama_dir: Path) -
 
 def test_a_model_of_unknown_size_renders() -> None:
     # a Hugging Face folder only the pods mount: nothing to estimate here, so nothing is refused
-    render(load_config(None, "tiny", ["model.kind=hf", "model.name_or_path=/models/not-here",
-                                      "k8s.resources.memory=1Mi"]))
+    cfg = load_config(None, "tiny", ["model.kind=hf", "model.name_or_path=/models/not-here",
+                                     "k8s.resources.memory=1Mi"])
+    assert "params" not in model_shape(cfg)  # the size is unknown here (what the 1Mi pod is rendered despite)
+    pods = [c for obj in render(cfg) for _, tpl in pod_templates(obj) for c in tpl["spec"]["containers"]]
+    assert [c["resources"]["requests"]["memory"] for c in pods] == ["1Mi"]
 
 
 def test_render_refuses_in_one_line(cli: Cli) -> None:

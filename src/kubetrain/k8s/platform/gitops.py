@@ -46,6 +46,9 @@ def _previous(folder: Path) -> list[str]:
 
 def write_tree(objects: list[dict[str, Any]], folder: Path) -> list[Path]:
     """Write the objects and their kustomization.yaml; files an earlier render listed and this one does not go."""
+    if folder.exists() and not folder.is_dir():
+        raise UserInputError(f"-o {folder}: that is a file; name a folder (render writes one file per object "
+                             f"and a {KUSTOMIZATION} into it)")
     old = _previous(folder)
     paths = write_files(objects, folder)
     names = [p.name for p in paths]
