@@ -62,7 +62,9 @@ def generate(ctx: Context) -> Outcome:
 
     model, tokenizer, cfg, _ = load_trained(_state["run"], "latest")
     device = torch.device(ctx.device)
-    model = model.to(device)
+    # fp32 without TF32 (the trainer turned it on in this process): two paths to the same argmax, no near-ties
+    model = model.float().to(device)
+    torch.backends.cuda.matmul.allow_tf32 = False
     ids = prompt_ids(tokenizer, "red green blue")
     cached = sample(model, ids, NEW_TOKENS, cfg.model.block_size, temperature=0, top_k=None, seed=0)
     full = list(ids)

@@ -33,7 +33,9 @@ def table(report: dict[str, Any]) -> None:
     title = (f"kubetrain doctor --check ({report['mode']}): {d['kind']} - {d['name']}, torch "
              f"{report['versions']['torch']}, {report['seconds']:.0f}s")
     grid = Table(title=title, show_lines=True, expand=True)
-    for column, ratio in (("item", 2), ("status", 1), ("why", 5), ("figures", 5), ("tolerance", 3)):
+    grid.add_column("item", no_wrap=True, min_width=28)
+    grid.add_column("status", no_wrap=True, min_width=7)
+    for column, ratio in (("why", 5), ("figures", 5), ("tolerance", 3)):
         grid.add_column(column, ratio=ratio, overflow="fold")
     for item in report["items"]:
         grid.add_row(item["name"], f"[{STYLE[item['status']]}]{item['status']}[/]", item["why"],
