@@ -13,8 +13,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_WHEEL = Path("/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl")
-# torch 2.13's own requirements on Python 3.11 (setuptools only from 3.12), which an image with torch has
-TORCH_NEEDS = ["filelock", "typing-extensions>=4.10.0", "sympy>=1.13.3", "networkx>=2.5.1", "jinja2", "fsspec>=0.8.5"]
+# torch 2.13's own requirements, which an image with torch has
+TORCH_NEEDS = ["setuptools>=77.0.3", "filelock", "typing-extensions>=4.10.0", "sympy>=1.13.3", "networkx>=2.5.1",
+               "jinja2", "fsspec>=0.8.5"]
 
 pytestmark = pytest.mark.slow
 
