@@ -17,7 +17,8 @@ TORCH_WHEEL = Path("/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_
 TORCH_NEEDS = ["setuptools>=77.0.3", "filelock", "typing-extensions>=4.10.0", "sympy>=1.13.3", "networkx>=2.5.1",
                "jinja2", "fsspec>=0.8.5"]
 
-pytestmark = pytest.mark.slow
+# a download, a clean environment and a self-test: minutes on a shared machine, more than the suite's default limit
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def bundle(out: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
