@@ -38,3 +38,14 @@ def test_doctor_estimates_per_process_of_a_sharded_world(run_main: RunMain) -> N
     eight = json.loads(out.strip().splitlines()[-1])["fit"]
     assert (eight["world_size"], eight["local_processes"], eight["shards"]) == (8, 4, 8)
     assert eight["parts"]["optimizer"] < four["parts"]["optimizer"]
+
+
+def test_doctor_check_takes_no_config(run_main: RunMain) -> None:
+    code, out, err = run_main("doctor", "--check", "--preset", "tiny")
+    assert (code, out) == (2, "")
+    assert err.startswith("error: --check takes no CONFIG") and err.count("\n") == 1
+
+
+def test_doctor_quick_needs_check(run_main: RunMain) -> None:
+    code, _, err = run_main("doctor", "--quick")
+    assert code == 2 and err.startswith("error: --quick and --output go with --check")

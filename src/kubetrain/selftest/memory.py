@@ -1,0 +1,68 @@
+"""Memory (GPU): doctor's estimate against the allocator's measured peak, and the one-line out-of-memory error."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kubetrain.selftest import Outcome, judged, skipped
+from kubetrain.selftest.context import Context, config, kubetrain, last_line, sets, train
+from kubetrain.selftest.context import overrides as run_overrides
+from kubetrain.selftest.speed import precision, shape
+
+LOW, HIGH = 0.9, 2.0  # estimate / measured: an estimate under the peak lets a run start that cannot fit
+OOM_MICRO_BATCH = 512  # gpt2-124m at 512 x 1024 tokens: hundreds of GiB of activations, on any GPU made so far
+NOT_ON_CPU = ("on the CPU the resident set also holds torch's own libraries and the kernel may overcommit, so "
+              "neither torch.cuda.max_memory_allocated nor an out-of-memory error exists to compare with")
+
+
+def skip_group(ctx: Context) -> str | None:
+    """Why no item of this group can run here (the runner then starts no process for it)."""
+    return None if ctx.on_gpu else f"GPU only: {NOT_ON_CPU}"
+
+
+def _shape_sets(ctx: Context, micro_batch: int | None = None) -> list[str]:
+    s = shape(ctx)
+    return ["data.tokenizer.kind=byte", f"model.vocab_size={s['vocab_size']}", f"model.n_layer={s['n_layer']}",
+            f"model.n_head={s['n_head']}", f"model.n_embd={s['n_embd']}", f"model.block_size={s['block_size']}",
+            f"train.micro_batch_size={micro_batch or s['batch']}", "train.grad_accum_steps=1",
+            f"train.precision={precision(ctx)}"]
+
+
+def estimate(ctx: Context) -> Outcome:
+    name = "memory.estimate"
+    if not ctx.on_gpu:
+        return skipped(name, f"GPU only: {NOT_ON_CPU}")
+    import torch
+
+    from kubetrain.doctor import doctor
+
+    cfg = config(ctx, "memory-estimate", *_shape_sets(ctx), "train.max_steps=6", "train.log_every_steps=2",
+                 preset="gpt2-124m", tiny=False)
+    predicted = doctor(cfg)["fit"]
+    torch.cuda.reset_peak_memory_stats()
+    _, rows = train(cfg)
+    # the trainer reads and resets the allocator's peak at every logged step: its largest window is the run's peak
+    measured = max([int(r["memory_gib"] * 2**30) for r in rows] + [torch.cuda.max_memory_allocated()])
+    ratio = predicted["estimate"] / measured
+    return judged(name, LOW <= ratio <= HIGH,
+                  "doctor's estimate for the speed check's eager run against torch.cuda.max_memory_allocated",
+                  {"estimate_bytes": predicted["estimate"], "measured_bytes": measured, "estimate_over_measured": ratio,
+                   "parts": predicted["parts"]}, f"{LOW} <= estimate / measured <= {HIGH}")
+
+
+def out_of_memory(ctx: Context) -> Outcome:
+    name = "memory.oom"
+    if not ctx.on_gpu:
+        return skipped(name, f"GPU only: {NOT_ON_CPU}; on the CPU a run that cannot fit is refused before it starts")
+    items = run_overrides(ctx, "memory-oom", *_shape_sets(ctx, OOM_MICRO_BATCH), "train.max_steps=2",
+                          "run.check_memory=false", tiny=False)
+    proc = kubetrain("train", "--preset", "gpt2-124m", *sets(items), timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    one_line = len(errors) == 1 and "out of memory" in errors[0] and "Traceback" not in proc.stderr
+    return judged(name, proc.returncode == 1 and one_line,
+                  f"gpt2-124m at micro-batch {OOM_MICRO_BATCH} with the memory check off",
+                  {"exit_code": proc.returncode, "error": errors[0] if errors else last_line(proc.stderr)},
+                  "exit 1 and one `error: ... out of memory ...` line, no traceback")
+
+
+CHECKS: dict[str, Callable[[Context], Outcome]] = {"memory.estimate": estimate, "memory.oom": out_of_memory}

@@ -1,0 +1,159 @@
+"""Speed: the gpt2-124m preset in bf16, eager and compiled (tokens/s, MFU against the device's peak), and the
+same shape through Hugging Face's GPT-2 (sdpa attention, compiled) in a loop that needs no kubetrain code."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kubetrain.selftest import Outcome, judged, skipped
+from kubetrain.selftest.context import Context, config, train
+
+REFERENCE_RATIO = 0.5  # kubetrain's compiled step must reach at least half the reference's tokens/s
+COMPILE_ON_CPU = ("torch.compile on the CPU builds C++ kernels for minutes (2m43s cold for a 2-layer GPT on a "
+                  "2-core VM): the CPU check skips it; a GPU runs it")
+
+
+def shape(ctx: Context) -> dict[str, int]:
+    """The gpt2-124m preset's shape (micro-batch 16 of 1024 tokens), or a tiny one in quick mode."""
+    if ctx.quick:
+        return {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64, "vocab_size": 256, "batch": 4}
+    return {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "vocab_size": 50304, "batch": 16}
+
+
+def steps(ctx: Context) -> tuple[int, int]:
+    """(optimizer steps, steps per logged window); the first window (warm-up, compilation) is not counted."""
+    return (6, 2) if ctx.quick else (30, 5)
+
+
+def precision(ctx: Context) -> str:
+    return "bf16" if ctx.on_gpu or ctx.device == "cpu" else "fp32"
+
+
+_results: dict[str, dict[str, Any]] = {}
+
+
+def _kubetrain_speed(ctx: Context, compiled: bool) -> dict[str, Any]:
+    key = "compiled" if compiled else "eager"
+    if key not in _results:
+        s, (n, window) = shape(ctx), steps(ctx)
+        cfg = config(ctx, f"speed-{key}", "data.tokenizer.kind=byte", f"model.vocab_size={s['vocab_size']}",
+                     f"model.n_layer={s['n_layer']}", f"model.n_head={s['n_head']}", f"model.n_embd={s['n_embd']}",
+                     f"model.block_size={s['block_size']}", f"train.micro_batch_size={s['batch']}",
+                     "train.grad_accum_steps=1", f"train.precision={precision(ctx)}", f"train.compile={compiled}",
+                     f"train.max_steps={n}", f"train.log_every_steps={window}", preset="gpt2-124m", tiny=False)
+        result, rows = train(cfg)
+        timed = rows[1:] or rows
+        mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
+        _results[key] = {"tokens_per_second": statistics.median(r["tokens_per_second"] for r in timed),
+                         "mfu": statistics.median(mfu) if mfu else None, "final_loss": result.final_train_loss,
+                         "steps": result.steps, "tokens_per_step": s["batch"] * s["block_size"]}
+    return _results[key]
+
+
+def _describe(ctx: Context) -> str:
+    s = shape(ctx)
+    what = "a tiny shape (quick)" if ctx.quick else "the gpt2-124m preset"
+    return (f"{what}: {s['n_layer']} layers x {s['n_embd']}, context {s['block_size']}, micro-batch {s['batch']}, "
+            f"{precision(ctx)}, {steps(ctx)[0]} steps")
+
+
+def kubetrain_speed(compiled: bool) -> Callable[[Context], Outcome]:
+    name = "speed.compiled" if compiled else "speed.eager"
+
+    def check(ctx: Context) -> Outcome:
+        if compiled and ctx.device == "cpu":
+            return skipped(name, COMPILE_ON_CPU)
+        got = _kubetrain_speed(ctx, compiled)
+        finite = got["final_loss"] is not None and math.isfinite(got["final_loss"])
+        mfu = "" if got["mfu"] is not None else " (no MFU: this device has no entry in the peak-FLOPS table)"
+        return judged(name, finite and got["tokens_per_second"] > 0,
+                      f"{_describe(ctx)}, train.compile: {str(compiled).lower()}{mfu}", got,
+                      "a finite loss; tokens/s is the median of the logged windows after the first")
+
+    return check
+
+
+def reference(ctx: Context) -> Outcome:
+    name = "speed.reference"
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return skipped(name, "transformers is not installed (pip install 'kubetrain[hf]')")
+    compiled = ctx.device != "cpu"
+    ours = _kubetrain_speed(ctx, compiled)
+    theirs = hf_gpt2_speed(ctx, compiled)
+    ratio = ours["tokens_per_second"] / theirs["tokens_per_second"]
+    figures = {"reference": theirs, "kubetrain_tokens_per_second": ours["tokens_per_second"], "ratio": ratio}
+    mode = "compiled" if compiled else f"eager ({COMPILE_ON_CPU.split(':')[0]})"
+    why = f"transformers' GPT2LMHeadModel (sdpa) of the same shape, {mode}, against kubetrain's, as a ratio"
+    if ctx.quick:
+        return judged(name, math.isfinite(ratio) and ratio > 0, why, figures,
+                      "quick mode reports the ratio without judging it (tiny shapes time overheads, not kernels)")
+    return judged(name, ratio >= REFERENCE_RATIO, why, figures, f"kubetrain / reference tokens/s >= {REFERENCE_RATIO}")
+
+
+SDPA: dict[str, Any] = {"attn_implementation": "sdpa"}  # a config keyword of transformers' own, untyped there
+
+
+def hf_gpt2_speed(ctx: Context, compiled: bool) -> dict[str, Any]:
+    """Tokens/s of a plain training loop (AdamW, autocast, cross-entropy) around transformers' GPT-2."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from kubetrain.train.device import model_flops_per_token, peak_flops
+
+    s, (n, window) = shape(ctx), steps(ctx)
+    device = torch.device(ctx.device)
+    torch.manual_seed(0)
+    hf = GPT2Config(vocab_size=s["vocab_size"], n_positions=s["block_size"], n_embd=s["n_embd"], n_layer=s["n_layer"],
+                    n_head=s["n_head"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                    bos_token_id=None, eos_token_id=None, **SDPA)
+    model: Any = GPT2LMHeadModel(hf)
+    model.to(device).train()
+    flops = model_flops_per_token(model, s["block_size"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
+    forward = torch.compile(model) if compiled else model
+    data = torch.randint(0, s["vocab_size"], (s["batch"], s["block_size"] + 1), device=device)
+    x, y = data[:, :-1], data[:, 1:]
+    dtype = torch.bfloat16 if precision(ctx) == "bf16" else torch.float32
+
+    def step() -> float:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            logits = forward(input_ids=x).logits
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(window):  # warm-up: compilation, autotuning, the allocator's first blocks
+        step()
+    sync()
+    rates = []
+    for _ in range(max(1, (n - window) // window)):
+        start = time.perf_counter()
+        for _ in range(window):
+            loss = step()
+        sync()
+        rates.append(window * s["batch"] * s["block_size"] / (time.perf_counter() - start))
+    rate = statistics.median(rates)
+    peak = peak_flops(device, precision(ctx))
+    return {"tokens_per_second": rate, "mfu": rate * flops / peak if peak else None, "final_loss": loss,
+            "compiled": compiled, "attention": model.config._attn_implementation}
+
+
+CHECKS: dict[str, Callable[[Context], Outcome]] = {
+    "speed.eager": kubetrain_speed(compiled=False),
+    "speed.compiled": kubetrain_speed(compiled=True),
+    "speed.reference": reference,
+}
