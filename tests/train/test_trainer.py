@@ -341,3 +341,14 @@ def test_samples_and_the_default_log_hide_secret_looking_text(
     trainer = Trainer(cfg, RunOptions(argv=[]))
     trainer.say(f"a line with {secret}")
     assert secret not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_an_fsdp_run_samples_at_each_evaluation_and_at_the_end(tmp_path: Path) -> None:
+    """Every rank takes part in the sample's forwards (FSDP all-gathers the weights); rank 0 writes and prints it."""
+    done = kubetrain("train", *sets("run.name=fsdp", "dist.strategy=fsdp", "train.max_steps=4", "eval.every_steps=2",
+                                    "checkpoint.every_steps=4", "eval.sample_prompt=And God said"),
+                     "--nproc", "2", cwd=tmp_path)
+    assert "--- sample ---\nAnd God said" in done.stdout
+    records = [json.loads(line) for line in (tmp_path / "runs" / "fsdp" / "samples.txt").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4] and all(r["sample"].startswith("And God said") for r in records)

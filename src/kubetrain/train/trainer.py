@@ -159,7 +159,7 @@ class Trainer:
                         )
                 vote.close()
                 self.t_end = time.perf_counter()
-                if self.main and not self.sharded and cfg.eval.sample_prompt is not None:  # null: off
+                if (self.main or self.sharded) and cfg.eval.sample_prompt is not None:  # null: off
                     sample = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens * 3)
                 status = "finished"
         except (torch.OutOfMemoryError, RuntimeError) as e:  # one line naming what to change; exit 1
@@ -427,7 +427,7 @@ class Trainer:
         if self.sinks:
             self.sinks.log({"kind": "eval", "step": state.step, "val_loss": val, "val_ppl": perplexity(val),
                             "tokens": state.tokens, "phase": self.opts.phase, "time": time.time()})
-            self.write_sample()
+        self.write_sample()
         return improved
 
     def finish(self, status: str) -> None:
@@ -466,16 +466,26 @@ class Trainer:
     # --- samples --------------------------------------------------------------------------------------------
 
     def sample(self, prompt: str, n: int) -> str:
-        """`prompt` continued by `n` tokens of the single-device model (temperature 0.8, top-k 50, run seed)."""
+        """`prompt` continued by `n` tokens of the model (temperature 0.8, top-k 50, run seed).
+
+        Rank 0 alone with the single-device model; under FSDP/HSDP every rank, since each forward all-gathers
+        the weights. Every rank then runs all `n` forwards (no stop at end-of-text, which a rank could reach at
+        another token than its peers and leave them waiting in a collective); the text is cut there after."""
         ids = prompt_ids(self.tokenizer, prompt)
+        eos = self.tokenizer.eos_id
         out = generate(self.base, ids, n, self.cfg.model.block_size, temperature=0.8, top_k=50,
-                       eos_id=self.tokenizer.eos_id, seed=self.cfg.run.seed, autocast_ctx=self.amp)
+                       eos_id=None if self.sharded else eos, seed=self.cfg.run.seed, autocast_ctx=self.amp)
+        if eos is not None and eos in out:
+            out = out[:out.index(eos)]
         return prompt + self.tokenizer.decode(out)
 
     def write_sample(self) -> None:
+        """A sample into samples.txt at an evaluation (rank 0 writes; under FSDP every rank takes part)."""
         cfg = self.cfg
-        if cfg.eval.sample_prompt is None or self.sharded:
+        if cfg.eval.sample_prompt is None or not (self.main or self.sharded):
             return
         text = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens)
+        if not self.main:
+            return
         with open(self.path / runs.SAMPLES_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": self.state.step, "sample": redact_text(text)}) + "\n")
