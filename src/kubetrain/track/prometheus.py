@@ -172,10 +172,25 @@ class PrometheusSink(Sink):
             self.gauges[name].labels(**self.labels).set(float(value))
 
 
+class QuietHandler(BaseHTTPRequestHandler):
+    """An HTTP handler that replies with a body in one call and logs nothing (a scrape every few seconds would
+    drown the training log)."""
+
+    def _reply(self, code: int, content_type: str, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Silent."""
+
+
 def _handler(sink: PrometheusSink) -> type[BaseHTTPRequestHandler]:
     from prometheus_client.exposition import choose_encoder
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
@@ -188,15 +203,5 @@ def _handler(sink: PrometheusSink) -> type[BaseHTTPRequestHandler]:
                 self._reply(200, "text/plain; charset=utf-8", b"kubetrain: /metrics /healthz\n")
             else:
                 self._reply(404, "text/plain; charset=utf-8", b"not found\n")
-
-        def _reply(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            """Silent: a scrape every few seconds would drown the training log."""
 
     return Handler

@@ -30,6 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kubetrain.track.failures import TrackerUnavailable
+from kubetrain.track.prometheus import QuietHandler
 
 WORKER_FETCH_SECONDS = 0.5  # how long a scrape waits for rank 0's exporter on this node
 LINGER_MAX_SECONDS = 65.0  # the longest a failed launcher waits for its last scrape (2 x the default 30 s + slack)
@@ -145,7 +146,7 @@ class LauncherExporter:
 def _handler(exporter: LauncherExporter) -> type[BaseHTTPRequestHandler]:
     from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(QuietHandler):
         def do_GET(self) -> None:
             if self.path.split("?", 1)[0] != "/metrics":
                 self._reply(404, "text/plain; charset=utf-8", b"not found\n")
@@ -154,15 +155,5 @@ def _handler(exporter: LauncherExporter) -> type[BaseHTTPRequestHandler]:
             # the text format, in which two expositions of distinct families concatenate into one
             self._reply(200, CONTENT_TYPE_LATEST, generate_latest(exporter.registry) + exporter.worker_metrics())
             exporter.scraped(began)  # after the reply: the scraper holds what was read from `began` on
-
-        def _reply(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            """Silent: a scrape every few seconds would drown the log."""
 
     return Handler
