@@ -46,9 +46,19 @@ def test_settings_that_agree_are_kept() -> None:
     assert (c.collective_step, c.collective_startup, c.liveness) == (60, 60, 100)  # start-up never below the step
 
 
+@pytest.mark.parametrize(("timeout", "watch"), [(600, 400), (20, 5), (45, 30)])
+def test_a_collective_timeout_set_alone_moves_the_watch_before_it(timeout: int, watch: float) -> None:
+    """One setting, a consistent set: also a config of an earlier version, whose timeout_seconds is the old 600."""
+    c = _clocks(f"dist.timeout_seconds={timeout}")
+    assert (c.hang_watch, c.collective_step) == (watch, timeout)
+    _in_order(c)
+    assert _clocks("dist.timeout_seconds=600", "dist.hang_timeout_seconds=300").hang_watch == 300  # both set: kept
+    with pytest.raises(ConfigError, match=r"dist\.timeout_seconds"):  # a watch set after the timeout: refused
+        load_config(None, "tiny", ["dist.timeout_seconds=600", "dist.hang_timeout_seconds=700"])
+
+
 @pytest.mark.parametrize(("overrides", "names"), [
     (["dist.timeout_seconds=20", "dist.hang_timeout_seconds=30"], "dist.timeout_seconds (20) must be at least"),
-    (["dist.timeout_seconds=20"], "dist.hang_timeout_seconds + 15 (615)"),  # the issue's set: the default watch
     (["dist.hang_timeout_seconds=8", "track.prometheus.health_timeout_seconds=10"],
      "track.prometheus.health_timeout_seconds (10) must be at least the collective timeout (23)"),
 ])

@@ -73,11 +73,23 @@ def collective_step(dist: DistConfig) -> float:
     return hang + max(hang / 2, WATCH_ACTS_WITHIN)
 
 
+def hang_watch(dist: DistConfig) -> float | None:
+    """dist.hang_timeout_seconds; where it is at its default and dist.timeout_seconds is set (alone, or a config
+    of an earlier version holding that version's default, 600), the watch follows the collective timeout instead,
+    the inverse of `collective_step`, so that one setting still gives a consistent set."""
+    hang = dist.hang_timeout_seconds
+    default = type(dist).model_fields["hang_timeout_seconds"].default
+    if hang is None or dist.timeout_seconds is None or hang != default:
+        return hang
+    step = float(dist.timeout_seconds)
+    return step / 1.5 if step >= 3 * WATCH_ACTS_WITHIN else max(1.0, step - WATCH_ACTS_WITHIN)
+
+
 def derive(cfg: Config) -> Clocks:
     """Every "no progress" clock of this config (no checks: `check` refuses a set in the wrong order)."""
     dist = cfg.dist
     startup, step = collective_timeouts(dist)
-    hang = dist.hang_timeout_seconds
+    hang = hang_watch(dist)
     # liveness after the collective timeout, and after a stop's save (the grace) on top: a pod that is saving
     # its checkpoint finishes no step, and the probe must not kill it for that
     liveness = cfg.track.prometheus.health_timeout_seconds
