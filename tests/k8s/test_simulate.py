@@ -108,7 +108,8 @@ def test_a_lost_pod_is_replaced_and_the_run_resumes_from_the_shared_checkpoint(t
     assert "resuming from" in logs
     meta = finished_meta(s)
     assert meta["status"] == "finished" and meta["step"] == steps
-    assert meta["starts"] >= 2
+    # node 0's launcher (global rank 0's) lived on: its workers were restarted, not started anew
+    assert (meta["starts"], meta["worker_restarts"] >= 1) == (1, True)
 
 
 @pytest.mark.slow

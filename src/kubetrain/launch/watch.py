@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from kubetrain.track.prometheus_launcher import LauncherExporter
 
 STACKS_WAIT_SECONDS = 3.0  # how long a worker gets to write its stacks after SIGUSR1
+# How long a node with no silent rank waits for the other nodes' verdicts (a loaded node's watch may see the same
+# hang seconds later); with the stacks' wait it stays within config.clocks.WATCH_ACTS_WITHIN (15 s).
+HEALTHY_NODE_WAIT_SECONDS = 9.0
 _TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
 _OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
 
@@ -323,7 +326,9 @@ def hang_agreement(endpoint: str, rdzv_id: str, nodes: int, wait: float = STACKS
         prefix = f"kubetrain/hang/{rdzv_id}/{restart}"
         index = store.add(f"{prefix}/count", 1)
         store.set(f"{prefix}/{index}", json.dumps(verdict))
-        deadline = time.monotonic() + wait
+        # a node whose ranks all answered (healthy, blocked in a collective) holds no suspect of its own: it waits
+        # longer for the node that has one (still within the clocks' WATCH_ACTS_WITHIN), which decides quickly
+        deadline = time.monotonic() + (wait if verdict["silent"] else max(wait, HEALTHY_NODE_WAIT_SECONDS))
         while store.add(f"{prefix}/count", 0) < nodes and time.monotonic() < deadline:
             time.sleep(0.1)
         found = []
