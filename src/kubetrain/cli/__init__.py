@@ -27,7 +27,7 @@ app = typer.Typer(
     no_args_is_help=False,
     add_completion=False,
     pretty_exceptions_enable=False,
-    # click's plain help: typer's rich panels print a "<bool>" value placeholder after every flag (--help too)
+    # click's plain help: typer's rich panels print a "<bool>" value hint after every flag (--help too)
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )

@@ -149,13 +149,7 @@ def mlflow_server(postgres_uri: str, tmp_path: Path) -> Iterator[tuple[str, Path
             time.sleep(0.5)
         yield url, artifacts
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
+        _stop(server, log)
 
 
 @pytest.mark.slow
@@ -275,13 +269,7 @@ def rendered_server(tmp_path: Path, platform: dict[str, Any], secrets: dict[str,
             time.sleep(0.5)
         yield url, server.pid
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
+        _stop(server, log)
 
 
 def tree_rss(pid: int) -> int:
@@ -317,3 +305,14 @@ def test_basic_auth_refuses_a_request_without_credentials(tmp_path: Path) -> Non
         assert _get(search, auth=("admin", "wrong")) == 401
         assert _get(search, auth=("admin", "s3cret-admin-pw")) == 200
         assert _get(f"{url}/health") == 200  # the probes need no user
+
+
+def _stop(server: subprocess.Popen[bytes], log: Any) -> None:
+    """End a server started in its own process group (SIGTERM, then SIGKILL after 30 s) and close its log."""
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    log.close()
