@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 import torch.distributed as td
@@ -87,3 +88,21 @@ def evaluate(
 
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
+
+
+def sample_text(model: nn.Module, tokenizer: Any, prompt: str, n: int, block_size: int, seed: int,
+                autocast_ctx: Callable[[], AbstractContextManager[Any]], every_rank: bool = False) -> str:
+    """`prompt` continued by `n` tokens of `model` (temperature 0.8, top-k 50, `seed`).
+
+    `every_rank` (FSDP/HSDP, where each forward all-gathers the weights): every rank runs all `n` forwards, with no
+    stop at end-of-text, which a rank could reach at another token than its peers and leave them waiting in a
+    collective; the text is cut there after."""
+    from kubetrain.data.tokenizers import prompt_ids
+    from kubetrain.models.sampling import generate
+
+    eos = tokenizer.eos_id
+    out = generate(model, prompt_ids(tokenizer, prompt), n, block_size, temperature=0.8, top_k=50,
+                   eos_id=None if every_rank else eos, seed=seed, autocast_ctx=autocast_ctx)
+    if eos is not None and eos in out:
+        out = out[:out.index(eos)]
+    return prompt + tokenizer.decode(out)

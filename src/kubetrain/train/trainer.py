@@ -20,10 +20,8 @@ from kubetrain.checkpoint import remote
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import Prepared, prepare
-from kubetrain.data.tokenizers import prompt_ids
 from kubetrain.distributed import setup as dist
 from kubetrain.errors import CheckpointError, TrainingFailed, TrainingStopped
-from kubetrain.models.sampling import generate
 from kubetrain.secrets import redact_text
 from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
@@ -41,7 +39,7 @@ from kubetrain.train.device import (
     peak_flops,
     select_device,
 )
-from kubetrain.train.evaluate import evaluate, lm_loss, perplexity
+from kubetrain.train.evaluate import evaluate, lm_loss, perplexity, sample_text
 from kubetrain.train.heartbeat import Heartbeat
 from kubetrain.train.memory_check import check_memory
 from kubetrain.train.model_for_world import build_model_for_world
@@ -466,18 +464,9 @@ class Trainer:
     # --- samples --------------------------------------------------------------------------------------------
 
     def sample(self, prompt: str, n: int) -> str:
-        """`prompt` continued by `n` tokens of the model (temperature 0.8, top-k 50, run seed).
-
-        Rank 0 alone with the single-device model; under FSDP/HSDP every rank, since each forward all-gathers
-        the weights. Every rank then runs all `n` forwards (no stop at end-of-text, which a rank could reach at
-        another token than its peers and leave them waiting in a collective); the text is cut there after."""
-        ids = prompt_ids(self.tokenizer, prompt)
-        eos = self.tokenizer.eos_id
-        out = generate(self.base, ids, n, self.cfg.model.block_size, temperature=0.8, top_k=50,
-                       eos_id=None if self.sharded else eos, seed=self.cfg.run.seed, autocast_ctx=self.amp)
-        if eos is not None and eos in out:
-            out = out[:out.index(eos)]
-        return prompt + self.tokenizer.decode(out)
+        """`prompt` continued by `n` tokens: rank 0 alone, or every rank under FSDP/HSDP (evaluate.sample_text)."""
+        return sample_text(self.base, self.tokenizer, prompt, n, self.cfg.model.block_size, self.cfg.run.seed,
+                           self.amp, every_rank=self.sharded)
 
     def write_sample(self) -> None:
         """A sample into samples.txt at an evaluation (rank 0 writes; under FSDP every rank takes part)."""
