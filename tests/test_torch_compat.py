@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ import yaml
 from kubetrain.launch.elastic import LaunchOptions, torchrun_args
 from kubetrain.torch_compat import (
     agent_takes_shutdown_timeout,
-    async_save_futures,
     torch_version,
     unsupported_torch,
 )
@@ -68,11 +66,6 @@ def test_the_torchrun_command_line_parses_on_this_torch() -> None:
         assert args.nproc_per_node == str(opts.nproc_per_node)
     flag = any(a.startswith("--shutdown-timeout") for a in torchrun_args(LaunchOptions(), []))
     assert flag == agent_takes_shutdown_timeout() == (torch_version() >= (2, 13))
-
-
-def test_a_plain_future_is_the_save_and_nothing_is_left_to_stage() -> None:
-    done: Future[int] = Future()
-    assert async_save_futures(done) == (None, done)
 
 
 AGENT = """

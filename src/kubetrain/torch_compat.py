@@ -19,7 +19,6 @@ import datetime
 import importlib
 import inspect
 from collections.abc import Callable, Collection, Iterator
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -159,20 +158,6 @@ def set_default_group_timeout(timeout: datetime.timedelta) -> bool:
 
 
 # --- FSDP and DCP -------------------------------------------------------------------------------------------
-
-
-def async_save_futures(response: Any) -> tuple[Future[Any] | None, Future[Any]]:
-    """(staged, written) of a `dcp.async_save` call: `staged` completes once the host copy is made (None where the
-    copy was made before the call returned), `written` once every rank's files are written.
-
-    torch 2.9 on returns an AsyncSaveResponse (staging and upload futures) when staging is asynchronous, and a
-    plain Future otherwise; torch 2.8 always returns the Future (importing AsyncSaveResponse there was an
-    ImportError at FSDP's first background save).
-    """
-    response_type = _optional("torch.distributed.checkpoint.state_dict_saver", "AsyncSaveResponse")
-    if response_type is not None and isinstance(response, response_type):
-        return response.staging_completion, response.upload_completion
-    return None, response
 
 
 def checkpoint_activations(module: nn.Module) -> None:

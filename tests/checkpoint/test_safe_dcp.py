@@ -8,10 +8,12 @@ import io
 import json
 import pathlib
 import pickle
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as td
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
@@ -20,11 +22,11 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from kubetrain import checkpoint
 from kubetrain.checkpoint.safe_dcp import SafeLoadPlanner, load_metadata
 from kubetrain.checkpoint.sharded import (
+    ShardSaver,
     load_model_shards,
     load_optimizer_shards,
     pinned_staging,
     save_shards,
-    shard_writer,
 )
 from kubetrain.errors import CheckpointError
 from tests.checkpoint.conftest import age_files, count_hashing
@@ -112,12 +114,41 @@ def test_a_checkpoint_of_the_earlier_format_still_loads(tmp_path: Path) -> None:
     assert all(ckpt.model_state()[k].equal(v) for k, v in saved_model.state_dict().items())
 
 
-def test_background_saves_stage_into_reused_pinned_buffers_on_cuda_only(tmp_path: Path) -> None:
+def test_background_saves_stage_into_reused_pinned_buffers_on_cuda_only() -> None:
     assert pinned_staging("cuda") and not pinned_staging("cpu") and not pinned_staging("mps")
-    writer = shard_writer(tmp_path, torch.device("cpu"))  # what a CPU run uses: DCP's copy per save, no cache
-    assert writer.cache_staged_state_dict is False
-    staged = writer.stage({"w": torch.ones(3)})
+    saver = ShardSaver(None, torch.device("cpu"))  # type: ignore[arg-type]  # what a CPU run uses: a copy per save
+    assert saver.stager.cache_staged_state_dict is False
+    staged = saver.stager.stage({"w": torch.ones(3)})
     assert staged["w"].equal(torch.ones(3)) and not staged["w"].is_pinned()
+
+
+def test_a_background_save_copies_in_its_thread_and_writes_what_was_copied(tmp_path: Path) -> None:
+    """The loop gets `staged` back at once; the copy is made in the saver's thread; what is written is the state
+    when it was copied, even though the optimizer steps before the write finishes."""
+    td.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        model, opt = _trained()
+        saver = ShardSaver(td.new_group(backend="gloo"), torch.device("cpu"))
+        copied_in: list[str] = []
+        stage = saver.stager.stage
+        saver.stager.stage = lambda state: copied_in.append(threading.current_thread().name) or stage(state)  # type: ignore[method-assign]
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        folder = checkpoint.begin(tmp_path / "checkpoints", 1)
+        inflight = saver.save(model, opt, folder)
+        inflight.staged.result()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()  # what the loop does once staged: the weights change while (or before) the thread writes
+        inflight.written.result()
+    finally:
+        td.destroy_process_group()
+    assert len(copied_in) == 1 and copied_in[0].startswith("kubetrain-shards")
+    shapes = {k: list(v.shape) for k, v in before.items()}
+    ckpt = checkpoint.save(tmp_path / "checkpoints", 1, None, {"optimizer": None}, {"shapes": shapes}, keep_last=2,
+                           prepared=True)
+    assert {"shards/.metadata", "shards/__0_0.distcp"} <= set(ckpt.meta["files"])  # hashed by the writer
+    whole = ckpt.model_state()
+    assert all(whole[k].equal(v) for k, v in before.items())
+    assert not all(whole[k].equal(v) for k, v in model.state_dict().items())
 
 
 def test_the_optimizer_files_are_not_hashed_again_after_the_resume_verified_them(

@@ -260,15 +260,16 @@ class BackgroundSaver:
         self._step = step
         return blocked
 
-    def wait_staged(self) -> None:
-        """Before the optimizer changes the weights: wait until the save in flight has its copy."""
+    def wait_staged(self, waited: float = 0.0) -> None:
+        """Before the optimizer changes the weights: wait until the save in flight has its copy. `waited`: seconds
+        the caller already waited for this save's other copies (the shards), counted with this wait as blocked."""
         if self._staged is None:
             return
         t0 = time.perf_counter()
         self._staged.wait()
         self._staged = None
         with self._lock:
-            self._waited_for_copy[self._step] = time.perf_counter() - t0
+            self._waited_for_copy[self._step] = waited + time.perf_counter() - t0
 
     @property
     def in_flight(self) -> bool:

@@ -16,13 +16,7 @@ from torch import nn
 
 from kubetrain import checkpoint, runs
 from kubetrain.checkpoint import remote, restore
-from kubetrain.checkpoint.sharded import (
-    HashingWriter,
-    load_model_shards,
-    save_shards,
-    save_shards_in_background,
-    shard_writer,
-)
+from kubetrain.checkpoint.sharded import ShardSaver, load_model_shards, save_shards
 from kubetrain.config.loading import config_hash
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import TrainLoader
@@ -67,8 +61,7 @@ class Checkpointer:
         self.sinks: Fanout | None = None
         self.uploader: remote.Uploader | None = None
         self.saver: checkpoint.BackgroundSaver | None = None  # rank 0, async_save: writes in the background
-        self.checkpoint_group: torch.distributed.ProcessGroup | None = None  # FSDP + async_save: DCP's collectives
-        self.shard_writer: HashingWriter | None = None  # FSDP + async_save: made at the first save, reused
+        self.shard_saver: ShardSaver | None = None  # FSDP + async_save: this rank's shards, in a thread
         self.shards_staged: Future[Any] | None = None  # FSDP + async_save: this rank's shards being copied
         self.shards_written: Future[Any] | None = None  # FSDP + async_save, ranks but 0: being written
 
@@ -79,8 +72,9 @@ class Checkpointer:
         self.sinks, self.uploader = sinks, uploader
         if self.main and self.cfg.checkpoint.async_save:
             self.saver = checkpoint.BackgroundSaver()
-        if self.sharded and self.cfg.checkpoint.async_save:  # every rank: DCP writes its shards in a thread
-            self.checkpoint_group = dist.checkpoint_group(self.cfg.dist)
+        group = dist.checkpoint_group(self.cfg.dist) if self.sharded and self.cfg.checkpoint.async_save else None
+        if group is not None:  # every rank copies and writes its shards in a thread, on a group of their own
+            self.shard_saver = ShardSaver(group, self.device)
 
     # --- save -----------------------------------------------------------------------------------------------
 
@@ -106,11 +100,8 @@ class Checkpointer:
                 checkpoint.begin(self.root, state.step)
             dist.barrier()  # the temporary folder exists before any rank writes into it
             folder = checkpoint.tmp_dir(self.root, state.step)
-            if background and self.checkpoint_group is not None:
-                if self.shard_writer is None:  # one for the run: it keeps the staging buffers (pinned on CUDA)
-                    self.shard_writer = shard_writer(folder, self.device)
-                inflight = save_shards_in_background(self.model, self.optimizer, folder, self.checkpoint_group,
-                                                     self.shard_writer)
+            if background and self.shard_saver is not None:
+                inflight = self.shard_saver.save(self.model, self.optimizer, folder)
                 shards, self.shards_staged = inflight.written, inflight.staged
                 if not self.main:  # rank 0's writer thread waits for it, then finishes the checkpoint
                     self.shards_written = shards
@@ -140,12 +131,14 @@ class Checkpointer:
 
     def wait_for_staging(self) -> None:
         """Every rank, before the optimizer changes the weights: the save in flight has its host copy (torchtitan:
-        CheckpointManager.maybe_wait_for_staging). Rank 0 also waits for its writer's copy of the rest."""
+        CheckpointManager.maybe_wait_for_staging). Rank 0 also waits for its writer's copy of the rest; the wait
+        counts as the save's blocked time."""
+        t0 = time.perf_counter()
         if self.shards_staged is not None:
             self.shards_staged.result()
             self.shards_staged = None
         if self.saver is not None:
-            self.saver.wait_staged()
+            self.saver.wait_staged(waited=time.perf_counter() - t0)
 
     def wait_for_saves(self, timeout: float | None = None) -> bool:
         """Every rank: wait (at most `timeout` seconds) for the save in flight; True when none is left.
