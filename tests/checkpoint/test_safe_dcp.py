@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from kubetrain import checkpoint
+from kubetrain import checkpoint, torch_compat
 from kubetrain.checkpoint.safe_dcp import SafeLoadPlanner, load_metadata
 from kubetrain.checkpoint.sharded import (
     ShardSaver,
@@ -116,22 +116,27 @@ def test_a_checkpoint_of_the_earlier_format_still_loads(tmp_path: Path) -> None:
 
 def test_background_saves_stage_into_reused_pinned_buffers_on_cuda_only() -> None:
     assert pinned_staging("cuda") and not pinned_staging("cpu") and not pinned_staging("mps")
-    saver = ShardSaver(None, torch.device("cpu"))  # type: ignore[arg-type]  # what a CPU run uses: a copy per save
-    assert saver.stager.cache_staged_state_dict is False
-    staged = saver.stager.stage({"w": torch.ones(3)})
-    assert staged["w"].equal(torch.ones(3)) and not staged["w"].is_pinned()
+    state = {"w": torch.ones(3), "nested": {"step": torch.tensor(2.0)}}
+    buffers = torch_compat.host_buffers(state, pin=False)  # what a CPU run uses: fresh buffers per save
+    assert buffers is not None and not buffers["w"].is_pinned() and buffers["w"].data_ptr() != state["w"].data_ptr()
+    copied = torch_compat.copy_state(state, buffers)
+    assert copied["w"].equal(state["w"]) and copied["nested"]["step"].equal(state["nested"]["step"])
+    assert torch_compat.copy_state(state, None)["w"].equal(state["w"])  # where torch lacks the helpers
 
 
-def test_a_background_save_copies_in_its_thread_and_writes_what_was_copied(tmp_path: Path) -> None:
+def test_a_background_save_copies_in_its_thread_and_writes_what_was_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The loop gets `staged` back at once; the copy is made in the saver's thread; what is written is the state
     when it was copied, even though the optimizer steps before the write finishes."""
+    copied_in: list[str] = []
+    copy_state = torch_compat.copy_state
+    monkeypatch.setattr(torch_compat, "copy_state",
+                        lambda *a: copied_in.append(threading.current_thread().name) or copy_state(*a))
     td.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
         model, opt = _trained()
         saver = ShardSaver(td.new_group(backend="gloo"), torch.device("cpu"))
-        copied_in: list[str] = []
-        stage = saver.stager.stage
-        saver.stager.stage = lambda state: copied_in.append(threading.current_thread().name) or stage(state)  # type: ignore[method-assign]
         before = {k: v.clone() for k, v in model.state_dict().items()}
         folder = checkpoint.begin(tmp_path / "checkpoints", 1)
         inflight = saver.save(model, opt, folder)

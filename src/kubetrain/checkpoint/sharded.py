@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.storage import WriteResult
 
+from kubetrain import torch_compat
 from kubetrain.checkpoint.layout import OPTIMIZER_DIR, SHARDS_DIR, file_digest
 from kubetrain.files import fsync_dir, write_atomic
 
@@ -108,20 +109,20 @@ class ShardsInFlight:
 def pinned_staging(device_type: str) -> bool:
     """Whether background saves stage into pinned host buffers made once and reused by every later save.
 
-    On CUDA, yes: DCP's BlockingAsyncStager with `cache_staged_state_dict=True` (torch 2.4 to 2.13, 2.8 included):
-    the first save allocates a pinned CPU copy of the state (`_create_cpu_state_dict(..., pin_memory=True)`), every
-    save copies into it (`_copy_state_dict`), so a save costs one device-to-host copy at pinned speed and no
-    allocation. That is torchtitan's `async_with_pinned_mem` (CheckpointManager: a pinned CPU state dict made once,
-    copied into at each save while the next step runs, `maybe_wait_for_staging` before the optimizer step). Not
-    DCP's DefaultStager, which torchtitan now passes (`DefaultStager(StagingOptions(True, True, True, True))`): from
-    torch 2.11 it drops its cached storages after every stage (staging.py, DefaultStager._stage:
-    `self._state_dict_stager.close()`), so each save would pin fresh memory; and torch 2.8 has none. Host memory of
-    a GPU process holds its shards' copy for the run, as torchtitan's does.
+    On CUDA, yes: the first save allocates a pinned CPU copy of the rank's state (`_create_cpu_state_dict(...,
+    pin_memory=True)`, what DCP's BlockingAsyncStager does with `cache_staged_state_dict=True`), every save copies
+    into it (`_copy_state_dict`), so a save costs one device-to-host copy at pinned speed and no allocation. That is
+    torchtitan's `async_with_pinned_mem` (CheckpointManager: a pinned CPU state dict made once, copied into at each
+    save while the next step runs, `maybe_wait_for_staging` before the optimizer step). Not DCP's DefaultStager,
+    which torchtitan now passes (`DefaultStager(StagingOptions(True, True, True, True))`): from torch 2.11 it drops
+    its cached storages after every stage (staging.py, DefaultStager._stage: `self._state_dict_stager.close()`), so
+    each save would pin fresh memory; and torch 2.8 has none. A GPU process's host memory holds its shards' copy for
+    the run, as torchtitan's does.
 
     On the CPU, no: the training state is already in host memory, and a copy kept for the run would be one more
-    resident copy of each rank's shards (measured: the 85M GPT's largest FSDP process 1,172 → 1,410 MiB at 4
-    ranks, past issue 27's 0.40x of DDP). A fresh copy per save, freed once written; its cost (allocating and
-    first touching the pages) is hidden behind the next step's forward and backward by the writer's thread.
+    resident copy of each rank's shards (measured: the 85M GPT's largest FSDP process 1,172 -> 1,410 MiB at 4
+    ranks, past issue 27's 0.40x of DDP). A fresh copy per save, freed once written; its cost (first touching the
+    pages) is hidden behind the next step's forward and backward by the saver's thread.
     """
     return device_type == "cuda"
 
@@ -134,8 +135,9 @@ class ShardSaver:
     then writes and hashes them with `dcp.save` on `group` (a process group of its own, see
     distributed.setup.checkpoint_group), as DCP's own `async_save` does in its thread executor
     (`_ThreadBasedAsyncCheckpointExecutor`: `save` on the staged state, the given group). DCP's `async_save` copies
-    before it returns, in the loop; staging in the thread is what keeps a save's copy off the loop (torchtitan's
-    `async_with_pinned_mem` overlaps it the same way).
+    before it returns, in the loop; copying in the thread is what keeps a save's copy off the loop (torchtitan's
+    `async_with_pinned_mem` overlaps it the same way). The host buffers are allocated in the loop (cheap: nothing
+    is touched), see torch_compat.host_buffers.
 
     DCP's last step (state_dict_saver._save_state_dict: `distW.all_reduce("write", write_data, finish_checkpoint)`)
     gathers every rank's write results on rank 0, which then writes `.metadata`, and broadcasts the outcome: the
@@ -144,11 +146,9 @@ class ShardSaver:
     """
 
     def __init__(self, group: td.ProcessGroup, device: torch.device) -> None:
-        from torch.distributed.checkpoint.staging import BlockingAsyncStager
-
         self.group, self.device = group, device
-        # made once: on CUDA its pinned buffers are reused by every save
-        self.stager = BlockingAsyncStager(cache_staged_state_dict=pinned_staging(device.type))
+        self.pinned = pinned_staging(device.type)
+        self.buffers: dict[str, Any] | None = None  # pinned: made at the first save, reused by every later one
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="kubetrain-shards", initializer=self._on_device)
 
     def _on_device(self) -> None:
@@ -162,11 +162,14 @@ class ShardSaver:
         import torch.distributed.checkpoint as dcp
 
         state = sharded_state(model, optimizer)  # this rank's DTensors: views of the live weights, not copies
+        buffers = self.buffers or torch_compat.host_buffers(state, pin=self.pinned)
+        if self.pinned:
+            self.buffers = buffers
         staged: Future[None] = Future()
 
         def stage_and_write() -> None:
             try:
-                host = self.stager.stage(state)
+                host = torch_compat.copy_state(state, buffers)
             except BaseException as e:
                 staged.set_exception(e)
                 raise

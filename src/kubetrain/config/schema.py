@@ -213,8 +213,8 @@ class CheckpointConfig(Section):
         True, description="Copy the state to host memory in a background thread while the next step's forward and "
         "backward run (the optimizer step waits for the copy), then write, hash, fsync, rename and upload it there "
         "(one save in flight). Same atomic layout and resume guarantees. Under FSDP each rank copies its shards of the "
-        "model and optimizer (pinned, reused host buffers on CUDA) and torch.distributed.checkpoint.async_save "
-        "writes them; nothing is gathered."
+        "model and optimizer in a thread of its own (pinned, reused host buffers on CUDA) while the next step "
+        "runs, and writes them with torch.distributed.checkpoint; nothing is gathered."
     )
     uri: str | None = Field(
         None, description="Object storage that keeps a copy of every checkpoint (s3://bucket/prefix, gs://, az://, "

@@ -58,8 +58,8 @@ _checkpoint_group: td.ProcessGroup | None = None  # made once per process group 
 def checkpoint_group(cfg: DistConfig) -> td.ProcessGroup | None:
     """A gloo group of every rank for the collectives of background checkpoint writes (collective: all ranks call it).
 
-    DCP's async save plans and gathers its write results in its own thread; on a group of their own those
-    collectives never interleave with the training loop's on the main group (torchtitan and PyTorch's async
+    A background save's `dcp.save` plans and gathers its write results in the saver's thread; on a group of their
+    own those collectives never interleave with the training loop's on the main group (torchtitan and PyTorch's async
     checkpoint recipe do the same). gloo: DCP needs a CPU backend for it. The timeout stays the generous start-up
     one: the final gather waits for the slowest rank's write, which may take longer than a step.
     """
