@@ -111,3 +111,65 @@ def test_shards_written_by_every_rank_resume_exactly_and_export(tmp_path: Path) 
     out = kubetrain("generate", str(ref), "--prompt", "the", "--max-new-tokens", "4", cwd=tmp_path)
     assert out.stdout.startswith("the")
     assert json.loads((ref / "meta.json").read_text())["status"] == "finished"
+
+
+def _whole_optimizer_worker(rank: int, world: int, root: Path) -> None:
+    """One process trains 2 steps and keeps its optimizer's state_dict (as a DDP checkpoint holds it) and weights;
+    FSDP on `world` ranks resumes from both and takes the third step: the same weights as the one process's."""
+    import torch
+    import torch.distributed as td
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from kubetrain.checkpoint.sharded import load_whole_optimizer
+    from kubetrain.config.schema import TrainConfig
+    from kubetrain.train.optim import build_optimizer
+
+    torch.set_num_threads(1)
+    td.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=world)
+    cfg, cpu = TrainConfig(weight_decay=0.1), torch.device("cpu")
+    batch = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 48
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 5))
+
+    def step(m: nn.Module, opt: torch.optim.Optimizer) -> None:
+        m(batch).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    one = model()
+    opt = build_optimizer(one, cfg, cpu)
+    step(one, opt)
+    step(one, opt)
+    saved = {"state": {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()},
+             "param_groups": opt.state_dict()["param_groups"]}
+    weights = {k: v.clone() for k, v in one.state_dict().items()}
+    step(one, opt)
+
+    sharded = model()
+    sharded.load_state_dict(weights)
+    for layer in sharded:
+        fully_shard(layer)
+    fully_shard(sharded)
+    sharded_opt = build_optimizer(sharded, cfg, cpu)
+    load_whole_optimizer(sharded, sharded_opt, saved)
+    step(sharded, sharded_opt)
+    expected = one.state_dict()
+    diff = max(float((p.full_tensor() - expected[n]).abs().max()) for n, p in sharded.named_parameters())
+    steps = {int(s["step"]) for s in sharded_opt.state.values()}
+    (root / f"result-{rank}.json").write_text(json.dumps({"diff": diff, "steps": sorted(steps)}))
+    td.barrier()
+    td.destroy_process_group()
+
+
+def test_a_whole_model_checkpoints_optimizer_resumes_under_fsdp(tmp_path: Path) -> None:
+    """A checkpoint of one process or DDP (the optimizer whole, by parameter index) resumed under FSDP at 3 ranks
+    (uneven shards): each rank keeps its part, and the next step is the one process's."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_whole_optimizer_worker, args=(3, tmp_path), nprocs=3, join=True)
+    for rank in range(3):
+        result = json.loads((tmp_path / f"result-{rank}.json").read_text())
+        assert result["steps"] == [3] and result["diff"] < 1e-6, result

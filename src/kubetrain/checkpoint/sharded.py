@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from kubetrain import torch_compat
 from kubetrain.checkpoint.layout import OPTIMIZER_DIR, SHARDS_DIR, file_digest
+from kubetrain.errors import IncompatibleCheckpointError
 from kubetrain.files import fsync_dir, write_atomic
 
 DIGESTS_DIR = ".digests"  # beside shards/ while a save is in flight: each rank's digests of the files it wrote
@@ -227,6 +228,33 @@ def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoin
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
     _read(state, checkpoint_dir, OPTIMIZER_DIR)
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def load_whole_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Collective: the optimizer of a whole-model checkpoint (one process or DDP: torch's `Optimizer.state_dict`,
+    keyed by parameter index) into a sharded model's optimizer, each rank keeping its part.
+
+    The indices become names in the order both optimizers list their parameters (`build_optimizer` lists them the
+    same way whatever wraps the model), as DCP's `get_optimizer_state_dict` names them; DCP's
+    `set_optimizer_state_dict` with `full_state_dict` then cuts each whole tensor into this rank's shard. Every rank
+    holds the whole optimizer state while it loads, once, at the resume (each rank reads the checkpoint itself)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    named: dict[str, Any] = get_optimizer_state_dict(model, optimizer)
+    names = [n for group in named["param_groups"] for n in group["params"]]
+    indices = [i for group in saved["param_groups"] for i in group["params"]]
+    if len(names) != len(indices):
+        raise IncompatibleCheckpointError(f"the checkpoint's optimizer has {len(indices)} parameters, this model "
+                                          f"{len(names)}")
+    name_of = dict(zip(indices, names, strict=True))
+    whole: dict[str, Any] = {"state": {name_of[i]: state for i, state in saved["state"].items()},
+             "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
+                              for group in saved["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, whole, options=StateDictOptions(full_state_dict=True))
 
 
 def consolidated_model(checkpoint_dir: Path) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ from torch import nn
 
 from kubetrain import checkpoint
 from kubetrain.checkpoint.sharded import load_optimizer as load_sharded_optimizer
-from kubetrain.checkpoint.sharded import load_optimizer_shards
+from kubetrain.checkpoint.sharded import load_optimizer_shards, load_whole_optimizer
 from kubetrain.errors import IncompatibleCheckpointError
 
 
@@ -102,9 +102,10 @@ def load_optimizer(
     sharded: bool,
 ) -> None:
     if trainer.get("optimizer") is not None:
-        if sharded:
-            raise IncompatibleCheckpointError(f"{ckpt.path} was saved without FSDP; resume it with dist.strategy ddp")
-        optimizer.load_state_dict(trainer["optimizer"])
+        if sharded:  # a whole-model checkpoint (one process, DDP) resumed under FSDP: each rank keeps its part
+            load_whole_optimizer(model, optimizer, trainer["optimizer"])
+        else:
+            optimizer.load_state_dict(trainer["optimizer"])
     elif ckpt.sharded:  # DCP shards reshard to any world: FSDP at another size, DDP, one process
         load_optimizer_shards(model, optimizer, ckpt.path)
     elif sharded:  # an FSDP checkpoint of an earlier version: the optimizer alone in optimizer/
