@@ -160,32 +160,6 @@ def set_default_group_timeout(timeout: datetime.timedelta) -> bool:
 # --- FSDP and DCP -------------------------------------------------------------------------------------------
 
 
-def host_buffers(state: dict[str, Any], pin: bool) -> dict[str, Any] | None:
-    """Empty host tensors shaped as `state`'s (DTensors stay DTensors around a CPU local tensor), pinned when asked;
-    None where this torch lacks the helper (`copy_state` then makes its copy in one go).
-
-    `torch.distributed._state_dict_utils._create_cpu_state_dict` (2.4 to 2.13, the same signature): what DCP's
-    BlockingAsyncStager and torchtitan's pinned staging allocate with. Nothing is copied, and untouched memory
-    costs no page faults: cheap enough for the training loop, which is where it is called, so that the memory
-    comes from the loop's own allocator arena (made in the writer's thread it came from another glibc arena and
-    the 85M GPT's largest FSDP process peaked 1,293-1,330 MiB at 4 ranks instead of 1,186-1,223)."""
-    create = _optional("torch.distributed._state_dict_utils", "_create_cpu_state_dict")
-    if create is None or _optional("torch.distributed._state_dict_utils", "_copy_state_dict") is None:
-        return None
-    return create(state, pin_memory=pin)
-
-
-def copy_state(state: dict[str, Any], into: dict[str, Any] | None) -> dict[str, Any]:
-    """`state` copied into the host buffers `into` (`host_buffers`); where there are none, into fresh host memory
-    by DCP's public BlockingAsyncStager (the same copy, allocated here)."""
-    if into is None:
-        from torch.distributed.checkpoint.staging import BlockingAsyncStager
-
-        return BlockingAsyncStager().stage(state)
-    copy = _optional("torch.distributed._state_dict_utils", "_copy_state_dict")
-    return copy(state, into)
-
-
 def checkpoint_activations(module: nn.Module) -> None:
     """Recompute `module`'s activations in backward instead of keeping them (non-reentrant, RNG-preserving).
 

@@ -19,7 +19,8 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from kubetrain import checkpoint, torch_compat
+from kubetrain import checkpoint
+from kubetrain.checkpoint import sharded
 from kubetrain.checkpoint.safe_dcp import SafeLoadPlanner, load_metadata
 from kubetrain.checkpoint.sharded import (
     ShardSaver,
@@ -116,12 +117,16 @@ def test_a_checkpoint_of_the_earlier_format_still_loads(tmp_path: Path) -> None:
 
 def test_background_saves_stage_into_reused_pinned_buffers_on_cuda_only() -> None:
     assert pinned_staging("cuda") and not pinned_staging("cpu") and not pinned_staging("mps")
-    state = {"w": torch.ones(3), "nested": {"step": torch.tensor(2.0)}}
-    buffers = torch_compat.host_buffers(state, pin=False)  # what a CPU run uses: fresh buffers per save
-    assert buffers is not None and not buffers["w"].is_pinned() and buffers["w"].data_ptr() != state["w"].data_ptr()
-    copied = torch_compat.copy_state(state, buffers)
+    saver = ShardSaver(None, torch.device("cpu"))  # type: ignore[arg-type]  # a CPU run: fresh buffers per save
+    assert saver.stager is None
+    state = {"w": torch.ones(3), "nested": {"step": torch.tensor(2.0), "lr": 0.1}, "groups": [{"params": ["w"]}]}
+    buffers = sharded.host_buffers(state)
+    assert not buffers["w"].is_pinned() and buffers["w"].data_ptr() != state["w"].data_ptr()
+    copied = sharded.copy_state(state, buffers)
     assert copied["w"].equal(state["w"]) and copied["nested"]["step"].equal(state["nested"]["step"])
-    assert torch_compat.copy_state(state, None)["w"].equal(state["w"])  # where torch lacks the helpers
+    assert copied["nested"]["lr"] == 0.1 and copied["groups"] == [{"params": ["w"]}]
+    state["w"].add_(1)  # the copy is the state when it was copied
+    assert copied["w"].equal(torch.ones(3))
 
 
 def test_a_background_save_copies_in_its_thread_and_writes_what_was_copied(
@@ -130,8 +135,8 @@ def test_a_background_save_copies_in_its_thread_and_writes_what_was_copied(
     """The loop gets `staged` back at once; the copy is made in the saver's thread; what is written is the state
     when it was copied, even though the optimizer steps before the write finishes."""
     copied_in: list[str] = []
-    copy_state = torch_compat.copy_state
-    monkeypatch.setattr(torch_compat, "copy_state",
+    copy_state = sharded.copy_state
+    monkeypatch.setattr(sharded, "copy_state",
                         lambda *a: copied_in.append(threading.current_thread().name) or copy_state(*a))
     td.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
@@ -146,7 +151,7 @@ def test_a_background_save_copies_in_its_thread_and_writes_what_was_copied(
         inflight.written.result()
     finally:
         td.destroy_process_group()
-    assert len(copied_in) == 1 and copied_in[0].startswith("kubetrain-shards")
+    assert copied_in and all(name.startswith("kubetrain-shards") for name in copied_in)  # none in the loop
     shapes = {k: list(v.shape) for k, v in before.items()}
     ckpt = checkpoint.save(tmp_path / "checkpoints", 1, None, {"optimizer": None}, {"shapes": shapes}, keep_last=2,
                            prepared=True)

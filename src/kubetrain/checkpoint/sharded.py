@@ -22,8 +22,8 @@ import torch.distributed as td
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
 
-from kubetrain import torch_compat
 from kubetrain.checkpoint.layout import OPTIMIZER_DIR, SHARDS_DIR, file_digest
 from kubetrain.errors import IncompatibleCheckpointError
 from kubetrain.files import fsync_dir, write_atomic
@@ -110,22 +110,55 @@ class ShardsInFlight:
 def pinned_staging(device_type: str) -> bool:
     """Whether background saves stage into pinned host buffers made once and reused by every later save.
 
-    On CUDA, yes: the first save allocates a pinned CPU copy of the rank's state (`_create_cpu_state_dict(...,
-    pin_memory=True)`, what DCP's BlockingAsyncStager does with `cache_staged_state_dict=True`), every save copies
-    into it (`_copy_state_dict`), so a save costs one device-to-host copy at pinned speed and no allocation. That is
-    torchtitan's `async_with_pinned_mem` (CheckpointManager: a pinned CPU state dict made once, copied into at each
-    save while the next step runs, `maybe_wait_for_staging` before the optimizer step). Not DCP's DefaultStager,
-    which torchtitan now passes (`DefaultStager(StagingOptions(True, True, True, True))`): from torch 2.11 it drops
-    its cached storages after every stage (staging.py, DefaultStager._stage: `self._state_dict_stager.close()`), so
-    each save would pin fresh memory; and torch 2.8 has none. A GPU process's host memory holds its shards' copy for
-    the run, as torchtitan's does.
+    On CUDA, yes: DCP's BlockingAsyncStager with `cache_staged_state_dict=True` (public, torch 2.4 to 2.13): the
+    first save allocates a pinned CPU copy of the rank's state, every save copies into it, so a save costs one
+    device-to-host copy at pinned speed and no allocation. That is torchtitan's `async_with_pinned_mem`
+    (CheckpointManager: a pinned CPU state dict made once, copied into at each save while the next step runs,
+    `maybe_wait_for_staging` before the optimizer step). Not DCP's DefaultStager, which torchtitan now passes
+    (`DefaultStager(StagingOptions(True, True, True, True))`): from torch 2.11 it drops its cached storages after
+    every stage (staging.py, DefaultStager._stage: `self._state_dict_stager.close()`), so each save would pin fresh
+    memory; and torch 2.8 has none. A GPU process's host memory holds its shards' copy for the run, as torchtitan's.
 
     On the CPU, no: the training state is already in host memory, and a copy kept for the run would be one more
     resident copy of each rank's shards (measured: the 85M GPT's largest FSDP process 1,172 -> 1,410 MiB at 4
-    ranks, past issue 27's 0.40x of DDP). A fresh copy per save, freed once written; its cost (first touching the
-    pages) is hidden behind the next step's forward and backward by the saver's thread.
+    ranks, past issue 27's 0.40x of DDP). Fresh buffers per save (`host_buffers`), freed once written; touching
+    their pages is the copy's cost, and the saver's thread pays it while the next step runs.
     """
     return device_type == "cuda"
+
+
+def host_buffers(state: Any) -> Any:
+    """Empty CPU tensors shaped as `state`'s CPU tensors (a DTensor stays a DTensor over the same mesh and
+    placements), the rest as it is. Nothing is copied and no page is touched: cheap enough for the training loop,
+    which is where a save allocates them so that the memory comes from the loop's own allocator arena (allocated in
+    the saver's thread it came from another glibc arena, and the 85M GPT's largest FSDP process peaked at
+    1,293-1,330 MiB at 4 ranks instead of 1,186-1,223). Not torch's `_create_cpu_state_dict`: it deep-copies every
+    CPU DTensor (a full copy, in the loop) before swapping its local tensor."""
+    if isinstance(state, DTensor):
+        return DTensor.from_local(torch.empty_like(state.to_local()), state.device_mesh, state.placements,
+                                  run_check=False, shape=state.shape, stride=state.stride())
+    if isinstance(state, torch.Tensor):
+        return torch.empty_like(state)
+    if isinstance(state, dict):
+        return {k: host_buffers(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(host_buffers(v) for v in state)
+    return state
+
+
+def copy_state(state: Any, into: Any) -> Any:
+    """`state` copied into `into` (made by `host_buffers`): every tensor's data, and a new container of the rest's
+    values as they are now."""
+    if isinstance(state, DTensor):
+        into.to_local().copy_(state.to_local())
+        return into
+    if isinstance(state, torch.Tensor):
+        return into.copy_(state)
+    if isinstance(state, dict):
+        return {k: copy_state(v, into[k]) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(copy_state(v, w) for v, w in zip(state, into, strict=True))
+    return state
 
 
 class ShardSaver:
@@ -137,8 +170,7 @@ class ShardSaver:
     distributed.setup.checkpoint_group), as DCP's own `async_save` does in its thread executor
     (`_ThreadBasedAsyncCheckpointExecutor`: `save` on the staged state, the given group). DCP's `async_save` copies
     before it returns, in the loop; copying in the thread is what keeps a save's copy off the loop (torchtitan's
-    `async_with_pinned_mem` overlaps it the same way). The host buffers are allocated in the loop (cheap: nothing
-    is touched), see torch_compat.host_buffers.
+    `async_with_pinned_mem` overlaps it the same way).
 
     DCP's last step (state_dict_saver._save_state_dict: `distW.all_reduce("write", write_data, finish_checkpoint)`)
     gathers every rank's write results on rank 0, which then writes `.metadata`, and broadcasts the outcome: the
@@ -147,9 +179,11 @@ class ShardSaver:
     """
 
     def __init__(self, group: td.ProcessGroup, device: torch.device) -> None:
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
         self.group, self.device = group, device
-        self.pinned = pinned_staging(device.type)
-        self.buffers: dict[str, Any] | None = None  # pinned: made at the first save, reused by every later one
+        # CUDA: one stager for the run, whose pinned buffers every save reuses; CPU: fresh buffers per save
+        self.stager = BlockingAsyncStager(cache_staged_state_dict=True) if pinned_staging(device.type) else None
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="kubetrain-shards", initializer=self._on_device)
 
     def _on_device(self) -> None:
@@ -163,14 +197,13 @@ class ShardSaver:
         import torch.distributed.checkpoint as dcp
 
         state = sharded_state(model, optimizer)  # this rank's DTensors: views of the live weights, not copies
-        buffers = self.buffers or torch_compat.host_buffers(state, pin=self.pinned)
-        if self.pinned:
-            self.buffers = buffers
+        buffers = None if self.stager is not None else host_buffers(state)
         staged: Future[None] = Future()
 
         def stage_and_write() -> None:
             try:
-                host = torch_compat.copy_state(state, buffers)
+                with torch.no_grad():
+                    host = self.stager.stage(state) if self.stager is not None else copy_state(state, buffers)
             except BaseException as e:
                 staged.set_exception(e)
                 raise
