@@ -86,9 +86,10 @@ def teardown(healthy: bool = True, barrier_seconds: float = TEARDOWN_BARRIER_SEC
     inside a collective that a barrier would cut across, or never arrive: the group is left at once.
 
     After a clean end the backends then go here, not during interpreter exit: destroy_process_group leaves a gloo
-    backend and its threads alive while anything still holds its group, and after FSDP torch's DTensor caches do
-    (torch_compat.release_destroyed_groups). Not after an error: a backend's destructor waits for the collective
-    its thread is in, which a lost peer may hold until the group's timeout.
+    backend and its threads alive while anything still holds its group, and after FSDP its reference cycles and
+    (torch 2.11 on) the meshes DTensor's caches keep do (torch_compat.release_destroyed_groups). Not after an
+    error: a backend's destructor waits for the collective its thread is in, which a lost peer may hold until the
+    group's timeout.
     """
     global _checkpoint_group
     if not td.is_initialized():
