@@ -157,6 +157,34 @@ def set_default_group_timeout(timeout: datetime.timedelta) -> bool:
     return True
 
 
+def release_destroyed_groups() -> None:
+    """Let the backends `destroy_process_group` forgot go now, while the interpreter is whole.
+
+    destroy_process_group drops torch's table of groups, but a gloo backend and its threads (workers, TCP loop)
+    live until the last reference to its group goes (gloo's `shutdown()` does nothing): after an FSDP run the
+    reference cycles FSDP leaves, and from torch 2.11 every DeviceMesh (it holds its groups in `_pg_registry`),
+    which DTensor's caches keep in every thread that ran a DTensor op. Measured with `kubetrain train --nproc 2`
+    and FSDP: each rank still had its gloo threads when the program ended (2.8, 2.11 and 2.13), so the backend
+    went during interpreter finalization, the window where a gloo thread that still touches Python is killed and
+    aborts the process ("terminate called without an active exception", pytorch PR #179291). Here the cycles are
+    collected and every mesh still alive lets go of its (destroyed) groups, so each backend is destroyed now,
+    which joins its threads. Where a mesh has no `_pg_registry` (2.8: it holds group names), there is nothing to
+    let go of; a torch that holds groups elsewhere keeps its backends to the end, as before.
+    """
+    import gc
+    import sys
+
+    gc.collect()
+    mesh_module = sys.modules.get("torch.distributed.device_mesh")  # never imported: no mesh was made
+    mesh_type = getattr(mesh_module, "DeviceMesh", None)
+    if isinstance(mesh_type, type):
+        for found in gc.get_objects():
+            registry = getattr(found, "_pg_registry", None) if isinstance(found, mesh_type) else None
+            if isinstance(registry, dict):
+                registry.clear()
+    gc.collect()
+
+
 # --- FSDP and DCP -------------------------------------------------------------------------------------------
 
 

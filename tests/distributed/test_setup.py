@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -126,3 +128,47 @@ def test_teardown_waits_for_a_late_peer_and_never_for_an_absent_one(tmp_path: Pa
     assert all(late[r]["left"] >= late[0]["arrived"] for r in (1, 2)), late
     absent = _ranks(tmp_path, "absent")
     assert absent[2]["others_left"] is True, absent  # out within the 2 s bound, the group's timeout is 300 s
+
+
+
+# Loaded by every Python process of the run (PYTHONPATH): at exit, after kubetrain's teardown and before interpreter
+# finalization, each rank writes which threads it still has.
+AT_EXIT = """
+import atexit, os
+from pathlib import Path
+
+def _threads():
+    rank = os.environ.get("RANK")
+    if rank is None:
+        return  # the launcher, not a rank
+    main = Path("/proc/self/comm").read_text().strip()
+    task = Path("/proc/self/task")
+    others = sorted(name for t in task.iterdir() if t.name != str(os.getpid())
+                    for name in [(t / "comm").read_text().strip()])
+    Path(os.environ["THREADS_AT_EXIT"], f"rank-{rank}").write_text(repr((main, others)))
+
+atexit.register(_threads)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the threads of a process from /proc")
+def test_an_fsdp_run_ends_with_its_gloo_backends_gone(tmp_path: Path) -> None:
+    """destroy_process_group alone left each rank's gloo worker and TCP threads (and rank 0's TCPStore thread) to
+    interpreter finalization, where gloo can abort the process (torch_compat.release_destroyed_groups)."""
+    from tests.train.conftest import sets
+
+    probe, seen = tmp_path / "probe", tmp_path / "seen"
+    probe.mkdir()
+    seen.mkdir()
+    (probe / "sitecustomize.py").write_text(AT_EXIT)
+    env = cli_env(THREADS_AT_EXIT=str(seen))
+    env["PYTHONPATH"] = os.pathsep.join([str(probe), env["PYTHONPATH"]])
+    done = subprocess.run([sys.executable, "-m", "kubetrain", "train",
+                           *sets("dist.strategy=fsdp", "train.max_steps=2", "checkpoint.every_steps=2",
+                                 "eval.every_steps=2"), "--nproc", "2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-3000:]
+    for rank in (0, 1):
+        main, others = ast.literal_eval((seen / f"rank-{rank}").read_text())
+        assert others == [], (rank, main, others)  # only the main thread is left

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from kubetrain.data.loader import IGNORE_INDEX, TokenWindows
 from kubetrain.data.shards import Prepared
 from kubetrain.distributed.env import ProcessEnv
 from kubetrain.distributed.parallelize import parallelize
+from kubetrain.distributed.setup import teardown
 from kubetrain.models import build_model
 from kubetrain.train.evaluate import eval_batches, evaluate, lm_loss, perplexity
 
@@ -114,12 +114,7 @@ def _worker(rank: int, world: int, root: Path) -> None:
                           timeout=datetime.timedelta(seconds=60))  # a hang fails the test instead of holding it
     found = {strategy: _losses(root, rank, world, strategy) for strategy in ("ddp", "fsdp")}
     (root / f"losses-{rank}.json").write_text(json.dumps(found))
-    td.barrier()  # every rank has written its losses
-    # This test is about the losses: leave without tearing gloo down. A rank destroying its group while a peer
-    # exits was seen twice in CI to abort ("terminate called without an active exception", SIGABRT) even after
-    # a barrier (gloo's worker threads releasing tensors during interpreter finalization: pytorch PR #179291
-    # describes that SIGABRT); kubetrain's own teardown is tested in tests/distributed/test_setup.py.
-    os._exit(0)
+    teardown()  # the way every run ends: a barrier, then the group and its backend go (distributed/setup.py)
 
 
 @pytest.mark.slow

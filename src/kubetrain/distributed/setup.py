@@ -12,7 +12,7 @@ import torch.distributed as td
 from kubetrain.config.clocks import collective_timeouts
 from kubetrain.config.schema import DistConfig
 from kubetrain.distributed.env import ProcessEnv, process_env
-from kubetrain.torch_compat import set_default_group_timeout
+from kubetrain.torch_compat import release_destroyed_groups, set_default_group_timeout
 
 
 def init(cfg: DistConfig, device: torch.device) -> ProcessEnv:
@@ -84,6 +84,12 @@ def teardown(healthy: bool = True, barrier_seconds: float = TEARDOWN_BARRIER_SEC
     the peer still talked to it, so a healthy group passes a barrier before it is destroyed. The barrier waits at
     most `barrier_seconds`, and a peer that is gone only skips it. After an error (`healthy` False) a peer may be
     inside a collective that a barrier would cut across, or never arrive: the group is left at once.
+
+    After a clean end the backends then go here, not during interpreter exit: destroy_process_group leaves a gloo
+    backend and its threads alive while anything still holds its group, and after FSDP its reference cycles and
+    (torch 2.11 on) the meshes DTensor's caches keep do (torch_compat.release_destroyed_groups). Not after an
+    error: a backend's destructor waits for the collective its thread is in, which a lost peer may hold until the
+    group's timeout.
     """
     global _checkpoint_group
     if not td.is_initialized():
@@ -93,6 +99,8 @@ def teardown(healthy: bool = True, barrier_seconds: float = TEARDOWN_BARRIER_SEC
         with contextlib.suppress(RuntimeError):  # timed out, or a peer closed its connection: leave anyway
             bounded_barrier(datetime.timedelta(seconds=barrier_seconds))
     td.destroy_process_group()
+    if healthy:
+        release_destroyed_groups()
 
 
 def bounded_barrier(timeout: datetime.timedelta) -> None:
