@@ -212,6 +212,10 @@ class ShardSaver:
 
         return ShardsInFlight(staged, self.thread.submit(stage_and_write))
 
+    def close(self, wait: bool) -> None:
+        """The end of the run: the thread ends (`wait`: joined here; else once the save it is writing is written)."""
+        self.thread.shutdown(wait=wait)
+
 
 # --- loading --------------------------------------------------------------------------------------------------------
 

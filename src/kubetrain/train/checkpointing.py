@@ -162,6 +162,13 @@ class Checkpointer:
         self.shards_written = None
         return True
 
+    def close(self) -> None:
+        """Every rank, at the end of the run: the shard saver's thread ends, joined when no save is in flight (one
+        that is still being written after a stop's grace ran out finishes before the process exits)."""
+        if self.shard_saver is not None:
+            in_flight = self.shards_written is not None or (self.saver is not None and self.saver.in_flight)
+            self.shard_saver.close(wait=not in_flight)
+
     def collect_saves(self, wait: bool = False) -> None:
         """Rank 0: record the background saves that finished (waiting for the one in flight when asked)."""
         if self.saver is None:

@@ -171,6 +171,7 @@ class Trainer:
         finally:
             with contextlib.suppress(CheckpointError):  # a failure elsewhere: keep what is being written
                 self.checkpointer.wait_for_saves(stop.time_left())  # (a failed shard is already reported on rank 0)
+            self.checkpointer.close()
             if self.uploader:  # wait for the uploads; after a stop, only within what is left of the grace period
                 self.uploader.close(stop.time_left())
             self.finish(status)
