@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from tests.conftest import RunMain
 
@@ -48,4 +49,16 @@ def test_doctor_check_takes_no_config(run_main: RunMain) -> None:
 
 def test_doctor_quick_needs_check(run_main: RunMain) -> None:
     code, _, err = run_main("doctor", "--quick")
-    assert code == 2 and err.startswith("error: --quick and --output go with --check")
+    assert code == 2 and err.startswith("error: --quick, --output and --only go with --check")
+
+
+def test_doctor_check_only_runs_the_groups_named(run_main: RunMain, tmp_path: Path) -> None:
+    code, _, err = run_main("doctor", "--check", "--only", "speed,nosuch")
+    assert code == 2 and err.startswith("error: --only: no such group nosuch (groups: correctness, speed")
+    assert err.count("\n") == 1
+    out = tmp_path / "check.json"
+    code, _, err = run_main("doctor", "--check", "--only", "memory", "-o", str(out))  # on the CPU: no process
+    report = json.loads(out.read_text())
+    assert code == 0 and report["groups"] == ["memory"] and report["ok"], err
+    assert [(i["name"], i["status"]) for i in report["items"]] == [("memory.estimate", "skipped"),
+                                                                   ("memory.oom", "skipped")]

@@ -26,15 +26,17 @@ def doctor(
                                         "on the CPU).")] = False,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="With --check: also write the JSON "
                                                 "report to this file.")] = None,
+    only: Annotated[str | None, typer.Option("--only", help="With --check: these groups only, comma-separated "
+                                             "(correctness, speed, memory, distributed, hf).")] = None,
 ) -> None:
     """Check this machine: device, memory, bf16, attention kernels, versions, disk, extras; with a CONFIG,
     whether the model and a micro-batch fit (an estimate) and the settings a run here would pick.
     With --check, train for real on this device and report what passed, failed or was skipped, and why."""
     if check:
-        _self_test(quick, json_, output, config is not None or preset is not None or bool(set_))
+        _self_test(quick, json_, output, config is not None or preset is not None or bool(set_), only)
         return
-    if quick or output:
-        raise UserInputError("--quick and --output go with --check")
+    if quick or output or only:
+        raise UserInputError("--quick, --output and --only go with --check")
     from kubetrain.doctor import doctor as describe
     from kubetrain.doctor import render
     from kubetrain.memory import Layout
@@ -44,8 +46,9 @@ def doctor(
     typer.echo(json.dumps(report) if json_ else render(report))
 
 
-def _self_test(quick: bool, json_: bool, output: Path | None, with_config: bool) -> None:
+def _self_test(quick: bool, json_: bool, output: Path | None, with_config: bool, only: str | None) -> None:
     from kubetrain.files import write_atomic
+    from kubetrain.selftest import GROUPS
     from kubetrain.selftest.render import item_line, table
     from kubetrain.selftest.runner import run_check
 
@@ -53,11 +56,18 @@ def _self_test(quick: bool, json_: bool, output: Path | None, with_config: bool)
         raise UserInputError("--check takes no CONFIG, --preset or --set: it trains its own small models")
     if output is not None and output.is_dir():
         raise UserInputError(f"--output {output} is a folder; name a file")
+    groups = tuple(GROUPS)
+    if only is not None:
+        groups = tuple(g.strip() for g in only.split(",") if g.strip())
+        unknown = [g for g in groups if g not in GROUPS]
+        if unknown or not groups:
+            raise UserInputError(f"--only: no such group {', '.join(unknown) or repr(only)} "
+                                 f"(groups: {', '.join(GROUPS)})")
 
     def progress(outcome: Any) -> None:
         typer.echo(item_line(outcome), err=True)
 
-    report = run_check(quick=True if quick else None, on_item=progress)
+    report = run_check(quick=True if quick else None, on_item=progress, groups=groups)
     if output is not None:
         write_atomic(output, json.dumps(report, indent=2) + "\n")
     if json_:

@@ -21,8 +21,10 @@ from kubetrain.selftest.group import MARK
 GROUP_TIMEOUT = {"quick": 300.0, "full": 420.0}
 
 
-def run_check(quick: bool | None = None, on_item: Callable[[Outcome], None] | None = None) -> dict[str, Any]:
-    """The whole self-test on this machine's device; quick (tiny shapes, few steps) by default on the CPU."""
+def run_check(quick: bool | None = None, on_item: Callable[[Outcome], None] | None = None,
+              groups: tuple[str, ...] = tuple(GROUPS)) -> dict[str, Any]:
+    """The self-test on this machine's device (`groups` of it, in GROUPS' order: all by default); quick (tiny
+    shapes, few steps) by default on the CPU."""
     import torch
 
     from kubetrain import __version__, hardware
@@ -34,14 +36,14 @@ def run_check(quick: bool | None = None, on_item: Callable[[Outcome], None] | No
     outcomes: list[Outcome] = []
     with tempfile.TemporaryDirectory(prefix="kubetrain-check-") as work:
         ctx = Context(device=device.type, quick=quick, work=Path(work))
-        for group in GROUPS:
+        for group in (g for g in GROUPS if g in groups):
             for outcome in run_group(group, ctx, GROUP_TIMEOUT["quick" if quick else "full"]):
                 outcomes.append(outcome)
                 if on_item:
                     on_item(outcome)
     counts = {status: sum(o.status == status for o in outcomes) for status in STATUSES}
     return {
-        "kubetrain": __version__, "mode": "quick" if quick else "full",
+        "kubetrain": __version__, "mode": "quick" if quick else "full", "groups": [g for g in GROUPS if g in groups],
         "device": hardware.device_info(device).to_json(),
         "versions": hardware.versions(), "python": sys.version.split()[0], "torch_threads": torch.get_num_threads(),
         "started_at": started, "seconds": round(time.time() - started, 1), "items": [o.to_json() for o in outcomes],
