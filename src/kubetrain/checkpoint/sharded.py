@@ -288,9 +288,10 @@ def load_whole_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, sav
         raise IncompatibleCheckpointError(f"the checkpoint's optimizer has {len(indices)} parameters, this model "
                                           f"{len(names)}")
     name_of = dict(zip(indices, names, strict=True))
-    whole: dict[str, Any] = {"state": {name_of[i]: state for i, state in saved["state"].items()},
-             "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
-                              for group in saved["param_groups"]]}
+    whole: dict[str, Any] = {
+        "state": {name_of[i]: state for i, state in saved["state"].items()},
+        "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]} for group in saved["param_groups"]],
+    }
     set_optimizer_state_dict(model, optimizer, whole, options=StateDictOptions(full_state_dict=True))
 
 
