@@ -109,6 +109,47 @@ def test_the_agent_gives_workers_our_shutdown_timeout_not_torchs(tmp_path: Path)
     assert waited < 20, (waited, err[-2000:])
 
 
+REPORTING_AGENT = """
+import sys
+from kubetrain.launch.watch import wait_status, describe_exit
+from kubetrain.torch_compat import elastic_agent
+from torch.distributed.run import parse_args, run
+from kubetrain.launch.elastic import LaunchOptions, torchrun_args
+args = torchrun_args(LaunchOptions(nproc_per_node=1, max_restarts=1), [])
+args = args[: args.index("--module")] + [sys.argv[1], sys.argv[2]]
+def reaped(failures):
+    for rank, f in failures.items():
+        print("reaped", rank, f.pid, describe_exit(wait_status(f.exitcode)), flush=True)
+try:
+    with elastic_agent({2, 75}, 5, reaped):
+        run(parse_args(args))
+except Exception as e:
+    print("gave up", type(e).__name__, flush=True)
+"""
+
+SELF_KILLING_WORKER = """
+import os, signal, sys
+with open(sys.argv[1], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.compat
+@pytest.mark.slow
+def test_the_agent_says_how_each_worker_it_reaped_ended_before_it_restarts(tmp_path: Path) -> None:
+    """The watch learns a reaped worker's status from the agent (a look after the agent's said "status unknown")."""
+    worker, pids = tmp_path / "worker.py", tmp_path / "pids"
+    worker.write_text(SELF_KILLING_WORKER)
+    out = subprocess.run([sys.executable, "-c", REPORTING_AGENT, str(worker), str(pids)], env=cli_env(),
+                         capture_output=True, text=True, timeout=300).stdout
+    started = pids.read_text().split()
+    assert len(started) == 2  # the first round and its one restart
+    assert [line for line in out.splitlines() if line.startswith("reaped")] == [
+        f"reaped 0 {pid} killed by SIGKILL" for pid in started]
+    assert "gave up ChildFailedError" in out
+
+
 @pytest.mark.compat
 @pytest.mark.slow
 def test_one_process_trains_generates_and_exports(tmp_path: Path) -> None:

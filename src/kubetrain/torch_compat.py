@@ -18,7 +18,7 @@ import dataclasses
 import datetime
 import importlib
 import inspect
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -63,9 +63,11 @@ def torchrun_shutdown_args(seconds: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def elastic_agent(final_exit_codes: Collection[int], shutdown_timeout: int) -> Iterator[None]:
+def elastic_agent(final_exit_codes: Collection[int], shutdown_timeout: int,
+                  on_failure: Callable[[Mapping[int, Any]], None] | None = None) -> Iterator[None]:
     """While torch.distributed.run runs in this process, its agent (a) ends the group instead of restarting it
-    after a worker's exit in `final_exit_codes`, and (b) waits `shutdown_timeout` seconds for workers after SIGTERM.
+    after a worker's exit in `final_exit_codes`, (b) waits `shutdown_timeout` seconds for workers after SIGTERM,
+    and (c) hands every failed round's failures (ProcessFailure by global rank) to `on_failure` before it acts.
 
     torch has no option for (a) and, before 2.13, none for (b). `launch_agent` builds a LocalElasticAgent by its
     module name, so the class is swapped for a subclass for this call only:
@@ -74,7 +76,10 @@ def elastic_agent(final_exit_codes: Collection[int], shutdown_timeout: int) -> I
       built differently), a final exit is restarted like any failure: the group ends after --max-restarts.
     - (b) on torch < 2.13 the agent's shutdown calls `PContext.close(death_sig)` with close's default of 30 s; the
       subclass has that close use our timeout. Where PContext.close takes no timeout, torch's 30 s remain.
-    Where `launcher.api` builds no LocalElasticAgent by that name, nothing is swapped (both fallbacks apply).
+    - (c) torch has no hook for it: the watch (launch/watch.py) would otherwise find a worker the agent reaped first
+      with no status.
+    Where `launcher.api` builds no LocalElasticAgent by that name, nothing is swapped (the fallbacks apply; for (c)
+    the watch records such an exit with its status unknown).
     """
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -85,6 +90,8 @@ def elastic_agent(final_exit_codes: Collection[int], shutdown_timeout: int) -> I
     class KubetrainAgent(LocalElasticAgent):
         def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
             result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.FAILED and on_failure is not None:
+                on_failure(result.failures)  # the agent reaped them: only it knows how they ended
             if (result.state == WorkerState.FAILED and hasattr(self, "_remaining_restarts")
                     and any(f.exitcode in final_exit_codes for f in result.failures.values())):
                 self._remaining_restarts = 0

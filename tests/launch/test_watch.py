@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kubetrain.k8s.cluster.status import last_incident
-from kubetrain.launch.watch import Beat, HangWatch, describe_exit, process_state
+from kubetrain.launch.watch import Beat, HangWatch, describe_exit, process_state, wait_status
 from kubetrain.runs.incidents import parse_log_line, read_all
 from kubetrain.track.console import parse_progress
 from kubetrain.train.heartbeat import HEARTBEAT_DIR_ENV, Heartbeat, beat_file
@@ -97,6 +97,34 @@ def test_a_worker_that_dies_on_its_own_is_recorded_once_with_its_rank_and_step(t
     assert worker.poll() is None  # only the hang path ends workers
 
 
+def test_a_worker_the_agent_reaped_first_is_recorded_with_the_status_the_agent_saw(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI saw "exited (status unknown: already reaped)" for a SIGKILLed rank: the agent had polled it first."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    beats, run = tmp_path / "beats", tmp_path / "run"
+    beats.mkdir()
+    worker = _worker(beats, 1, 6)
+    worker.kill()
+    worker.wait()  # reaped, as the agent's poll does: no zombie, no status in /proc
+    said: list[str] = []
+    watch = HangWatch(beats, run, hang_timeout=None, say=said.append)
+    watch.check()
+    assert not read_all(run)  # the agent is about to say how it ended
+    watch.agent_reaped({1: ProcessFailure(local_rank=1, pid=worker.pid, exitcode=-signal.SIGKILL, error_file="")})
+    [entry] = read_all(run)
+    assert (entry["kind"], entry["rank"], entry["step"]) in {("worker-exit", 1, 6), ("oom", 1, 6)}
+    assert entry["message"] == "killed by SIGKILL"
+    watch.check()
+    assert len(read_all(run)) == 1 and len(said) == 1
+    # an agent that never says (a torch whose agent kubetrain could not extend): recorded, unknown, after a wait
+    monkeypatch.setattr("kubetrain.launch.watch.REAPED_WAIT_SECONDS", 0.0)
+    later = HangWatch(beats, tmp_path / "later", hang_timeout=None, say=said.append)
+    later.check()
+    [entry] = read_all(tmp_path / "later")
+    assert entry["message"] == "exited (status unknown: already reaped)"
+
+
 @pytest.mark.parametrize(("said", "kind"), [
     ("[c10d] Timed out waiting 30000ms for recv operation to complete", "timeout"),
     ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", "oom"),
@@ -114,6 +142,8 @@ def test_what_a_worker_wrote_before_it_died_decides_the_kind(tmp_path: Path, sai
 def test_exit_statuses_read_like_the_shell() -> None:
     assert describe_exit(9) == "killed by SIGKILL"
     assert describe_exit(1 << 8) == "exited with code 1"
+    assert describe_exit(wait_status(-signal.SIGKILL)) == "killed by SIGKILL"  # how torch's agent reports them
+    assert describe_exit(wait_status(3)) == "exited with code 3"
     assert "unknown" in describe_exit(None)
 
 

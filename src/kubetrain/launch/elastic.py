@@ -108,7 +108,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         watch.agree = hang_agreement(opts.rdzv_endpoint, opts.rdzv_id, parse_nnodes(opts.nnodes)[0])
     gave_up = False  # no restarts left: the launcher's /metrics says so to its last scrape
     try:
-        with elastic_agent(FINAL_EXIT_CODES, opts.shutdown_timeout):
+        with elastic_agent(FINAL_EXIT_CODES, opts.shutdown_timeout, watch.agent_reaped):
             run(args)
     except SignalException as e:
         watch.stop()

@@ -5,7 +5,8 @@ this node has finished a step for `dist.hang_timeout_seconds`, it asks every wor
 (SIGUSR1: faulthandler), gives them a moment, writes them to `<run>/incidents/`, and SIGKILLs the workers;
 torch's elastic agent sees them fail and restarts them (they resume from the latest checkpoint) while
 restarts are left. A SIGSTOPped worker cannot answer: it is named as the suspect, with its process state.
-A worker that exits on its own is recorded too (worker-exit, oom, timeout), once per restart round. Each
+A worker that exits on its own is recorded too (worker-exit, oom, timeout), once per restart round: the watch reads
+its wait status while it is a zombie, or from the elastic agent that reaped it first (`agent_reaped`). Each
 incident is also one `incident: ...` line on the launcher's stderr (incidents.log_line): in a pod, the log is
 where `k8s status` finds it.
 """
@@ -19,7 +20,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,9 @@ STACKS_WAIT_SECONDS = 3.0  # how long a worker gets to write its stacks after SI
 # How long a node with no silent rank waits for the other nodes' verdicts (a loaded node's watch may see the same
 # hang seconds later); with the stacks' wait it stays within config.clocks.WATCH_ACTS_WITHIN (15 s).
 HEALTHY_NODE_WAIT_SECONDS = 9.0
+# How long a look waits for the agent's word on a worker it reaped before the watch saw its status (the agent reports
+# a failed round at once, before it restarts; a worker that exited 0 without its last beat is not reported at all).
+REAPED_WAIT_SECONDS = 5.0
 _TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
 _OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
 
@@ -91,6 +95,11 @@ def describe_exit(status: int | None) -> str:
     return f"exited with code {(status >> 8) & 0xFF}"
 
 
+def wait_status(exitcode: int) -> int:
+    """The wait status of a worker from the exit code torch's agent reports (Popen's: -N for signal N)."""
+    return -exitcode & 0x7F if exitcode < 0 else (exitcode & 0xFF) << 8
+
+
 def oom_kills() -> int | None:
     """The OOM kills counted in this process's cgroup (v2), so a SIGKILL can be told apart from the OOM killer."""
     try:
@@ -119,6 +128,9 @@ class HangWatch:
     on_incident: Callable[[dict[str, Any]], None] | None = None  # the launcher's exporter counts them
     # several nodes: publish this node's suspect, get the job's (hang_agreement); None: decide alone
     agree: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None
+    reaped: dict[int, int] = field(default_factory=dict)  # pid -> wait status, from the agent (agent_reaped)
+    _unknown_since: dict[int, float] = field(default_factory=dict)  # pid -> when first seen gone without a status
+    _lock: threading.RLock = field(default_factory=threading.RLock)  # the watch's thread and the agent's
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _oom_at_start: int | None = None
@@ -149,12 +161,35 @@ class HangWatch:
 
     def check(self, now: float | None = None) -> None:
         """One look: a worker gone on its own is recorded; a job where no rank advanced for too long is a hang."""
+        with self._lock:
+            self._check(now)
+
+    def agent_reaped(self, failures: Mapping[int, Any]) -> None:
+        """torch's agent found failed workers (ProcessFailure by rank), reaped: their round is recorded now.
+
+        Called from the agent's thread before it restarts the group or gives up, so a worker the agent reaped before
+        the watch's look still has its status (`killed by SIGKILL`, not "status unknown").
+        """
+        with self._lock:
+            self.reaped.update({f.pid: wait_status(f.exitcode) for f in failures.values()})
+            try:
+                self._check(None)
+            except OSError as e:  # never the agent's problem
+                self.say(f"launcher: warning: hang watch: {e}")
+
+    def _check(self, now: float | None) -> None:
         beats = self.beats()
         if not beats or beats[0].restart <= self.handled_round:
             return
         live = [b for b in beats if not b.done]
         dead = [(b, *process_state(b.pid)) for b in live]
-        gone = [(b, status) for b, state, status in dead if state in ("Z", "X")]
+        gone = [(b, status if status is not None else self.reaped.get(b.pid))
+                for b, state, status in dead if state in ("Z", "X")]
+        unknown = [b.pid for b, status in gone if status is None]
+        if unknown:  # reaped by the agent, which is about to say how it ended (agent_reaped)
+            first = min(self._unknown_since.setdefault(pid, time.monotonic()) for pid in unknown)
+            if time.monotonic() - first < REAPED_WAIT_SECONDS:
+                return
         if gone:
             cause = min(gone, key=lambda g: cause_order(*g))
             if cause_order(*cause)[0]:  # every one lost a peer: the cause is on another node, which records it
