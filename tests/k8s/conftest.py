@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import datetime
 import hashlib
 import json
 import os
@@ -76,6 +77,9 @@ class ApiServer(Controllers):
         self.objects: dict[str, dict[str, Any]] = {}
         self.logs: dict[str, str] = {}  # pod name -> what its container wrote
         self.previous_logs: dict[str, str] = {}  # pod name -> what its container's previous instance wrote
+        self.log_stamps: dict[str, list[int]] = {}  # pod name -> when each line of its log was taken (ns)
+        self.previous_stamps: dict[str, list[int]] = {}
+        self.break_streams: dict[str, str] = {}  # pod name -> how its followed log breaks off next (break_stream)
         # the container runtime's view, ahead of the pods' status (see Controllers.exit):
         self.stopped: set[str] = set()  # pods whose container ended
         self.instances: dict[str, int] = {}  # pod name -> restarts of its container so far
@@ -170,9 +174,13 @@ class ApiServer(Controllers):
                 self.send_header("Content-Type", "text/plain")
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
-                for chunk in answer:
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                    self.wfile.flush()
+                try:
+                    for chunk in answer:
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                        self.wfile.flush()
+                except _ConnectionDropped:  # no last chunk: the client reads a broken answer
+                    self.close_connection = True
+                    return
                 self.wfile.write(b"0\r\n\r\n")
 
             do_GET = do_PATCH = do_DELETE = do_POST = _serve
@@ -380,36 +388,61 @@ class ApiServer(Controllers):
             message = (f'container "{pod["spec"]["containers"][0]["name"]}" in pod "{name}" is waiting to start: '
                        f'{state["waiting"]["reason"]}')
             return _json(400, status(400, "BadRequest", message))
-        text = self.logs.get(name, "")
-        if query.get("previous") == ["true"]:  # the last terminated instance, or 400 (validateContainerLogStatus)
-            if not (pod["status"]["containerStatuses"][0].get("lastState") or {}).get("terminated"):
-                message = (f'previous terminated container "{pod["spec"]["containers"][0]["name"]}" in pod '
-                           f'"{name}" not found')
-                return _json(400, status(400, "BadRequest", message))
-            text = self.previous_logs.get(name, "")
-        if "tailLines" in query:
-            text = "".join(text.splitlines(keepends=True)[-int(query["tailLines"][0]):])
-        if query.get("follow") != ["true"] or query.get("previous") == ["true"]:
-            return 200, text.encode(), "text/plain"
-        return self._follow(pod, name)
+        previous = query.get("previous") == ["true"]  # the last ended instance, or 400 (validateContainerLogStatus)
+        if previous and not (pod["status"]["containerStatuses"][0].get("lastState") or {}).get("terminated"):
+            message = (f'previous terminated container "{pod["spec"]["containers"][0]["name"]}" in pod '
+                       f'"{name}" not found')
+            return _json(400, status(400, "BadRequest", message))
+        with self.changed:
+            text, stamps = self._log_of(name, previous)
+        lines = text.splitlines(keepends=True)
+        # ReadLogs (pkg/kubelet/kuberuntime/logs/logs.go): tailLines finds where to start, then every line older
+        # than sinceTime is skipped; `timestamps` puts the runtime's stamp (RFC3339Nano) and a space before each
+        first = max(0, len(lines) - int(query["tailLines"][0])) if "tailLines" in query else 0
+        since = _since_ns(query["sinceTime"][0]) if "sinceTime" in query else None
+        stamped = query.get("timestamps") == ["true"]
 
-    def _follow(self, pod: dict[str, Any], name: str) -> Iterator[bytes]:
+        def shown(line: str, stamp: int) -> bytes:
+            if since is not None and stamp < since:
+                return b""
+            return ((_rfc3339_nano(stamp) + " ") if stamped else "").encode() + line.encode()
+
+        if query.get("follow") != ["true"] or previous:
+            return 200, b"".join(shown(lines[i], stamps[i]) for i in range(first, len(lines))), "text/plain"
+        return self._follow(pod, name, first, shown)
+
+    def _log_of(self, name: str, previous: bool) -> tuple[str, list[int]]:
+        """The log of the container's current (or previous) instance, with the stamps of its lines."""
+        text = (self.previous_logs if previous else self.logs).get(name, "")
+        stamps = (self.previous_stamps if previous else self.log_stamps).setdefault(name, [])
+        return text, self.stamp_lines(stamps, text)  # a test that set `logs` itself: stamped when first read
+
+    def _follow(self, pod: dict[str, Any], name: str, first: int,
+                shown: Callable[[str, int], bytes]) -> Iterator[bytes]:
         """A followed log streams the container instance that runs now, until the container runtime says it is not
-        running (pkg/kubelet/kuberuntime/logs/logs.go, waitLogs): the pod's status may still say `Running` then."""
-        sent, instance = 0, self.instances.get(name, 0)
+        running (pkg/kubelet/kuberuntime/logs/logs.go, waitLogs): the pod's status may still say `Running` then.
+        Line by line, a last line without its newline only at the end."""
+        sent, instance = first, self.instances.get(name, 0)
         while True:
             with self.changed:
                 restarted = self.instances.get(name, 0) != instance  # its log is now the previous one
-                text = self.previous_logs.get(name, "") if restarted else self.logs.get(name, "")
+                text, stamps = self._log_of(name, restarted)
                 ended = (restarted or name in self.stopped or _path_of(pod) not in self.objects
                          or pod["status"].get("phase") in ("Succeeded", "Failed"))
-                if len(text) == sent and not ended:
+                how = self.break_streams.pop(name, None)
+                lines = text.splitlines(keepends=True)
+                whole = len(lines) if ended else len([x for x in lines if x.endswith("\n")])
+                if whole == sent and not ended and how is None:
                     self.changed.wait(1.0)
                     continue
-            if len(text) > sent:
-                yield text[sent:].encode()
-                sent = len(text)
-            elif ended:
+            if how == "reset":  # at once: what it had not sent is lost to this stream
+                raise _ConnectionDropped
+            if how == "end":
+                return
+            if whole > sent:
+                yield b"".join(shown(lines[i], stamps[i]) for i in range(sent, whole))
+                sent = whole
+            if ended:
                 return
 
     def close(self) -> None:
@@ -418,6 +451,22 @@ class ApiServer(Controllers):
 
 
 _PLURALS = {r.plural for r in KINDS.values()}
+
+
+class _ConnectionDropped(Exception):
+    """A streamed answer's connection drops before its last chunk."""
+
+
+def _rfc3339_nano(ns: int) -> str:
+    """Go's time.RFC3339Nano in UTC: nanoseconds with trailing zeros dropped (no fraction when it is zero)."""
+    seconds, fraction = divmod(ns, 10**9)
+    whole = datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    return whole + (f".{fraction:09d}".rstrip("0") if fraction else "") + "Z"
+
+
+def _since_ns(text: str) -> int:
+    """sinceTime (metav1.Time, RFC 3339 in whole seconds) in nanoseconds."""
+    return int(datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()) * 10**9
 
 
 def _frame(payload: bytes, opcode: int = 2) -> bytes:

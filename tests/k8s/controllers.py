@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,9 @@ class Controllers:
     objects: dict[str, dict[str, Any]]
     logs: dict[str, str]
     previous_logs: dict[str, str]
+    log_stamps: dict[str, list[int]]
+    previous_stamps: dict[str, list[int]]
+    break_streams: dict[str, str]
     stopped: set[str]
     instances: dict[str, int]
     unreported: dict[str, int]
@@ -117,9 +121,26 @@ class Controllers:
         self.write_log(name, log)
 
     def write_log(self, name: str, text: str) -> None:
+        """The container writes; the runtime stamps each line as it takes it (the CRI log format's first field)."""
         with self.changed:
             self.logs[name] = self.logs.get(name, "") + text
+            self.stamp_lines(self.log_stamps.setdefault(name, []), self.logs[name])
             self.changed.notify_all()
+
+    def break_stream(self, name: str, how: str, log: str = "") -> None:
+        """The pod's followed log breaks off while its container runs on and writes `log`: "end" (the answer is
+        closed, as when the API server stops or a proxy's timeout ends a long request) or "reset" (the connection
+        drops before the last chunk). The stream sends nothing more; a stream opened later reads on."""
+        with self.changed:
+            self.break_streams[name] = how
+        self.write_log(name, log)
+
+    @staticmethod
+    def stamp_lines(stamps: list[int], text: str) -> list[int]:
+        """Stamps (nanoseconds, increasing) for the lines of `text` that have none yet: now."""
+        for _ in range(len(text.splitlines()) - len(stamps)):
+            stamps.append(max(time.time_ns(), stamps[-1] + 1 if stamps else 0))
+        return stamps
 
     def exit(self, name: str, code: int, log: str = "", reported: bool = True) -> None:
         """The container ends; with `reported`, the kubelet reports it and the pod's controller reacts (a Job
@@ -170,6 +191,7 @@ class Controllers:
                              lastState={"terminated": {"exitCode": code, "reason": "Error" if code else "Completed",
                                                        "containerID": f"containerd://{self._next('container')}"}})
             self.previous_logs[name] = self.logs.pop(name, "")
+            self.previous_stamps[name] = self.log_stamps.pop(name, [])
             self.instances[name] = self.instances.get(name, 0) + 1
         self._change_pod(name, change)
 

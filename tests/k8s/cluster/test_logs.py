@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kubetrain.k8s.cluster.api import connect
 from kubetrain.k8s.cluster.logs import stream_logs
 
@@ -203,6 +205,33 @@ def test_follow_prints_the_replacement_of_a_gracefully_deleted_pod(tmp_path: Pat
         f"[rank 0] (pod {zero} is gone while the job is active: it is being replaced)",
         "[rank 0] resuming from step 2", "[rank 0] step 4/4"]
     assert f"[rank 1] (pod {one} was replaced by {new_one}; following it)" in lines
+
+
+@pytest.mark.parametrize("how", ["end", "reset"])
+def test_follow_opens_a_stream_that_broke_off_again_and_prints_each_line_once(
+        tmp_path: Path, apiserver: Any, cli: Cli, how: str) -> None:
+    """A stream can end while its container runs on (an API server restart, a proxy's timeout, a reset): `logs -f`
+    went quiet for good. Now it opens the stream again from the second of its last line and skips what it printed."""
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, 1)
+    pod = apiserver.pod("tiny", 0)
+    apiserver.start(pod, "step 1/9\nstep 2/9\n")
+    follower = Follower(kubeconfig)
+    follower.saw("[rank 0] step 2/9")
+    opened = sum(r["path"].endswith("/log") for r in apiserver.requests)
+    apiserver.break_stream(pod, how, "step 3/9\n")  # written as the stream broke: it never got it
+    follower.saw("[rank 0] step 3/9")
+    apiserver.write_log(pod, "step 4/9\n")
+    follower.saw("[rank 0] step 4/9")
+    apiserver.exit(pod, 0, "step 9/9\n")
+    lines = [line for line in follower.end() if "waiting:" not in line]
+    broke = [f"[rank 0] (the log stream of pod {pod} broke off: " in line for line in lines]
+    assert [line for line, b in zip(lines, broke, strict=True) if not b] == [
+        "[rank 0] step 1/9", "[rank 0] step 2/9", "[rank 0] step 3/9", "[rank 0] step 4/9", "[rank 0] step 9/9"]
+    assert broke.count(True) == (how == "reset") and (how == "end" or broke.index(True) == 2)
+    [again, *_] = [r for r in apiserver.requests if r["path"].endswith("/log")][opened:]
+    assert again["query"]["timestamps"] == ["true"]
+    assert len(again["query"]["sinceTime"][0]) == len("2026-11-26T02:30:00Z")  # whole seconds, as metav1.Time
 
 
 def test_follow_of_a_failed_job_exits_1_with_one_line(tmp_path: Path, apiserver: Any, cli: Cli) -> None:

@@ -31,6 +31,10 @@ class NotFound(ClusterError):
     pass
 
 
+class StreamBroken(ClusterError):
+    """A streamed answer (a followed log) broke off mid-way: the connection was reset or timed out."""
+
+
 class Conflict(ClusterError):
     pass
 
@@ -325,11 +329,17 @@ class Cluster:
         follow: bool = False,
         tail: int | None = None,
         previous: bool = False,
+        timestamps: bool = False,
+        since_time: str | None = None,
     ) -> Iterator[str]:
         """A pod's log line by line as it arrives, never read whole.
 
         `previous`: the container's previous instance (the kubelet keeps the last one that terminated; it answers
-        400 when there is none, see `lastState.terminated`)."""
+        400 when there is none, see `lastState.terminated`). `timestamps`: each line starts with the time the
+        container runtime took it (RFC 3339, to the nanosecond) and a space; `since_time` (RFC 3339): only the
+        lines taken at or after it. A stream that breaks off raises StreamBroken."""
+        import urllib3
+
         query = [("follow", "true" if follow else "false")]
         if container:
             query.append(("container", container))
@@ -337,6 +347,10 @@ class Cluster:
             query.append(("previous", "true"))
         if tail is not None:
             query.append(("tailLines", str(tail)))
+        if timestamps:
+            query.append(("timestamps", "true"))
+        if since_time is not None:
+            query.append(("sinceTime", since_time))
         path = RESOURCES["Pod"].path(namespace or self.default_namespace, pod, "log")
         response = self.request("GET", path, query=query, stream=True, what=f"logs of pod {pod}")
         pending = b""
@@ -348,6 +362,8 @@ class Cluster:
                     yield line.decode(errors="replace")
             if pending:
                 yield pending.decode(errors="replace")
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise StreamBroken(f"the log stream of pod {pod} broke off: {_short(e)}") from None
         finally:
             response.release_conn()
 

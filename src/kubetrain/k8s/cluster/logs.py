@@ -8,19 +8,24 @@ in its place. --follow ends only when the workload's own status says it has ende
 when it failed. Without --follow, a rank that has no log yet is named with the reason, and the command exits 1.
 
 A followed log ends when the container ends, and the pod's status says so only a few seconds later (the
-kubelet reports it at its next sync): a pod that still says `Running` after its log ended is not the end.
+kubelet reports it at its next sync): a pod that still says `Running` after its log ended is not the end. A
+followed log can also end, or break off, while its container runs on (the API server restarts, a proxy or the
+kubelet closes a long stream): then the stream is opened again from the time of the last line printed
+(`timestamps` and `sinceTime`, as stern does), and the lines already printed are skipped.
 """
 
 from __future__ import annotations
 
+import datetime
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from kubetrain.errors import KubetrainError
-from kubetrain.k8s.cluster.api import Cluster, ClusterError
+from kubetrain.k8s.cluster.api import Cluster, ClusterError, NotFound, StreamBroken
 from kubetrain.k8s.cluster.status import Rank, job_ranks, main_container, waiting_reason
 from kubetrain.k8s.cluster.waiting import expected_ranks, why_waiting, workload_object
 from kubetrain.k8s.workloads import BY_KIND, finished
@@ -59,6 +64,10 @@ class _RankReader:
         self.rank, self.lines, self.follow, self.tail, self.poll = rank, lines, follow, tail, poll
         self.prefix = f"[rank {'?' if number is None else number}] "
         self.last_created = ""  # when this rank's last pod was made: older events about it are stale
+        self.printed: tuple[int, int] | None = None  # the stamp of the container's last line printed (follow)
+        self.printed_then: set[str] = set()  # the lines printed with that stamp
+        self.broken = ""  # why the last followed stream broke off (said once)
+        self.reopening = False  # the stream of this container was open before
 
     def run(self) -> None:
         try:
@@ -113,17 +122,50 @@ class _RankReader:
             self.rank = self._refresh()
             if self.rank is None:  # deleted before it started: wait for its replacement
                 return True
+        since = None if self.printed is None else _rfc3339(self.printed[0])
         try:
             for line in self.cluster.log_lines(self.rank.name, self.namespace, main_container(self.rank.pod),
-                                               follow=self.follow, tail=self.tail):
-                self.lines.put(self.prefix + line)
-        except ClusterError as e:
-            if "is waiting to start" not in str(e) or not self.follow:  # the kubelet's view lags the pod's
+                                               follow=self.follow, tail=self.tail if since is None else None,
+                                               timestamps=self.follow, since_time=since):
+                text = self._unseen(line) if self.follow else line
+                if text is not None:
+                    self.lines.put(self.prefix + text)
+        except NotFound:
+            if not self.follow:
                 raise
-            time.sleep(self.poll)
-            self.rank = self._refresh()
-            return True
+        except ClusterError as e:
+            if not self.follow:
+                raise
+            if "is waiting to start" in str(e):  # the kubelet's view lags the pod's
+                time.sleep(self.poll)
+                self.rank = self._refresh()
+                return True
+            if not isinstance(e, StreamBroken) and not self.reopening:
+                raise
+            if str(e) != self.broken:  # broken off, or cannot be opened again (its node is unreachable)
+                self.lines.put(f"{self.prefix}({e}; opening it again)")
+                self.broken = str(e)
+        self.reopening = self.follow
         return self.follow and self._next_pod()
+
+    def _unseen(self, line: str) -> str | None:
+        """A followed line without its stamp, or None when it was printed already (before the stream was opened
+        again: `sinceTime` has whole seconds, the stamps nanoseconds)."""
+        stamp, _, text = line.partition(" ")
+        at = _log_time(stamp)
+        if at is None:  # not stamped: print it as it is
+            return line
+        if self.printed is not None and (at < self.printed or (at == self.printed and text in self.printed_then)):
+            return None
+        if at != self.printed:
+            self.printed, self.printed_then = at, set()
+        self.printed_then.add(text)
+        return text
+
+    def _new_instance(self, rank: Rank | None) -> None:
+        """Follow another container (a replacement pod, a restart): its log starts afresh."""
+        self.rank, self.tail, self.printed, self.printed_then, self.broken = rank, None, None, set(), ""
+        self.reopening = False
 
     def _next_pod(self) -> bool:
         """After a followed stream ended: a replacement pod, a restarted container, or the end of the job.
@@ -141,22 +183,51 @@ class _RankReader:
                 self.lines.put(f"{self.prefix}(pod {before.name} is gone while the job is active: "
                                "it is being replaced)")
                 self.last_created = str(before.pod["metadata"].get("creationTimestamp") or "")
-                self.rank, self.tail = None, None
+                self._new_instance(None)
                 return True
             if now.name != before.name:
                 self.lines.put(f"{self.prefix}(pod {before.name} was replaced by {now.name}; following it)")
-                self.rank, self.tail = now, None
+                self._new_instance(now)
                 return True
             if _restarts(now.pod) > _restarts(before.pod):  # restarted in place: its new log starts empty
-                self.rank, self.tail = now, None
+                self._new_instance(now)
                 return True
             if self._workload_over():
                 return False
             time.sleep(self.poll)
+            if _running(now.pod):  # the stream ended, the container may not have: open it again from here
+                self.rank = now
+                return True
 
     def _workload_over(self) -> bool:
         obj = self._workload()
         return obj is None or finished(obj) is not None
+
+
+def _running(pod: dict[str, Any]) -> bool:
+    """The pod's status says its main container runs (which lags the container's end by a few seconds)."""
+    name = main_container(pod)
+    return any(c.get("name") == name and "running" in (c.get("state") or {})
+               for c in (pod.get("status") or {}).get("containerStatuses") or [])
+
+
+_STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)")
+
+
+def _log_time(stamp: str) -> tuple[int, int] | None:
+    """(seconds since the epoch, nanoseconds) of the kubelet's RFC 3339 stamp (Go's RFC3339Nano: trailing zeros
+    of the fraction dropped, the node's offset kept); None for anything else."""
+    match = _STAMP.fullmatch(stamp)
+    if match is None:
+        return None
+    whole, fraction, offset = match.groups()
+    when = datetime.datetime.fromisoformat(whole + ("+00:00" if offset == "Z" else offset))
+    return int(when.timestamp()), int((fraction or "").ljust(9, "0"))
+
+
+def _rfc3339(seconds: int) -> str:
+    """`sinceTime`: an RFC 3339 time in whole seconds (metav1.Time), the second of a line's stamp."""
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _restarts(pod: dict[str, Any]) -> int:
