@@ -77,6 +77,17 @@ class Follower:
         return self.lines
 
 
+def following_one_rank(tmp_path: Path, apiserver: Any, cli: Cli, log: str) -> tuple[str, Follower]:
+    """A one-pod job whose container started writing `log`, followed until its last line was printed."""
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, 1)
+    pod = apiserver.pod("tiny", 0)
+    apiserver.start(pod, log)
+    follower = Follower(kubeconfig)
+    follower.saw(f"[rank 0] {log.splitlines()[-1]}")
+    return pod, follower
+
+
 def test_follow_right_after_launch_waits_for_each_rank(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
     kubeconfig = apiserver.kubeconfig(tmp_path)
     launch(cli, kubeconfig, 2)
@@ -97,12 +108,7 @@ def test_follow_right_after_launch_waits_for_each_rank(tmp_path: Path, apiserver
 
 
 def test_follow_goes_on_in_the_pod_that_replaces_a_failed_one(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
-    kubeconfig = apiserver.kubeconfig(tmp_path)
-    launch(cli, kubeconfig, 1)
-    first = apiserver.pod("tiny", 0)
-    apiserver.start(first, "step 1/10\n")
-    follower = Follower(kubeconfig)
-    follower.saw("[rank 0] step 1/10")
+    first, follower = following_one_rank(tmp_path, apiserver, cli, "step 1/10\n")
     apiserver.exit(first, 1, "RuntimeError: lost a peer\n")
     second = apiserver.pod("tiny", 0)
     follower.saw(f"[rank 0] (pod {first} was replaced by {second}; following it)")
@@ -212,12 +218,7 @@ def test_follow_opens_a_stream_that_broke_off_again_and_prints_each_line_once(
         tmp_path: Path, apiserver: Any, cli: Cli, how: str) -> None:
     """A stream can end while its container runs on (an API server restart, a proxy's timeout, a reset): `logs -f`
     went quiet for good. Now it opens the stream again from the second of its last line and skips what it printed."""
-    kubeconfig = apiserver.kubeconfig(tmp_path)
-    launch(cli, kubeconfig, 1)
-    pod = apiserver.pod("tiny", 0)
-    apiserver.start(pod, "step 1/9\nstep 2/9\n")
-    follower = Follower(kubeconfig)
-    follower.saw("[rank 0] step 2/9")
+    pod, follower = following_one_rank(tmp_path, apiserver, cli, "step 1/9\nstep 2/9\n")
     opened = sum(r["path"].endswith("/log") for r in apiserver.requests)
     apiserver.break_stream(pod, how, "step 3/9\n")  # written as the stream broke: it never got it
     follower.saw("[rank 0] step 3/9")
