@@ -1,7 +1,7 @@
 """Training throughput of our GPT against Hugging Face GPT-2 of the same shape, and this CPU's matmul limit.
 
 One optimizer step = forward + loss + backward + grad clip + AdamW: the training loop's inner step, with
-its loss (kubetrain.train.evaluate.lm_loss) and optimizer (kubetrain.train.optim.build_optimizer) for both
+its loss (kubetrain.train.loss.lm_loss) and optimizer (kubetrain.train.optim.build_optimizer) for both
 models. Both run interleaved in one process, several rounds in alternating order; the median of the
 rounds is compared. A large fp32 matmul, timed in the same rounds, is the CPU's practical peak, and both
 models' MFU is reported against it (FLOPs per token: 6 x matmul weights + causal attention, same formula).
@@ -33,7 +33,7 @@ from torch import nn
 
 from kubetrain.config.schema import TrainConfig
 from kubetrain.models.gpt import GPT, GPTConfig
-from kubetrain.train.evaluate import lm_loss
+from kubetrain.train.loss import lm_loss
 from kubetrain.train.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]

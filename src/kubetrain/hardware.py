@@ -2,11 +2,13 @@
 
 Every answer comes from asking torch on this machine (a tiny forward and backward for each attention kernel),
 never from a table, so `kubetrain doctor` reports what a run here would really get. The one choice made from
-those answers, the precision, is a pure function (`choose_precision`) that the loop and the doctor share.
+those answers, the precision and whether to compile, are pure functions (`choose_precision`, `choose_compile`)
+that the loop, the memory estimate and the doctor share.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import warnings
 from dataclasses import asdict, dataclass
@@ -187,3 +189,57 @@ def versions() -> dict[str, str | None]:
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "rocm": torch.version.hip,
             "cudnn": str(cudnn) if cudnn else None, "nccl": nccl}
+
+
+# Inductor's GPU kernels are Triton's, and Triton needs compute capability 7.0 or newer (torch/_inductor and
+# torch/_dynamo refuse older devices with "Triton only supports devices of CUDA Capability >= 7.0").
+TRITON_MIN_CAPABILITY = (7, 0)
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    """Whether this run compiles, and why (the start-up line says both)."""
+
+    enabled: bool
+    why: str
+
+    def line(self) -> str:
+        return f"compile: {'on' if self.enabled else 'off'} ({self.why})"
+
+
+def choose_compile(requested: bool | str, device_type: str, capability: tuple[int, int] | None = None,
+                   triton: str | None = "assumed") -> CompileChoice:
+    """`train.compile` for a run on `device_type`: true and false as asked; auto on a CUDA (or ROCm) GPU of
+    compute capability 7.0+ (V100, T4, A10, A100, L4, L40S, RTX 20xx-50xx, H100, H200, B200, MI200/MI300) with
+    Triton installed, and off on the CPU and MPS. Without a GPU at hand (`k8s render` for GPU pods) capability None
+    and triton "assumed": the image's CUDA torch brings Triton.
+
+    Measured on an H200 (gpt2-124m, bf16, micro-batch 16): compiled 394.6k tokens/s, eager 284.7k, so a GPU
+    compiles by default. On the CPU Inductor builds C++ kernels for minutes (2m43s cold for a 2-layer GPT on a
+    2-core VM) and gains little; MPS's Inductor backend is young.
+    """
+    if requested is True or requested is False:
+        return CompileChoice(requested, f"train.compile: {str(requested).lower()}")
+    if device_type == "cuda":
+        if triton is None:
+            return CompileChoice(False, "auto: no Triton here, and Inductor's GPU kernels are Triton's; "
+                                        "install triton to compile")
+        if capability is not None and capability < TRITON_MIN_CAPABILITY:
+            return CompileChoice(False, f"auto: compute capability {capability[0]}.{capability[1]}, Triton "
+                                        "needs 7.0 or newer")
+        where = f"sm{capability[0]}{capability[1]}" if capability else "a GPU"
+        return CompileChoice(True, f"auto: CUDA {where} with Triton {triton}; train.compile: false turns it off")
+    if device_type == "mps":
+        return CompileChoice(False, "auto: off on MPS, whose Inductor backend is experimental")
+    return CompileChoice(False, "auto: off on the CPU, where Inductor builds C++ kernels for minutes and gains "
+                                "little; train.compile: true compiles anyway")
+
+
+def triton_version() -> str | None:
+    """The installed Triton's version (ROCm's wheel is pytorch-triton-rocm), or None."""
+    for dist in ("triton", "pytorch-triton-rocm", "pytorch-triton"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None

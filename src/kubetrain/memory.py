@@ -25,6 +25,17 @@ from kubetrain.config.schema import Config
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FUSED_ATTENTION = ("flash", "memory-efficient", "cudnn")
 
+# Bytes autograd keeps per token in one block of our GPT (RMSNorm, q/k/v/o, rotary SDPA, SwiGLU): a·width +
+# b·mlp_hidden, by (compiled, bytes of the compute dtype). Counted tensor by tensor with saved_tensors_hooks under
+# autocast (tests/test_memory.py measures them again): eager bf16 keeps each norm's fp32 output (4h each),
+# autocast's three bf16 casts of the attention input and two of the MLP's (one per projection: 10h), rotated
+# q and k, v and the attention output (8h), and gate, up, silu and their product (8f). Compiled, Inductor's
+# min-cut partitioner recomputes the casts and pointwise ops instead (20h + 6f). fp32 keeps no casts.
+# Under torch 2.8 on CUDA nn.RMSNorm is not fused and keeps 4h more per norm (torch 2.9 added the fused kernel).
+BLOCK_ACTIVATIONS: dict[tuple[bool, int], tuple[int, int]] = {
+    (False, 2): (26, 8), (True, 2): (20, 6), (False, 4): (32, 16), (True, 4): (32, 12),
+}
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -103,12 +114,16 @@ class Estimate:
 
 
 def estimate(cfg: Config, shape: dict[str, Any], layout: Layout, device: str, *, precision: str,
-             attention: str | None) -> Estimate:
-    """The estimate of `cfg` (its `model_shape`) laid out as `layout`, training on `device` (a device type)."""
+             attention: str | None, compiled: bool | None = None) -> Estimate:
+    """The estimate of `cfg` (its `model_shape`) laid out as `layout`, training on `device` (a device type);
+    `compiled` None: as `train.compile` decides on that device type (`hardware.choose_compile`)."""
     from kubetrain.models import builds_on_meta
 
-    return Estimate(layout, device, estimate_memory(cfg, shape, layout, precision=precision, attention=attention),
-                    shape["params"], shape["params"] * shape["weight_bytes"], builds_on_meta(cfg.model))
+    if compiled is None:
+        compiled = hardware.choose_compile(cfg.train.compile, device).enabled
+    parts = estimate_memory(cfg, shape, layout, precision=precision, attention=attention, compiled=compiled)
+    return Estimate(layout, device, parts, shape["params"], shape["params"] * shape["weight_bytes"],
+                    builds_on_meta(cfg.model))
 
 
 def estimate_on(cfg: Config, layout: Layout, device: torch.device) -> Estimate | str:
@@ -119,7 +134,10 @@ def estimate_on(cfg: Config, layout: Layout, device: torch.device) -> Estimate |
         return str(shape["error"])
     precision = hardware.choose_precision(cfg.train.precision, hardware.accelerator(device)).name
     attention = first_usable(hardware.sdpa_backends(device, DTYPES[precision], shape["head_dim"], shape["n_head"]))
-    return estimate(cfg, shape, layout, device.type, precision=precision, attention=attention)
+    from kubetrain.train.compile import compile_choice
+
+    compiled = compile_choice(cfg.train.compile, device).enabled
+    return estimate(cfg, shape, layout, device.type, precision=precision, attention=attention, compiled=compiled)
 
 
 def first_usable(backends: dict[str, str]) -> str | None:
@@ -128,45 +146,72 @@ def first_usable(backends: dict[str, str]) -> str | None:
 
 
 def estimate_memory(cfg: Config, shape: dict[str, Any], layout: Layout, *, precision: str,
-                    attention: str | None) -> dict[str, int]:
+                    attention: str | None, compiled: bool = False) -> dict[str, int]:
     """Peak training memory of one process in bytes, by part: a pure function of the config, the model's shape
-    (`model_shape`), the processes' layout, the precision and the attention kernel.
+    (`model_shape`), the processes' layout, the precision, the attention kernel and whether the step is compiled.
 
-    Weights, gradients (fp32) and AdamW's two moments are whole in every process under DDP, which also keeps its
-    gradient buckets (a second copy of the gradients); sharded (FSDP, HSDP) they are divided by `layout.shards`,
-    plus the weights gathered at a time (the root's embedding and head, two blocks: the running one and the
-    prefetched one, in the compute dtype, and one block's unsharded gradient). Activations follow Korthikanti
-    et al. 2022 (34·s·b·h bytes per layer in 16 bit, plus 5·a·s²·b without a fused attention kernel); with
-    gradient checkpointing only each block's input is kept, and one block is recomputed at a time. Logits are
-    counted in fp32 with their gradient.
+    The peak is at the start of the backward pass, in the head's backward: every activation is still kept, with
+    the logits and their gradient. Weights and AdamW's two moments are whole in every process under DDP, which
+    also keeps its gradient buckets; sharded (FSDP, HSDP) they are divided by `layout.shards`, plus the weights
+    gathered at a time (the root's embedding and head, two blocks: the running one and the prefetched one, in the
+    compute dtype, and one block's unsharded gradient). Gradients at the peak: the head's (the embedding's when
+    tied), fp32; the others appear as activations are freed, and are whole at the optimizer step (or during a
+    gradient accumulation), which is the peak when activations are small. Autocast keeps a half copy of each weight
+    it casts.
+    Activations: our GPT's blocks as counted in BLOCK_ACTIVATIONS, a Hugging Face model's after Korthikanti et al.
+    2022 (34·s·b·h bytes per layer in 16 bit); plus 5·a·s²·b without a fused attention kernel; with gradient
+    checkpointing only each block's fp32 input is kept, and one block is recomputed at a time. The loss keeps the
+    logits in the compute dtype and makes their gradient (compiled, Inductor writes it over the logits) and, eager,
+    one fp32 chunk at a time (train/loss.py).
     """
+    from kubetrain.train.loss import chunk_tokens
+
     b, s, layers, h, vocab = (cfg.train.micro_batch_size, cfg.model.block_size, shape["n_layer"],
                               shape["hidden"], shape["vocab"])
+    tokens = b * s
     params, weight_bytes = shape["params"], shape["weight_bytes"]
     trainable = 0 if cfg.model.lora is not None else params  # LoRA: the adapters are a rounding error
     act = 2 if precision in ("bf16", "fp16") else 4
-    per_layer = 34 * s * b * h * act // 2
+    tied = shape.get("tied", True)
+    head = vocab * h
+    if "mlp_hidden" in shape:  # our GPT: counted tensor by tensor
+        per_h, per_f = BLOCK_ACTIVATIONS[(compiled, act)]
+        per_layer = tokens * (per_h * h + per_f * shape["mlp_hidden"] + 4 * shape["n_head"] + 8)
+    else:
+        per_layer = 34 * tokens * h * act // 2
     if attention not in FUSED_ATTENTION:
-        per_layer += 5 * shape["n_head"] * s * s * b * act // 2
+        per_layer += 5 * shape["n_head"] * s * tokens * act // 2
     checkpointed = cfg.model.gradient_checkpointing
-    activations = (layers * s * b * h * act + per_layer) if checkpointed else layers * per_layer
-    parts = {"weights": params * weight_bytes, "gradients": trainable * 4, "optimizer": trainable * 8}
+    activations = (layers * tokens * h * 4 + per_layer) if checkpointed else layers * per_layer
+    activations += tokens * h * (4 + act)  # the final norm's output and the head's input
+    half_weights = params * 2 if act == 2 and weight_bytes == 4 and not layout.sharded else 0
+    loss = tokens * vocab * act * (1 if compiled else 2)
+    if not compiled:
+        loss += min(tokens, chunk_tokens(vocab)) * vocab * 4
+    # Gradients: whole from the second micro-batch of an accumulation on, else the head's at the activations'
+    # peak, and whole at the optimizer step, once activations, logits and autocast's copies are gone.
+    gradients = trainable * 4
+    if cfg.train.grad_accum_steps == 1:
+        gradients = max(head * 4 if trainable else 0, gradients - (activations + loss + half_weights))
+    parts = {"weights": params * weight_bytes, "gradients": gradients, "optimizer": trainable * 8}
     if layout.sharded:
-        root = vocab * h * (1 if shape.get("tied", True) else 2)
-        block = max(0, params - root) // max(1, layers)
+        block = max(0, params - head * (1 if tied else 2)) // max(1, layers)
         compute = 2 if precision == "bf16" else weight_bytes
         parts = {k: -(-v // layout.shards) for k, v in parts.items()}
-        parts["gathered"] = (root + 2 * block) * compute + (block * 4 if trainable else 0)
-    elif layout.world_size > 1:
-        parts["ddp_buckets"] = trainable * 4
-    parts |= {"activations": activations, "logits": b * s * vocab * (act + 8)}
+        parts["gathered"] = (head * (1 if tied else 2) + 2 * block) * compute + (block * 4 if trainable else 0)
+    else:
+        if half_weights:
+            parts["half_weights"] = half_weights  # autocast's copies, kept for the backward
+        if layout.world_size > 1:
+            parts["ddp_buckets"] = trainable * 4
+    parts |= {"activations": activations, "loss": loss}
     return parts
 
 
 def what_to_change(parts: dict[str, int], layout: Layout | None = None) -> str:
     """The settings that shrink the largest part of the estimate."""
     largest = max(parts, key=lambda name: parts[name])
-    if largest in ("activations", "logits"):
+    if largest in ("activations", "loss"):
         return ("lower train.micro_batch_size (raise train.grad_accum_steps to keep the batch) or "
                 "model.block_size, or set model.gradient_checkpointing=true")
     if layout is not None and layout.sharded:
@@ -189,7 +234,8 @@ def model_shape(cfg: Config) -> dict[str, Any]:
     with torch.device("meta"):
         params = sum(p.numel() for p in GPT(gc).parameters())
     return {"params": params, "n_layer": gc.n_layer, "hidden": gc.n_embd, "n_head": gc.n_head,
-            "head_dim": gc.head_dim, "vocab": gc.vocab_size, "weight_bytes": 4, "tied": gc.tie_embeddings}
+            "head_dim": gc.head_dim, "vocab": gc.vocab_size, "weight_bytes": 4, "tied": gc.tie_embeddings,
+            "mlp_hidden": gc.hidden}
 
 
 def _tokenizer_vocab(cfg: Config) -> int | None:

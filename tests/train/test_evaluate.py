@@ -12,40 +12,25 @@ import pytest
 import torch
 import torch.distributed as td
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 from kubetrain.config.loading import validate
 from kubetrain.config.schema import ModelConfig
-from kubetrain.data.loader import IGNORE_INDEX, TokenWindows
+from kubetrain.data.loader import TokenWindows
 from kubetrain.data.shards import Prepared
 from kubetrain.distributed.env import ProcessEnv
 from kubetrain.distributed.parallelize import parallelize
 from kubetrain.distributed.setup import teardown
 from kubetrain.models import build_model
-from kubetrain.train.evaluate import eval_batches, evaluate, lm_loss, perplexity
+from kubetrain.train.evaluate import eval_batches, evaluate, perplexity
+from kubetrain.train.loss import lm_loss
 
 BLOCK, VOCAB = 8, 64
 # (validation windows, micro-batch, eval batches): uneven splits, a short last batch, more ranks than windows
 CASES = [(7, 2, 8), (7, 3, 2), (2, 2, 8), (1, 4, 1)]
 
 
-def test_loss_is_the_mean_over_counted_positions() -> None:
-    torch.manual_seed(0)
-    logits = torch.randn(2, 5, 11)
-    labels = torch.randint(0, 11, (2, 5))
-    labels[0, :3] = IGNORE_INDEX
-    expected = F.cross_entropy(logits.view(-1, 11), labels.view(-1), ignore_index=IGNORE_INDEX)
-    assert torch.allclose(lm_loss(logits, labels), expected)
-
-
-def test_batch_without_counted_positions_gives_zero_not_nan() -> None:
-    logits = torch.randn(1, 4, 7, requires_grad=True)
-    labels = torch.full((1, 4), IGNORE_INDEX)
-    loss = lm_loss(logits, labels)
-    loss.backward()
-    assert logits.grad is not None
-    assert loss.item() == 0.0 and torch.isfinite(logits.grad).all()
-    assert perplexity(1000.0) > 0
+def test_perplexity_of_a_huge_loss_is_finite() -> None:
+    assert 0 < perplexity(1000.0) < float("inf")
 
 
 @pytest.mark.parametrize("n_windows, batch, n_batches", CASES)

@@ -29,27 +29,26 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def parallelize(model: nn.Module, cfg: Config, world: ProcessEnv, device: torch.device, precision: str
-                ) -> nn.Module:
+def parallelize(model: nn.Module, cfg: Config, world: ProcessEnv, device: torch.device, precision: str,
+                compiled: bool = False) -> nn.Module:
     """The model as this world trains it, in a fixed order: activation checkpointing (our GPT; a Hugging Face
-    model checkpoints itself), compile, then data parallelism.
+    model checkpoints itself), compile (`compiled`), then data parallelism.
 
     FSDP/HSDP (torchtitan's order): each block compiled, then fully_shard per block and at the root; the model
-    may still be on the meta device (materialise it after). DDP: wrapped, then compiled whole, so Dynamo splits
-    the graph at DDP's buckets. One process: compiled whole.
+    may still be on the meta device (materialise it after). DDP and one process: nothing is compiled here; the
+    training step compiles the model and its loss as one graph (train/loss.py `loss_step`; under DDP Dynamo splits
+    it at DDP's buckets).
     """
     if cfg.model.gradient_checkpointing and cfg.model.kind == "gpt":
         checkpoint_blocks(model)
     if world.distributed and cfg.dist.shards_weights:
-        if cfg.train.compile:
+        if compiled:
             compile_blocks(model)
         return shard(model, device_mesh(cfg.dist, world, device), precision_plan(precision, sharded=True))
     if world.distributed:
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if cfg.train.compile:
-        model = torch.compile(model)  # type: ignore[assignment]
     return model
 
 

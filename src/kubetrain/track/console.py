@@ -149,6 +149,10 @@ class Throughput:
         self.t0 = time.perf_counter()
         self.tokens0 = 0
 
+    def restart(self, tokens: int) -> None:
+        """Start the window afresh now, at `tokens` (after a first step that compiled and warmed up)."""
+        self.t0, self.tokens0 = time.perf_counter(), tokens
+
     def window(self, tokens: int) -> tuple[float, float]:
         now = time.perf_counter()
         dt = max(now - self.t0, 1e-9)

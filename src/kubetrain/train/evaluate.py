@@ -14,21 +14,10 @@ from typing import Any
 
 import torch
 import torch.distributed as td
-import torch.nn.functional as F
 from torch import nn
 
 from kubetrain.data.loader import IGNORE_INDEX, Batch, TokenWindows
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the positions that count (labels != IGNORE_INDEX).
-
-    A batch with no such position (a chat window holding only prompt) gives 0, not NaN.
-    """
-    total = F.cross_entropy(
-        logits.float().view(-1, logits.size(-1)), labels.view(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    return total / (labels != IGNORE_INDEX).sum().clamp(min=1)
+from kubetrain.train.loss import LossStep, loss_step
 
 
 def eval_batches(n_windows: int, batch_size: int, n_batches: int, rank: int = 0, world: int = 1
@@ -63,8 +52,13 @@ def evaluate(
     autocast: Callable[[], AbstractContextManager[None]],
     rank: int = 0,
     world: int = 1,
+    loss_of: LossStep | None = None,
 ) -> float:
-    """Token-weighted mean validation loss over the same windows every time (collective when distributed)."""
+    """Token-weighted mean validation loss over the same windows every time (collective when distributed).
+
+    `loss_of` (input_ids, labels) -> summed loss: the training step's (compiled with it); default the eager model's.
+    """
+    loss_of = loss_of or loss_step(model, compiled=False)
     was_training = model.training
     model.eval()
     # float64 sums: the total over ranks is the same as one process's to ~1e-12, whatever the order (MPS has none)
@@ -72,9 +66,7 @@ def evaluate(
     for batch in _batches(windows, eval_batches(windows.n_windows, batch_size, n_batches, rank, world)):
         batch = batch.to(device)
         with autocast():
-            logits = model(batch.input_ids)
-        loss_sum = F.cross_entropy(logits.float().view(-1, logits.size(-1)), batch.labels.view(-1),
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
+            loss_sum = loss_of(batch.input_ids, batch.labels)
         acc[0] += loss_sum.to(acc.dtype)
         acc[1] += (batch.labels != IGNORE_INDEX).sum()
     model.train(was_training)

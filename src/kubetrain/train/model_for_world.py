@@ -14,8 +14,8 @@ from kubetrain.models.lora import apply_lora
 from kubetrain.train.device import hf_weight_dtype
 
 
-def build_model_for_world(cfg: Config, vocab_size: int, device: torch.device, precision: str, world: ProcessEnv
-                          ) -> nn.Module:
+def build_model_for_world(cfg: Config, vocab_size: int, device: torch.device, precision: str, world: ProcessEnv,
+                          compiled: bool = False) -> nn.Module:
     """The model for this world, parallelized. Under FSDP/HSDP (torchtitan's order): built with meta parameters,
     LoRA added, parallelized (activation checkpointing, compile, fully_shard per block), then each process
     materialises and fills only its shards: drawn by `ShardInit` from the run's seed (the same weights at every
@@ -29,12 +29,12 @@ def build_model_for_world(cfg: Config, vocab_size: int, device: torch.device, pr
     if sharded and builds_on_meta(cfg.model):
         with parallelize.params_on_meta():
             model = with_lora(build_model(model_cfg, vocab_size, load_weights=False), cfg)
-        model = parallelize.parallelize(model, cfg, world, device, precision)
+        model = parallelize.parallelize(model, cfg, world, device, precision, compiled)
         parallelize.materialise(model, device)
         fill_weights(model, model_cfg, parallelize.ShardInit(cfg.run.seed))
         return model
     model = with_lora(build_model(model_cfg, vocab_size, device=device).to(device), cfg)
-    return parallelize.parallelize(model, cfg, world, device, precision)
+    return parallelize.parallelize(model, cfg, world, device, precision, compiled)
 
 
 def with_lora(model: nn.Module, cfg: Config) -> nn.Module:

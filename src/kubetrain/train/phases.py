@@ -75,7 +75,7 @@ def _train_phases(
         init = None
         if previous is not None and not checkpoint.complete_checkpoints(path / runs.CHECKPOINTS):
             init = _phase_weights(previous, ph.init_from)
-        if sub.train.compile:
+        if sub.train.compile is not False:
             reset_compiled()  # the previous phase's graphs and guards would otherwise stay for the whole run
         result = train(sub, argv=argv, resume=resume, dry_run=dry_run, log=log, run_path=path,
                        init_weights=init, init_optimizer=not ph.reset_optimizer, phase=ph.name)

@@ -28,6 +28,7 @@ from kubetrain.track.build import build_sinks
 from kubetrain.track.console import Throughput, console_log, count
 from kubetrain.track.jsonl import truncate_after
 from kubetrain.train.checkpointing import Checkpointer, tokenizer_fingerprint
+from kubetrain.train.compile import compile_choice
 from kubetrain.train.device import (
     MemoryPeak,
     apply_torch_settings,
@@ -39,8 +40,9 @@ from kubetrain.train.device import (
     peak_flops,
     select_device,
 )
-from kubetrain.train.evaluate import evaluate, lm_loss, perplexity, sample_text
+from kubetrain.train.evaluate import evaluate, perplexity, sample_text
 from kubetrain.train.heartbeat import Heartbeat
+from kubetrain.train.loss import counted_tokens, lm_loss, loss_step
 from kubetrain.train.memory_check import check_memory
 from kubetrain.train.model_for_world import build_model_for_world
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
@@ -135,6 +137,7 @@ class Trainer:
                     self.train_step()
                     if state.step == self.start_step + 1:  # start-up is behind us: the short timeout from now on
                         dist.use_step_timeout(cfg.dist, self.device)
+                        self.first_step_done()
                     self.checkpointer.collect_saves()  # a background save that finished: its record, or its error
                     final = state.step >= self.max_steps
                     if state.step % cfg.train.log_every_steps == 0 or final:
@@ -177,6 +180,16 @@ class Trainer:
             self.finish(status)
         return self.result(status, sample)
 
+    def first_step_done(self) -> None:
+        """The first step compiled and warmed up: its time counts in the run's, not in tokens/s nor the ETA's rate.
+
+        The first logging window's clock starts after it (unless that step is the whole window)."""
+        self.first_step_seconds = time.perf_counter() - self.t_start
+        if self.state.step % self.cfg.train.log_every_steps and self.state.step < self.max_steps:
+            self.meter.restart(self.state.tokens)
+        if self.compile.enabled:
+            self.say(f"first step (compiling) took {self.first_step_seconds:.1f} s")
+
     @contextlib.contextmanager
     def out_of_memory_is_one_line(self, where: str) -> Iterator[None]:
         """Out of memory before the loop (loading, wrapping) is one line naming what to change, exit 1."""
@@ -207,8 +220,12 @@ class Trainer:
         if choice.warning:
             self.say(f"warning: {choice.warning}")
         self.precision = choice.name
-        self.model = build_model_for_world(cfg, self.tokenizer.vocab_size, self.device, self.precision, penv)
+        self.compile = compile_choice(cfg.train.compile, self.device)
+        self.model = build_model_for_world(cfg, self.tokenizer.vocab_size, self.device, self.precision, penv,
+                                           compiled=self.compile.enabled)
         self.base = unwrap(self.model)
+        # (input_ids, labels) -> summed loss: the model and its loss in one compiled graph when compiling
+        self.loss_of = loss_step(self.model, self.compile.enabled, blocks_compiled=self.sharded)
         n_params = sum(p.numel() for p in self.model.parameters())
         n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.n_params = n_params
@@ -225,6 +242,7 @@ class Trainer:
             f"model: {count(n_params)} parameters ({count(n_trainable)} trainable) | "
             f"device {self.device.type} x{penv.world_size} | precision {self.precision}"
         )
+        self.say(self.compile.line())
         self.say(
             f"tokens per step: {self.tokens_per_step:,} ({t.micro_batch_size} seq x {cfg.model.block_size} tok x "
             f"{t.grad_accum_steps} accum x {penv.world_size} ranks) | steps {self.max_steps} | "
@@ -270,6 +288,7 @@ class Trainer:
         self.start_run_files()
         self.model.train()
         self.t_start, self.side_seconds = time.perf_counter(), 0.0  # side: evaluation and checkpoints
+        self.first_step_seconds = 0.0
         self.start_step = self.state.step
         self.meter = Throughput()
         self.compute_timer = ComputeTimer(self.device, self.base)  # stragglers: data wait + forward per rank
@@ -321,7 +340,7 @@ class Trainer:
             last = micro == accum - 1
             sync = ddp_sync() if ddp_sync is not None and not last else contextlib.nullcontext()
             with sync, self.amp():
-                loss = lm_loss(model(batch.input_ids), batch.labels) / accum
+                loss = self.loss_of(batch.input_ids, batch.labels) / counted_tokens(batch.labels) / accum
             self.compute_timer.stop()
             scaler.scale(loss).backward()
             self.loss_sum += loss.detach()
@@ -399,6 +418,8 @@ class Trainer:
             return
         done = state.step - self.start_step
         elapsed = time.perf_counter() - self.t_start
+        if done > 1:  # the rate of the steps after the first (compile, warm-up): the time left at that rate
+            elapsed, done = elapsed - self.first_step_seconds, done - 1
         self.sinks.log({
             "kind": "train", "step": state.step, "loss": state.last_train_loss,
             "lr": self.optimizer.param_groups[0]["lr"], "tokens": state.tokens, "tokens_per_second": rate,
@@ -418,7 +439,7 @@ class Trainer:
             return False
         cfg, state = self.cfg, self.state
         val = evaluate(self.model, self.val_windows, cfg.train.micro_batch_size, cfg.eval.batches, self.device,
-                       self.amp, self.penv.rank, self.penv.world_size)
+                       self.amp, self.penv.rank, self.penv.world_size, self.loss_of)
         state.last_val_loss, self.evaluated_step = val, state.step
         improved = state.best_val_loss is None or val < state.best_val_loss
         if improved:
