@@ -139,7 +139,7 @@ def test_unknown_key_with_nothing_close_has_no_suggestion(tmp_path: Path) -> Non
         ("model:\n  n_embd: 100\n  n_head: 3\n", "must be divisible by model.n_head"),
         ("data:\n  sources:\n    - kind: text\n",
          "data.sources.0: a data source of kind 'text' needs a path"),
-        ("train:\n  compile: maybe\n", "train.compile: Input should be a valid boolean"),
+        ("train:\n  compile: maybe\n", "train.compile: Input should be 'auto', True or False"),
         ("eval:\n  sample_prompt: ''\n", "eval.sample_prompt: String should have at least 1 character"),
     ],
 )

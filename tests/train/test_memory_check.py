@@ -13,7 +13,7 @@ import torch
 
 from kubetrain.config import load_config
 from kubetrain.errors import EXIT_BAD_INPUT, UserInputError
-from kubetrain.train.memory_check import check_memory
+from kubetrain.train.memory_check import GIB, check_memory
 from tests.conftest import cli_env
 
 # About 400 GiB to train by doctor's estimate (26B parameters): more than any machine that runs these tests.
@@ -91,3 +91,13 @@ def test_a_476m_gpt_on_4_processes_is_accepted_under_fsdp_and_refused_under_ddp(
     # (exit 2, or 1 when it names a rank it had to stop before that rank's own exit)
     assert fsdp.returncode in (1, EXIT_BAD_INPUT) and "needs about" not in fsdp.stderr, fsdp.stderr[-2000:]
     assert "error: data path not found" in fsdp.stderr
+
+
+def test_a_measured_peak_is_put_beside_the_estimate_and_warns_past_15_percent() -> None:
+    from kubetrain.train.memory_check import peak_against_estimate
+
+    line, off = peak_against_estimate(8 * GIB, int(8.4 * GIB))
+    assert line == "memory: peak 8.00 GiB measured, 8.40 GiB estimated (estimate / measured 1.05)" and not off
+    assert peak_against_estimate(10 * GIB, int(8.4 * GIB))[1]  # under by 16%: a run it said fits may not
+    assert peak_against_estimate(8 * GIB, int(9.3 * GIB))[1]  # over by 16%: it refuses runs that fit
+    assert not peak_against_estimate(10 * GIB, int(8.6 * GIB))[1]

@@ -178,7 +178,7 @@ class TrainConfig(Section):
         "auto", description="auto: bf16 autocast on GPUs with native bf16 (sm80+, ROCm), fp16 with loss scaling "
         "on older GPUs, fp32 on CPU and MPS (`kubetrain doctor` shows the choice)."
     )
-    compile: bool | Literal["auto"] = Field(
+    compile: Literal["auto", True, False] = Field(
         "auto", description="torch.compile the model and its loss as one graph (under FSDP: each block, and the "
         "loss). auto: on for CUDA GPUs of compute capability 7.0+ with Triton, off on the CPU and MPS (the run's "
         "first lines say which and why); false: never."

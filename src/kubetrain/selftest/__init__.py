@@ -15,7 +15,7 @@ from typing import Any
 # reported as failed, so a group that dies mid-way still accounts for each of its items).
 GROUPS: dict[str, tuple[str, ...]] = {
     "correctness": ("correctness.cpu_match", "correctness.bf16", "correctness.fp16", "correctness.resume"),
-    "speed": ("speed.eager", "speed.compiled", "speed.reference"),
+    "speed": ("speed.eager", "speed.compiled", "speed.overhead", "speed.reference"),
     "memory": ("memory.estimate", "memory.oom"),
     "distributed": ("distributed.launcher", "distributed.async_checkpoint", "distributed.ddp", "distributed.fsdp"),
     "hf": ("hf.lora_bf16", "hf.generate", "hf.export_hf", "hf.export_gguf"),

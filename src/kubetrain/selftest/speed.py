@@ -1,4 +1,5 @@
-"""Speed: the gpt2-124m preset in bf16, eager and compiled (tokens/s, MFU against the device's peak), and the
+"""Speed: the gpt2-124m preset in bf16, eager and compiled (tokens/s, MFU against the device's peak, peak memory);
+the trainer against a bare loop around the same model and loss (what the trainer's own overhead costs); and the
 same shape through Hugging Face's GPT-2 (sdpa attention, compiled) in a loop that needs no kubetrain code."""
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kubetrain.config.schema import Config
 from kubetrain.selftest import Outcome, judged, skipped
 from kubetrain.selftest.context import Context, config, train
 
 REFERENCE_RATIO = 0.5  # kubetrain's compiled step must reach at least half the reference's tokens/s
+OVERHEAD_SPEED, OVERHEAD_MEMORY = 0.97, 1.05  # the trainer against a bare loop of the same model and loss
 COMPILE_ON_CPU = ("torch.compile on the CPU builds C++ kernels for minutes (2m43s cold for a 2-layer GPT on a "
                   "2-core VM): the CPU check skips it; a GPU runs it")
 
@@ -36,21 +39,30 @@ def precision(ctx: Context) -> str:
 _results: dict[str, dict[str, Any]] = {}
 
 
+def speed_config(ctx: Context, compiled: bool) -> Config:
+    """The gpt2-124m shape (or quick's tiny one) as the speed checks train it."""
+    s, (n, window) = shape(ctx), steps(ctx)
+    key = "compiled" if compiled else "eager"
+    return config(ctx, f"speed-{key}", "data.tokenizer.kind=byte", f"model.vocab_size={s['vocab_size']}",
+                  f"model.n_layer={s['n_layer']}", f"model.n_head={s['n_head']}", f"model.n_embd={s['n_embd']}",
+                  f"model.block_size={s['block_size']}", f"train.micro_batch_size={s['batch']}",
+                  "train.grad_accum_steps=1", f"train.precision={precision(ctx)}", f"train.compile={compiled}",
+                  f"train.max_steps={n}", f"train.log_every_steps={window}", preset="gpt2-124m", tiny=False)
+
+
 def _kubetrain_speed(ctx: Context, compiled: bool) -> dict[str, Any]:
+    """The trainer's run, once per process whichever check asks first (speed.compiled, .overhead, .reference)."""
     key = "compiled" if compiled else "eager"
     if key not in _results:
-        s, (n, window) = shape(ctx), steps(ctx)
-        cfg = config(ctx, f"speed-{key}", "data.tokenizer.kind=byte", f"model.vocab_size={s['vocab_size']}",
-                     f"model.n_layer={s['n_layer']}", f"model.n_head={s['n_head']}", f"model.n_embd={s['n_embd']}",
-                     f"model.block_size={s['block_size']}", f"train.micro_batch_size={s['batch']}",
-                     "train.grad_accum_steps=1", f"train.precision={precision(ctx)}", f"train.compile={compiled}",
-                     f"train.max_steps={n}", f"train.log_every_steps={window}", preset="gpt2-124m", tiny=False)
-        result, rows = train(cfg)
+        s = shape(ctx)
+        result, rows = train(speed_config(ctx, compiled))
         timed = rows[1:] or rows
         mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
         _results[key] = {"tokens_per_second": statistics.median(r["tokens_per_second"] for r in timed),
                          "mfu": statistics.median(mfu) if mfu else None, "final_loss": result.final_train_loss,
-                         "steps": result.steps, "tokens_per_step": s["batch"] * s["block_size"]}
+                         "steps": result.steps, "tokens_per_step": s["batch"] * s["block_size"],
+                         # each log line's peak since the previous one (the allocator's on CUDA): the run's peak
+                         "peak_gib": max(r["memory_gib"] for r in rows)}
     return _results[key]
 
 
@@ -96,6 +108,81 @@ def reference(ctx: Context) -> Outcome:
     return judged(name, ratio >= REFERENCE_RATIO, why, figures, f"kubetrain / reference tokens/s >= {REFERENCE_RATIO}")
 
 
+def bare_loop_speed(ctx: Context, compiled: bool) -> dict[str, Any]:
+    """Tokens/s and peak memory of the least a training loop of kubetrain's model can do: its model and loss
+    (compiled together as the trainer compiles them), its optimizer, autocast and gradient clipping, one batch
+    already on the device, the loss never read. What the trainer adds to that is its overhead."""
+    import torch
+
+    from kubetrain.models import build_model
+    from kubetrain.train.loss import counted_tokens, loss_step
+    from kubetrain.train.optim import build_optimizer
+
+    cfg, s, (n, window) = speed_config(ctx, compiled), shape(ctx), steps(ctx)
+    device = torch.device(ctx.device)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, s["vocab_size"]).to(device).train()
+    optimizer = build_optimizer(model, cfg.train, device)
+    forward_loss = loss_step(model, compiled)
+    data = torch.randint(0, s["vocab_size"], (s["batch"], s["block_size"] + 1), device=device)
+    x, y = data[:, :-1], data[:, 1:].contiguous()
+    dtype = torch.bfloat16 if precision(ctx) == "bf16" else torch.float32
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = forward_loss(x, y) / counted_tokens(y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    rate = _timed(step, device, n, window, s["batch"] * s["block_size"])
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {"tokens_per_second": rate, "peak_gib": peak, "compiled": compiled}
+
+
+def _timed(step: Callable[[], Any], device: Any, n: int, window: int, tokens_per_step: int) -> float:
+    """The median tokens/s of the windows after a first one (compilation, autotuning, the allocator's first
+    blocks); the device is synchronised at each window's end only. CUDA's peak memory counts from the start."""
+    import torch
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(window):
+        step()
+    sync()
+    rates = []
+    for _ in range(max(1, (n - window) // window)):
+        start = time.perf_counter()
+        for _ in range(window):
+            step()
+        sync()
+        rates.append(window * tokens_per_step / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def overhead(ctx: Context) -> Outcome:
+    name = "speed.overhead"
+    compiled = ctx.device != "cpu"
+    ours, bare = _kubetrain_speed(ctx, compiled), bare_loop_speed(ctx, compiled)
+    speed = ours["tokens_per_second"] / bare["tokens_per_second"]
+    memory = ours["peak_gib"] / bare["peak_gib"] if bare["peak_gib"] else None
+    figures = {"trainer": ours, "bare_loop": bare, "speed_ratio": speed, "memory_ratio": memory}
+    mode = "compiled" if compiled else f"eager ({COMPILE_ON_CPU.split(':')[0]})"
+    why = (f"{_describe(ctx)}, {mode}: `kubetrain train` against a bare loop of the same model, loss, optimizer "
+           "and batch, already on the device")
+    if ctx.quick or memory is None:
+        return judged(name, math.isfinite(speed) and speed > 0, why, figures,
+                      "reported, not judged: quick mode times overheads of tiny shapes, and a CPU has no "
+                      "allocator peak to compare")
+    return judged(name, speed >= OVERHEAD_SPEED and memory <= OVERHEAD_MEMORY, why, figures,
+                  f"trainer / bare loop: tokens/s >= {OVERHEAD_SPEED}, peak memory <= {OVERHEAD_MEMORY}")
+
+
 SDPA: dict[str, Any] = {"attn_implementation": "sdpa"}  # a config keyword of transformers' own, untyped there
 
 
@@ -122,7 +209,9 @@ def hf_gpt2_speed(ctx: Context, compiled: bool) -> dict[str, Any]:
     x, y = data[:, :-1], data[:, 1:]
     dtype = torch.bfloat16 if precision(ctx) == "bf16" else torch.float32
 
-    def step() -> float:
+    losses: list[float] = []
+
+    def step() -> None:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             logits = forward(input_ids=x).logits
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
@@ -130,30 +219,17 @@ def hf_gpt2_speed(ctx: Context, compiled: bool) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        losses.append(float(loss.detach()))
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(window):  # warm-up: compilation, autotuning, the allocator's first blocks
-        step()
-    sync()
-    rates = []
-    for _ in range(max(1, (n - window) // window)):
-        start = time.perf_counter()
-        for _ in range(window):
-            loss = step()
-        sync()
-        rates.append(window * s["batch"] * s["block_size"] / (time.perf_counter() - start))
-    rate = statistics.median(rates)
+    rate = _timed(step, device, n, window, s["batch"] * s["block_size"])
     peak = peak_flops(device, precision(ctx))
-    return {"tokens_per_second": rate, "mfu": rate * flops / peak if peak else None, "final_loss": loss,
+    return {"tokens_per_second": rate, "mfu": rate * flops / peak if peak else None, "final_loss": losses[-1],
             "compiled": compiled, "attention": model.config._attn_implementation}
 
 
 CHECKS: dict[str, Callable[[Context], Outcome]] = {
     "speed.eager": kubetrain_speed(compiled=False),
     "speed.compiled": kubetrain_speed(compiled=True),
+    "speed.overhead": overhead,
     "speed.reference": reference,
 }

@@ -17,8 +17,9 @@ from torch import nn
 
 from kubetrain.data.loader import IGNORE_INDEX
 
-# fp32 elements of one chunk of logits: 2**26 (256 MiB) holds 1,334 tokens of a 50k vocabulary, 523 of 128k
-CHUNK_ELEMENTS = 1 << 26
+# fp32 elements of one chunk of logits: 2**24 (64 MiB) holds 333 tokens of a 50k vocabulary, 130 of 128k; a few
+# dozen chunks per micro-batch cost a few hundred small kernels, nothing beside the model's
+CHUNK_ELEMENTS = 1 << 24
 
 LossStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, labels) -> summed loss
 
@@ -54,8 +55,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         rows = torch.arange(logits.shape[0], device=logits.device)
         for start in range(0, logits.shape[0], ctx.chunk):
             part = slice(start, start + ctx.chunk)
-            # d(lse - x_target)/dx = softmax(x) - onehot(target), for the rows that count
-            probs = (logits[part].float() - lse[part, None]).exp_()
+            # d(lse - x_target)/dx = softmax(x) - onehot(target), for the rows that count (one fp32 chunk, in place)
+            probs = logits[part].float().sub_(lse[part, None]).exp_()
             probs[rows[part] - start, safe[part]] -= 1.0
             probs.mul_((counted[part] * grad_total).unsqueeze(1))
             grad[part] = probs

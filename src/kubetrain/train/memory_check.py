@@ -7,6 +7,8 @@ and the processes on this node.
 
 from __future__ import annotations
 
+import torch
+
 from kubetrain.config.schema import Config
 from kubetrain.errors import UserInputError
 from kubetrain.memory import Estimate, Layout, estimate_on, what_to_change
@@ -61,3 +63,25 @@ def refusal(est: Estimate, need: int, free: int, together: bool) -> str:
     return (f"this run needs about {need / GIB:.1f} GiB ({parts} GiB{each}; {est.params:,} parameters, "
             f"`kubetrain doctor CONFIG` shows the estimate) but {free / GIB:.1f} GiB is free on {est.device}; "
             f"{what_to_change(est.parts, lay)}, or set run.check_memory=false to start anyway")
+
+
+ESTIMATE_TOLERANCE = 0.15  # after the first steps on a GPU, a measured peak further than this from the estimate warns
+
+
+def peak_against_estimate(measured: int, estimated: int, tolerance: float = ESTIMATE_TOLERANCE) -> tuple[str, bool]:
+    """The line that puts a measured peak beside the estimate, and whether they differ by more than `tolerance`
+    (of the measured peak): then the estimate that decides what fits is wrong for this run, and the user should
+    know before trusting `doctor` or `micro_batch_size: auto` with it."""
+    ratio = estimated / measured if measured else float("inf")
+    line = (f"memory: peak {measured / GIB:.2f} GiB measured, {estimated / GIB:.2f} GiB estimated "
+            f"(estimate / measured {ratio:.2f})")
+    return line, abs(estimated - measured) > tolerance * measured
+
+
+def estimate_for_this_process(cfg: Config, device: torch.device) -> int | None:
+    """This worker's estimate (bytes), as check_memory makes it; None when the model's size is not known here."""
+    from kubetrain.distributed.env import process_env
+
+    penv = process_env()
+    est = estimate_on(cfg, Layout.of(cfg, penv.world_size, penv.local_world_size), device)
+    return None if isinstance(est, str) else est.per_process

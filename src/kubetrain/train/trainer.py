@@ -43,7 +43,7 @@ from kubetrain.train.device import (
 from kubetrain.train.evaluate import evaluate, perplexity, sample_text
 from kubetrain.train.heartbeat import Heartbeat
 from kubetrain.train.loss import counted_tokens, lm_loss, loss_step
-from kubetrain.train.memory_check import check_memory
+from kubetrain.train.memory_check import check_memory, estimate_for_this_process, peak_against_estimate
 from kubetrain.train.model_for_world import build_model_for_world
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
 from kubetrain.train.state import (
@@ -138,6 +138,8 @@ class Trainer:
                     if state.step == self.start_step + 1:  # start-up is behind us: the short timeout from now on
                         dist.use_step_timeout(cfg.dist, self.device)
                         self.first_step_done()
+                    if state.step == self.start_step + 2 and self.device.type == "cuda":
+                        self.compare_peak_with_estimate()
                     self.checkpointer.collect_saves()  # a background save that finished: its record, or its error
                     final = state.step >= self.max_steps
                     if state.step % cfg.train.log_every_steps == 0 or final:
@@ -189,6 +191,18 @@ class Trainer:
             self.meter.restart(self.state.tokens)
         if self.compile.enabled:
             self.say(f"first step (compiling) took {self.first_step_seconds:.1f} s")
+
+    def compare_peak_with_estimate(self) -> None:
+        """CUDA, after two steps (the optimizer's state exists from the first step's end): the allocator's peak beside
+        the estimate that decided the run fits, and one warning when they differ by more than 15%."""
+        estimated = estimate_for_this_process(self.cfg, self.device)
+        if estimated is None:
+            return
+        line, off = peak_against_estimate(torch.cuda.max_memory_allocated(self.device), estimated)
+        self.out(line)
+        if off:
+            self.out("warning: the memory estimate is off by more than 15% for this run: `kubetrain doctor` and the "
+                     "memory check may misjudge what fits; please report it with this line")
 
     @contextlib.contextmanager
     def out_of_memory_is_one_line(self, where: str) -> Iterator[None]:
