@@ -263,3 +263,27 @@ def test_logits_equal_hugging_face_llama_with_the_same_weights(tied: bool) -> No
         expected = hf(input_ids=x).logits
         got = ours(x)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_one_cast_of_a_shared_input_gives_autocasts_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kubetrain.models import gpt
+
+    cfg = gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    ids = torch.randint(0, 64, (2, 16))
+
+    def logits_and_grads() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = gpt.GPT(cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids)
+        logits.float().square().mean().backward()
+        return [logits, *(p.grad for p in model.parameters() if p.grad is not None)]
+
+    shared = logits_and_grads()
+    monkeypatch.setattr(gpt, "autocast_input", lambda x: x)  # autocast casts for each projection again
+    each = logits_and_grads()
+    assert torch.equal(shared[0], each[0])  # the forward: bit for bit
+    # the input's gradient from q, k and v is now summed in bf16 (as under FSDP's bf16 policy), not in fp32
+    assert all(torch.allclose(a, b, rtol=2e-2, atol=2e-5) for a, b in zip(shared[1:], each[1:], strict=True))
+    x = torch.randn(2, 3)
+    assert gpt.autocast_input(x) is x  # no autocast: nothing to do
