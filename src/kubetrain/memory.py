@@ -140,7 +140,7 @@ def estimate_memory(cfg: Config, shape: dict[str, Any], layout: Layout, *, preci
     gradient checkpointing only each block's input is kept, and one block is recomputed at a time. Logits are
     counted in fp32 with their gradient.
     """
-    b, s, layers, h, vocab = (cfg.train.micro_batch_size, cfg.model.block_size, shape["n_layer"],
+    b, s, layers, h, vocab = (cfg.train.micro_batch, cfg.model.block_size, shape["n_layer"],
                               shape["hidden"], shape["vocab"])
     params, weight_bytes = shape["params"], shape["weight_bytes"]
     trainable = 0 if cfg.model.lora is not None else params  # LoRA: the adapters are a rounding error

@@ -42,6 +42,7 @@ from kubetrain.train.device import (
 from kubetrain.train.evaluate import evaluate, lm_loss, perplexity, sample_text
 from kubetrain.train.heartbeat import Heartbeat
 from kubetrain.train.memory_check import check_memory
+from kubetrain.train.micro_batch import Choice, confirm_on_model, resolve_here
 from kubetrain.train.model_for_world import build_model_for_world
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
 from kubetrain.train.state import (
@@ -69,6 +70,7 @@ class RunOptions:
     init_weights: Path | None = None  # start from these weights (a phase chained to the previous one)
     init_optimizer: bool = False
     phase: str | None = None
+    micro_batch: Choice | None = None  # micro_batch_size auto: the estimate's choice, confirmed by one step in setup
 
 
 def train(cfg: Config, *, log: Log | None = None, **options: Any) -> TrainResult:
@@ -76,8 +78,9 @@ def train(cfg: Config, *, log: Log | None = None, **options: Any) -> TrainResult
 
     Under a launcher this joins the process group; the caller tears it down (phases share one group).
     """
+    cfg, auto = resolve_here(cfg)  # micro_batch_size auto -> an int, grad_accum_steps from global_batch_size
     check_memory(cfg)  # before the model is built: this process's share (a launcher checked its workers' total)
-    return Trainer(cfg, RunOptions(**options), log=log).run()
+    return Trainer(cfg, RunOptions(**options, micro_batch=auto), log=log).run()
 
 
 class Trainer:
@@ -209,11 +212,17 @@ class Trainer:
         self.precision = choice.name
         self.model = build_model_for_world(cfg, self.tokenizer.vocab_size, self.device, self.precision, penv)
         self.base = unwrap(self.model)
+        if self.opts.micro_batch is not None:  # one training step confirms it, stepping down on out-of-memory
+            cfg, line = confirm_on_model(cfg, self.opts.micro_batch, self.model, self.train_windows, self.device,
+                                         autocast(self.precision, self.device, self.sharded), penv.world_size,
+                                         self.opts.dry_run)
+            self.cfg = cfg
+            self.say(line)
         n_params = sum(p.numel() for p in self.model.parameters())
         n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.n_params = n_params
         t = cfg.train
-        self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * penv.world_size * cfg.model.block_size
+        self.tokens_per_step = t.micro_batch * t.grad_accum_steps * penv.world_size * cfg.model.block_size
         self.max_steps = t.max_steps
         if t.max_tokens:
             self.max_steps = min(self.max_steps, math.ceil(t.max_tokens / self.tokens_per_step))
@@ -226,7 +235,7 @@ class Trainer:
             f"device {self.device.type} x{penv.world_size} | precision {self.precision}"
         )
         self.say(
-            f"tokens per step: {self.tokens_per_step:,} ({t.micro_batch_size} seq x {cfg.model.block_size} tok x "
+            f"tokens per step: {self.tokens_per_step:,} ({t.micro_batch} seq x {cfg.model.block_size} tok x "
             f"{t.grad_accum_steps} accum x {penv.world_size} ranks) | steps {self.max_steps} | "
             f"data {prepared.n_train:,} train / {prepared.n_val:,} val tokens ({self.tokenizer.kind} tokenizer)"
         )
@@ -234,7 +243,7 @@ class Trainer:
     def dry_run(self) -> TrainResult:
         """One forward pass on the first batch; nothing is written."""
         cfg = self.cfg
-        batch = TrainLoader(self.train_windows, cfg.train.micro_batch_size, cfg.run.seed).next_batch().to(self.device)
+        batch = TrainLoader(self.train_windows, cfg.train.micro_batch, cfg.run.seed).next_batch().to(self.device)
         with torch.no_grad(), self.amp():
             first_loss = float(lm_loss(self.model(batch.input_ids), batch.labels))
         self.say(f"dry run: one forward pass, loss {first_loss:.4f} (ln(vocab) = "
@@ -248,7 +257,7 @@ class Trainer:
         cfg, penv = self.cfg, self.penv
         self.path = self.opts.run_path or runs.run_dir(cfg)
         self.ckpt_root = self.path / runs.CHECKPOINTS
-        self.loader = TrainLoader(self.train_windows, cfg.train.micro_batch_size, cfg.run.seed, penv.rank,
+        self.loader = TrainLoader(self.train_windows, cfg.train.micro_batch, cfg.run.seed, penv.rank,
                                   penv.world_size)
         self.shapes = weight_shapes(self.base)
         self.checkpointer = Checkpointer(cfg, self.path, penv, self.device, sharded=self.sharded,
@@ -417,7 +426,7 @@ class Trainer:
         if self.val_windows is None:
             return False
         cfg, state = self.cfg, self.state
-        val = evaluate(self.model, self.val_windows, cfg.train.micro_batch_size, cfg.eval.batches, self.device,
+        val = evaluate(self.model, self.val_windows, cfg.train.micro_batch, cfg.eval.batches, self.device,
                        self.amp, self.penv.rank, self.penv.world_size)
         state.last_val_loss, self.evaluated_step = val, state.step
         improved = state.best_val_loss is None or val < state.best_val_loss
