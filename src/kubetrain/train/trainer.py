@@ -45,6 +45,7 @@ from kubetrain.train.memory_check import check_memory
 from kubetrain.train.micro_batch import Choice, confirm_on_model, resolve_here
 from kubetrain.train.model_for_world import build_model_for_world
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
+from kubetrain.train.profile import StepProfiler
 from kubetrain.train.state import (
     TrainResult,
     TrainState,
@@ -132,10 +133,14 @@ class Trainer:
         status, sample = "failed", None
         stop = GracefulStop(cfg.checkpoint.grace_seconds, self.ckpt_root)
         vote = StopVote.for_world()  # every rank stops at the same step, with no GPU sync per step
+        profiler = StepProfiler.for_rank(cfg.train.profile, self.path, self.penv.rank, self.device, state.step,
+                                         self.out)  # train.profile: a trace of a few steps, rank 0 by default
         try:
             with stop:
                 while state.step < self.max_steps:
                     self.train_step()
+                    if profiler:
+                        profiler.step(state.step)
                     if state.step == self.start_step + 1:  # start-up is behind us: the short timeout from now on
                         dist.use_step_timeout(cfg.dist, self.device)
                     self.checkpointer.collect_saves()  # a background save that finished: its record, or its error
@@ -172,6 +177,8 @@ class Trainer:
             where = f": {e.filename}" if e.filename else ""
             raise TrainingFailed(f"failed while running at step {state.step}: {e.strerror or e}{where}") from e
         finally:
+            if profiler:
+                profiler.close()
             with contextlib.suppress(CheckpointError):  # a failure elsewhere: keep what is being written
                 self.checkpointer.wait_for_saves(stop.time_left())  # (a failed shard is already reported on rank 0)
             self.checkpointer.close()
