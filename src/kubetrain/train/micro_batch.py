@@ -125,12 +125,8 @@ def resolve_batch(cfg: Config, layout: Layout, device: torch.device, budget: int
         micro = choice.micro_batch
     else:
         micro = t.micro_batch_size
-    accum = accum_steps(per_process, micro, t.global_batch_size, layout.world_size)
-    if choice is None and t.grad_accum_steps not in (1, accum):
-        raise UserInputError(f"train.grad_accum_steps {t.grad_accum_steps} disagrees with train.global_batch_size "
-                             f"{t.global_batch_size} ({micro} x {accum} accum x {layout.world_size} processes); "
-                             "leave grad_accum_steps out: it is derived from the global batch")
-    return with_batch(cfg, micro, accum), choice
+    # the global batch is the more specific of the two: a grad_accum_steps given too (a preset's) gives way to it
+    return with_batch(cfg, micro, accum_steps(per_process, micro, t.global_batch_size, layout.world_size)), choice
 
 
 def choose_by_estimate(cfg: Config, layout: Layout, device: torch.device, sizes: Sequence[int],
