@@ -110,7 +110,7 @@ def test_a_global_batch_derives_the_accumulation_and_must_divide() -> None:
 
 
 def test_auto_needs_a_global_batch_and_k8s_plans_with_the_smallest_candidate() -> None:
-    with pytest.raises(ConfigError, match="micro_batch_size auto needs train.global_batch_size"):
+    with pytest.raises(ConfigError, match=r"micro_batch_size auto needs train\.global_batch_size"):
         load_config(None, None, [*TINY, "train.micro_batch_size=auto"])
     with pytest.raises(ConfigError, match="micro_batch_size"):
         load_config(None, None, [*TINY, "train.micro_batch_size=0"])

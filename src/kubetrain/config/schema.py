@@ -196,8 +196,8 @@ class TrainConfig(Section):
         "null: micro_batch_size x grad_accum_steps x processes."
     )
     grad_accum_steps: int = Field(
-        1, ge=1, description="Micro-batches per optimizer step; when global_batch_size is set, derived from it (a value given here "
-        "gives way)."
+        1, ge=1, description="Micro-batches per optimizer step; when global_batch_size is set, derived from it "
+        "(a value given here gives way)."
     )
     memory_budget_gib: float | None = Field(
         None, gt=0, description="Memory of one device that micro_batch_size auto may plan to fill, in GiB (on the "
