@@ -13,8 +13,8 @@ cost stays out of the numbers), then `active` traced steps; `on_trace_ready` wri
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
@@ -40,7 +40,7 @@ class StepProfiler:
     """Traces steps `start` .. `start + steps - 1` of this process (1 = its first step); `step` after each step."""
 
     def __init__(self, cfg: ProfileConfig, folder: Path, rank: int, device: torch.device, first_step: int,
-                 log: Any = print) -> None:
+                 log: Callable[[str], None] = print) -> None:
         self.cfg, self.folder, self.rank, self.device, self.log = cfg, folder, rank, device, log
         self.first = first_step + cfg.start  # the absolute step of the first traced one (the loop's step count)
         self.last = self.first + cfg.steps - 1
@@ -56,7 +56,7 @@ class StepProfiler:
 
     @classmethod
     def for_rank(cls, cfg: ProfileConfig | None, run_path: Path, rank: int, device: torch.device, first_step: int,
-                 log: Any = print) -> StepProfiler | None:
+                 log: Callable[[str], None] = print) -> StepProfiler | None:
         """A profiler for this rank when `train.profile` asks for it, else None (nothing runs, nothing is written)."""
         if cfg is None or rank not in cfg.ranks:
             return None
