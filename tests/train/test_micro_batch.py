@@ -55,6 +55,9 @@ def test_choose_takes_the_largest_that_fits_and_says_when_none_does() -> None:
     need = {16: 1600, 8: 800, 4: 400, 2: 200, 1: 100}.__getitem__
     assert choose([1, 2, 4, 8, 16], need, 1000) == Choice(8, (16, 8, 4, 2, 1), 800, 1000, True)
     assert choose([16, 8, 4, 2, 1], need, 800).micro_batch == 8  # exactly the budget fits
+    asked: list[int] = []
+    sizes = candidates(1024)  # 11 sizes: a binary search asks the estimate 4 times, not 11
+    assert choose(sizes, lambda b: asked.append(b) or b, 100).micro_batch == 64 and len(asked) <= 4
     none = choose([16, 8, 4, 2, 1], need, 50)
     assert (none.micro_batch, none.fits, none.need) == (1, False, 100)
     assert "the smallest of 16, 8, 4, 2, 1, though its memory estimate" in none.describe()

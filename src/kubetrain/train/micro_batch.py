@@ -90,15 +90,29 @@ def candidates(per_process: int) -> list[int]:
 
 def choose(sizes: Sequence[int], need: Callable[[int], int], budget: int, budget_from: str = "") -> Choice:
     """The largest of `sizes` whose `need` (bytes) is at most `budget`; the smallest, marked as not fitting, when
-    none is. `need` grows with the micro-batch, so the first that fits from the top is the largest."""
+    none is. `need` grows with the micro-batch, so a binary search asks it a few times (an estimate builds the model
+    on the meta device each time)."""
     ordered = tuple(sorted(set(sizes), reverse=True))
     if not ordered:
         raise ValueError("no micro-batch sizes to choose from")
-    for size in ordered:
-        bytes_needed = need(size)
-        if bytes_needed <= budget:
-            return Choice(size, ordered, bytes_needed, budget, True, budget_from)
-    return Choice(ordered[-1], ordered, bytes_needed, budget, False, budget_from)
+    asked: dict[int, int] = {}
+
+    def need_of(size: int) -> int:
+        if size not in asked:
+            asked[size] = need(size)
+        return asked[size]
+
+    ascending = ordered[::-1]
+    lo, hi, best = 0, len(ascending) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if need_of(ascending[mid]) <= budget:
+            best, lo = ascending[mid], mid + 1
+        else:
+            hi = mid - 1
+    if best is None:
+        return Choice(ascending[0], ordered, need_of(ascending[0]), budget, False, budget_from)
+    return Choice(best, ordered, need_of(best), budget, True, budget_from)
 
 
 def with_batch(cfg: Config, micro_batch: int, grad_accum: int) -> Config:
