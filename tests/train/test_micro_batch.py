@@ -226,3 +226,24 @@ def test_a_dry_run_and_doctor_say_the_choice(tmp_path: Path) -> None:
     dry = kubetrain("train", *sets(*AUTO[len(TINY):], "train.memory_budget_gib=0.5"), "--dry-run", cwd=tmp_path)
     assert "micro-batch 64 x 1 accum x 1 process = global batch 64 (auto: " in dry.stdout
     assert "a run confirms it by one training step)" in dry.stdout
+
+
+@pytest.mark.slow
+def test_a_resume_that_chooses_another_micro_batch_keeps_the_batch_and_the_data(tmp_path: Path) -> None:
+    budget_gib = (need_at(AUTO, 16) + MIB // 10) / 2**30  # 16 fits, 32 does not
+    common = [*AUTO[len(TINY):], "checkpoint.every_steps=2", "eval.every_steps=2"]
+    kubetrain("train", *sets(*common, "run.name=r", "train.max_steps=2", "train.memory_budget_gib=1"),
+              cwd=tmp_path)
+    again = kubetrain("train", *sets(*common, "run.name=r", "train.max_steps=4",
+                                     f"train.memory_budget_gib={budget_gib}"), "--json", cwd=tmp_path)
+    assert "config changed since the last start: train.micro_batch_size: 64 -> 16" in again.stdout
+    assert "config changed since the last start: train.grad_accum_steps: 1 -> 4" in again.stdout
+    assert json.loads(again.stdout.splitlines()[-1])["tokens"] == 4 * 64 * 32  # the global batch was kept
+    whole = kubetrain("train", *sets(*common, "run.name=whole", "train.max_steps=4", "train.memory_budget_gib=1"),
+                      cwd=tmp_path)
+    assert "micro-batch 64 x 1 accum" in whole.stdout
+    resumed, straight = _losses(tmp_path / "runs" / "r"), _losses(tmp_path / "runs" / "whole")
+    assert len(resumed) == len(straight) == 4
+    assert resumed[:2] == straight[:2]
+    # the same windows in the same order, summed as 4 micro-batches of 16 instead of one of 64
+    assert resumed[2:] == pytest.approx(straight[2:], abs=1e-5)
