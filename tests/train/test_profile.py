@@ -48,6 +48,10 @@ def test_a_run_that_ends_first_writes_the_steps_it_traced_and_none_is_off(tmp_pa
     assert "aten::mm" in _trace_names(folder / "trace-rank0-steps-2-2.json")
     kubetrain("train", *sets("run.name=off", "train.max_steps=2", "eval.every_steps=2"), cwd=tmp_path)
     assert not (tmp_path / "runs" / "off" / "profile").exists()
+    late = kubetrain("train", *sets("run.name=late", "train.max_steps=2", "train.profile.start=5",
+                                    "eval.every_steps=2"), cwd=tmp_path)
+    assert "profile: the run stopped at step 2, before step 5; nothing was traced" in late.stdout
+    assert not (tmp_path / "runs" / "late" / "profile").exists()
 
 
 @pytest.mark.slow

@@ -76,6 +76,9 @@ class StepProfiler:
         if self.profiler is not None:
             profiler, self.profiler = self.profiler, None
             profiler.stop()
+            if not self.written:
+                self.log(f"profile: the run stopped at step {self.done_step}, before step {self.first}; nothing "
+                         "was traced (train.profile.start counts from where this process started)")
 
     def write(self, prof: profile) -> None:
         """on_trace_ready: the trace and the table of the traced steps."""
