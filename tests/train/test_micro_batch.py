@@ -27,7 +27,7 @@ from kubetrain.train.micro_batch import (
     step_down,
     with_batch,
 )
-from kubetrain.train.trainer import RunOptions, Trainer
+from kubetrain.train.trainer import RunOptions, Trainer, train
 from tests.train.conftest import TINY, kubetrain, sets
 
 CPU = torch.device("cpu")
@@ -215,7 +215,7 @@ def test_a_run_with_auto_trains_as_the_same_batch_given_by_hand(tmp_path: Path) 
     assert "micro_batch_size: 16" in recorded and "grad_accum_steps: 4" in recorded  # the resolved config
 
 
-def test_a_dry_run_and_doctor_say_the_choice(tmp_path: Path) -> None:
+def test_a_dry_run_and_doctor_say_the_choice(workdir: Path) -> None:
     from kubetrain.doctor import doctor, render
 
     cfg = load_config(None, None, [*AUTO, "train.memory_budget_gib=0.5"])
@@ -223,9 +223,12 @@ def test_a_dry_run_and_doctor_say_the_choice(tmp_path: Path) -> None:
     assert report["micro_batch"]["micro_batch_size"] == 64 and report["micro_batch"]["fits"]
     assert report["settings"]["micro_batch_size"] == 64 and report["settings"]["grad_accum_steps"] == 1
     assert "micro-batch: 64 (auto: the largest of 64, 32" in render(report)
-    dry = kubetrain("train", *sets(*AUTO[len(TINY):], "train.memory_budget_gib=0.5"), "--dry-run", cwd=tmp_path)
-    assert "micro-batch 64 x 1 accum x 1 process = global batch 64 (auto: " in dry.stdout
-    assert "a run confirms it by one training step)" in dry.stdout
+    said: list[str] = []
+    train(cfg, log=said.append, dry_run=True)
+    line = next(x for x in said if x.startswith("micro-batch "))
+    assert line.startswith("micro-batch 64 x 1 accum x 1 process = global batch 64 (auto: ")
+    assert line.endswith("a run confirms it by one training step)")
+    assert not (workdir / "runs" / "tiny").exists()
 
 
 @pytest.mark.slow
