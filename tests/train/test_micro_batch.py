@@ -133,6 +133,15 @@ def test_k8s_render_takes_an_auto_config_and_keeps_auto_for_the_pods() -> None:
     assert "micro_batch_size: auto" in text and "global_batch_size: 64" in text
 
 
+def test_when_not_even_one_sequence_fits_the_memory_check_refuses_as_it_would_a_number() -> None:
+    from kubetrain.train.memory_check import check_memory
+
+    huge = load_config(None, None, ["model.n_layer=8", "model.n_embd=16384", "model.n_head=128",
+                                    "train.micro_batch_size=auto", "train.global_batch_size=2"])
+    with pytest.raises(UserInputError, match=r"^this run needs about .* use a smaller model"):
+        check_memory(huge)  # resolved to the smallest candidate (1), which does not fit either
+
+
 # --- the confirming step --------------------------------------------------------------------------------------
 
 
