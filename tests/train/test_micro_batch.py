@@ -17,7 +17,7 @@ from kubetrain.memory import Layout, estimate_on
 from kubetrain.train.device import autocast
 from kubetrain.train.micro_batch import (
     HEADROOM,
-    Choice,
+    MicroBatchChoice,
     budget_for,
     candidates,
     choose,
@@ -53,7 +53,7 @@ def test_the_candidates_divide_the_batch_of_one_process() -> None:
 
 def test_choose_takes_the_largest_that_fits_and_says_when_none_does() -> None:
     need = {16: 1600, 8: 800, 4: 400, 2: 200, 1: 100}.__getitem__
-    assert choose([1, 2, 4, 8, 16], need, 1000) == Choice(8, (16, 8, 4, 2, 1), 800, 1000, True)
+    assert choose([1, 2, 4, 8, 16], need, 1000) == MicroBatchChoice(8, (16, 8, 4, 2, 1), 800, 1000, True)
     assert choose([16, 8, 4, 2, 1], need, 800).micro_batch == 8  # exactly the budget fits
     asked: list[int] = []
     sizes = candidates(1024)  # 11 sizes: a binary search asks the estimate 4 times, not 11

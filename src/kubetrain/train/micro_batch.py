@@ -34,7 +34,7 @@ HEADROOM = 0.9
 
 
 @dataclass(frozen=True)
-class Choice:
+class MicroBatchChoice:
     """What `auto` chose, and why: the candidates it looked at, the estimate of the choice and the budget."""
 
     micro_batch: int
@@ -88,7 +88,8 @@ def candidates(per_process: int) -> list[int]:
     return [b for b in range(per_process, 0, -1) if per_process % b == 0]
 
 
-def choose(sizes: Sequence[int], need: Callable[[int], int], budget: int, budget_from: str = "") -> Choice:
+def choose(sizes: Sequence[int], need: Callable[[int], int], budget: int, budget_from: str = ""
+           ) -> MicroBatchChoice:
     """The largest of `sizes` whose `need` (bytes) is at most `budget`; the smallest, marked as not fitting, when
     none is. `need` grows with the micro-batch, so a binary search asks it a few times (an estimate builds the model
     on the meta device each time)."""
@@ -111,8 +112,8 @@ def choose(sizes: Sequence[int], need: Callable[[int], int], budget: int, budget
         else:
             hi = mid - 1
     if best is None:
-        return Choice(ascending[0], ordered, need_of(ascending[0]), budget, False, budget_from)
-    return Choice(best, ordered, need_of(best), budget, True, budget_from)
+        return MicroBatchChoice(ascending[0], ordered, need_of(ascending[0]), budget, False, budget_from)
+    return MicroBatchChoice(best, ordered, need_of(best), budget, True, budget_from)
 
 
 def with_batch(cfg: Config, micro_batch: int, grad_accum: int) -> Config:
@@ -125,7 +126,7 @@ def with_batch(cfg: Config, micro_batch: int, grad_accum: int) -> Config:
 
 
 def resolve_batch(cfg: Config, layout: Layout, device: torch.device, budget: int | None = None
-                  ) -> tuple[Config, Choice | None]:
+                  ) -> tuple[Config, MicroBatchChoice | None]:
     """`cfg` with an int micro-batch and grad_accum_steps derived from train.global_batch_size (when set), and what
     `auto` chose (None when the config gave a number). `budget`: the bytes `auto` may plan for (default:
     train.memory_budget_gib, else HEADROOM of what `device` has free now)."""
@@ -144,7 +145,7 @@ def resolve_batch(cfg: Config, layout: Layout, device: torch.device, budget: int
 
 
 def choose_by_estimate(cfg: Config, layout: Layout, device: torch.device, sizes: Sequence[int],
-                       budget: int | None = None) -> Choice:
+                       budget: int | None = None) -> MicroBatchChoice:
     """`choose` with the memory estimate of `cfg` at each size, on `device` for `layout`, against the budget."""
     budget, budget_from = budget_for(cfg, device, budget)
 
@@ -256,7 +257,7 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else p
 
 
-def confirm(cfg: Config, choice: Choice, attempt: Callable[[int], None], device: torch.device,
+def confirm(cfg: Config, choice: MicroBatchChoice, attempt: Callable[[int], None], device: torch.device,
             world_size: int) -> tuple[Config, str]:
     """`cfg` with the micro-batch that ran one training step on every rank, from the smallest choice of the ranks
     down, and the start-up line that says which and why."""
@@ -286,12 +287,12 @@ def batch_line(cfg: Config, world_size: int, why: str) -> str:
             f"{t.global_batch_size} (auto: {why})")
 
 
-def start_line(cfg: Config, choice: Choice, world_size: int) -> str:
+def start_line(cfg: Config, choice: MicroBatchChoice, world_size: int) -> str:
     """The start-up line of a choice that no step confirmed (a dry run)."""
     return batch_line(cfg, world_size, f"{choice.describe()}; a run confirms it by one training step")
 
 
-def resolve_here(cfg: Config, budget: int | None = None) -> tuple[Config, Choice | None]:
+def resolve_here(cfg: Config, budget: int | None = None) -> tuple[Config, MicroBatchChoice | None]:
     """`resolve_batch` for this process: the layout torchrun gave it (one process without it), its device."""
     from kubetrain.distributed.env import process_env
     from kubetrain.train.device import select_device
@@ -301,9 +302,9 @@ def resolve_here(cfg: Config, budget: int | None = None) -> tuple[Config, Choice
     return resolve_batch(cfg, layout, select_device(cfg.run.device), budget)
 
 
-def confirm_on_model(cfg: Config, choice: Choice, model: nn.Module, windows: TokenWindows, device: torch.device,
-                     autocast_ctx: Callable[[], contextlib.AbstractContextManager[None]], world_size: int,
-                     dry_run: bool = False) -> tuple[Config, str]:
+def confirm_on_model(cfg: Config, choice: MicroBatchChoice, model: nn.Module, windows: TokenWindows,
+                     device: torch.device, autocast_ctx: Callable[[], contextlib.AbstractContextManager[None]],
+                     world_size: int, dry_run: bool = False) -> tuple[Config, str]:
     """The Trainer's part: `confirm` the choice with a training step of `model` on the first windows of the
     training data (a dry run takes the estimate's choice as it is), and the start-up line."""
     if dry_run:

@@ -42,7 +42,7 @@ from kubetrain.train.device import (
 from kubetrain.train.evaluate import evaluate, lm_loss, perplexity, sample_text
 from kubetrain.train.heartbeat import Heartbeat
 from kubetrain.train.memory_check import check_memory
-from kubetrain.train.micro_batch import Choice, confirm_on_model, resolve_here
+from kubetrain.train.micro_batch import MicroBatchChoice, confirm_on_model, resolve_here
 from kubetrain.train.model_for_world import build_model_for_world
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
 from kubetrain.train.profile import StepProfiler
@@ -71,7 +71,7 @@ class RunOptions:
     init_weights: Path | None = None  # start from these weights (a phase chained to the previous one)
     init_optimizer: bool = False
     phase: str | None = None
-    micro_batch: Choice | None = None  # micro_batch_size auto: the estimate's choice, confirmed by one step in setup
+    micro_batch: MicroBatchChoice | None = None  # micro_batch_size auto: the estimate's choice; setup confirms it
 
 
 def train(cfg: Config, *, log: Log | None = None, **options: Any) -> TrainResult:
