@@ -25,8 +25,12 @@ def doctor(cfg: Config | None, layout: Layout | None = None) -> dict[str, Any]:
     """The whole report as plain data (what --json prints); the memory estimate is for the processes of
     `layout` (default: one process)."""
     from kubetrain.train.device import select_device
+    from kubetrain.train.micro_batch import resolve_batch
 
     device = select_device(cfg.run.device if cfg else "auto")
+    auto = None
+    if cfg is not None:  # what a run here would train with: micro_batch_size auto chosen, grad accumulation derived
+        cfg, auto = resolve_batch(cfg, layout or Layout.of(cfg), device)
     # the same function the loop asks, so "bf16: no" never stands beside "precision bf16" unexplained
     choice = hardware.choose_precision(cfg.train.precision if cfg else "auto", hardware.accelerator(device))
     precision = choice.name
@@ -46,6 +50,7 @@ def doctor(cfg: Config | None, layout: Layout | None = None) -> dict[str, Any]:
     if cfg is not None:
         attention = first_usable(backends)
         report["settings"] = settings(cfg, device, precision, attention)
+        report["micro_batch"] = auto.to_json() | {"line": auto.describe()} if auto else None
         report["fit"] = fit_estimate(cfg, shape, precision, attention, info.memory_free, layout, device.type)
     return report
 
@@ -104,8 +109,8 @@ def settings(cfg: Config, device: torch.device, precision: str, attention: str |
         "dist_backend": backend, "strategy": cfg.dist.strategy, "compile": cfg.train.compile,
         "threads": cfg.run.threads or torch.get_num_threads(), "deterministic": torch_set.deterministic,
         "tf32": torch_set.tf32, "peak_flops": peak_flops(device, precision, torch_set.tf32),
-        "micro_batch_size": cfg.train.micro_batch_size, "grad_accum_steps": cfg.train.grad_accum_steps,
-        "tokens_per_step": cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.model.block_size,
+        "micro_batch_size": cfg.train.micro_batch, "grad_accum_steps": cfg.train.grad_accum_steps,
+        "tokens_per_step": cfg.train.micro_batch * cfg.train.grad_accum_steps * cfg.model.block_size,
     }
 
 
@@ -129,6 +134,9 @@ def render(report: dict[str, Any]) -> str:
     if "settings" in report:
         lines.append("a run here would use: " + ", ".join(f"{k} {json.dumps(val)}"
                                                           for k, val in report["settings"].items()))
+        if report.get("micro_batch"):
+            lines.append(f"micro-batch: {report['micro_batch']['micro_batch_size']} (auto: "
+                         f"{report['micro_batch']['line']}; a run confirms it by one training step)")
         lines.append(_fit_line(report["fit"]))
     return "\n".join(lines)
 

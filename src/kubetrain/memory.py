@@ -166,7 +166,7 @@ def estimate_memory(cfg: Config, shape: dict[str, Any], layout: Layout, *, preci
     """
     from kubetrain.train.loss import chunk_tokens
 
-    b, s, layers, h, vocab = (cfg.train.micro_batch_size, cfg.model.block_size, shape["n_layer"],
+    b, s, layers, h, vocab = (cfg.train.micro_batch, cfg.model.block_size, shape["n_layer"],
                               shape["hidden"], shape["vocab"])
     tokens = b * s
     params, weight_bytes = shape["params"], shape["weight_bytes"]

@@ -31,6 +31,8 @@ def test_a_field_shows_its_type_default_description_and_bounds() -> None:
     assert (vocab.type, vocab.default) == ("int | null", "null")
     [name] = explain("phases[].name")
     assert name.default == "required"
+    [micro] = explain("train.micro_batch_size")  # a constrained int beside a literal
+    assert (micro.type, micro.default) == ("int | auto", "16") and "train.global_batch_size" in micro.description
 
 
 def test_a_section_lists_itself_and_every_key_under_it() -> None:

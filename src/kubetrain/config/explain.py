@@ -6,7 +6,7 @@ import difflib
 import json
 from dataclasses import asdict, dataclass
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
 from pydantic import BaseModel
@@ -90,6 +90,8 @@ def type_name(annotation: Any) -> str:
     if annotation is None or annotation is type(None):
         return "null"
     origin = get_origin(annotation)
+    if origin is Annotated:  # a constrained type inside a union (PositiveInt | auto): its base type
+        return type_name(get_args(annotation)[0])
     if origin is Literal:
         return " | ".join(str(a) for a in get_args(annotation))
     if origin in (Union, UnionType):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from kubetrain.config.k8s import K8sConfig
 from kubetrain.config.track import TrackConfig
@@ -162,11 +162,47 @@ class ModelConfig(Section):
         return self
 
 
+class ProfileConfig(Section):
+    start: int = Field(
+        5, ge=1, description="The first traced step, counted from where this process started (1: its first step; "
+        "a resumed run is traced too). The step before it warms the profiler up; the first steps compile and warm "
+        "the allocator."
+    )
+    steps: int = Field(3, ge=1, description="How many steps are traced.")
+    ranks: list[int] = Field(
+        [0], description="The ranks that trace; each writes its own files (trace-rank<N>-..., ops-rank<N>-...)."
+    )
+
+    @field_validator("ranks")
+    @classmethod
+    def _no_negative_rank(cls, value: list[int]) -> list[int]:
+        if any(r < 0 for r in value):
+            raise ValueError("ranks are 0 or more")
+        return value
+
+
 class TrainConfig(Section):
     max_steps: int = Field(200, ge=1, description="Optimizer steps.")
     max_tokens: int | None = Field(None, ge=1, description="Stop once this many tokens were trained on.")
-    micro_batch_size: int = Field(16, ge=1, description="Sequences per forward pass per process.")
-    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    micro_batch_size: PositiveInt | Literal["auto"] = Field(
+        16, description="Sequences per forward pass per process. auto: the largest that fits this device by the "
+        "memory estimate (`kubetrain doctor CONFIG` shows it), confirmed by one training step at start-up that steps "
+        "down on out-of-memory; it needs train.global_batch_size, which grad_accum_steps then keeps."
+    )
+    global_batch_size: int | None = Field(
+        None, ge=1, description="Sequences per optimizer step over all processes (litgpt's global_batch_size, "
+        "DeepSpeed's train_batch_size). Set, grad_accum_steps is derived: global_batch_size / (micro_batch_size x "
+        "processes), which must divide it; the optimizer sees the same batch at any world size and micro-batch. "
+        "null: micro_batch_size x grad_accum_steps x processes."
+    )
+    grad_accum_steps: int = Field(
+        1, ge=1, description="Micro-batches per optimizer step; when global_batch_size is set, derived from it "
+        "(a value given here gives way)."
+    )
+    memory_budget_gib: float | None = Field(
+        None, gt=0, description="Memory of one device that micro_batch_size auto may plan to fill, in GiB (on the "
+        "CPU: the RAM this node's processes share). null: 90% of what is free when the run starts."
+    )
     lr: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW).")
     min_lr: float | None = Field(None, ge=0, description="Cosine floor (default lr / 10).")
     warmup_steps: int = Field(20, ge=0, description="Linear warmup steps before the cosine decay.")
@@ -190,6 +226,27 @@ class TrainConfig(Section):
         "that have no deterministic version)."
     )
     tf32: bool = Field(True, description="TF32 tensor cores for fp32 matmuls on CUDA (Ampere+); false: full fp32.")
+    profile: ProfileConfig | None = Field(
+        None, description="Trace some steps with the PyTorch profiler into <run>/profile/: a Chrome/Perfetto trace "
+        "(open it in ui.perfetto.dev) and a table of the ops and kernels that took the most time "
+        "(docs/performance.md). null: off."
+    )
+
+    @model_validator(mode="after")
+    def _auto_needs_a_global_batch(self) -> TrainConfig:
+        if self.micro_batch_size == "auto" and self.global_batch_size is None:
+            raise ValueError(
+                "micro_batch_size auto needs train.global_batch_size: the sequences per optimizer step over all "
+                "processes, which grad_accum_steps keeps whatever micro-batch fits (e.g. global_batch_size: 16 for "
+                "today's default of 16 x 1 on one process)")
+        return self
+
+    @property
+    def micro_batch(self) -> int:
+        """micro_batch_size as a number: `auto` is resolved at start-up (train/micro_batch.py) before it is read."""
+        if not isinstance(self.micro_batch_size, int):
+            raise RuntimeError("train.micro_batch_size auto was read before it was resolved")
+        return self.micro_batch_size
 
 
 class EvalConfig(Section):

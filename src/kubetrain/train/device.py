@@ -298,8 +298,8 @@ def out_of_memory_advice(cfg: Config, device_type: str, where: str, world_size: 
     """One line for a run that ran out of memory `where` ("after step 12"), and the settings that need less."""
     t, what = cfg.train, "CUDA out of memory" if device_type == "cuda" else "out of memory"
     fixes = []
-    if t.micro_batch_size > 1:
-        fixes.append(f"lower train.micro_batch_size ({t.micro_batch_size}; raise train.grad_accum_steps to keep "
+    if t.micro_batch > 1:
+        fixes.append(f"lower train.micro_batch_size ({t.micro_batch}; raise train.grad_accum_steps to keep "
                      "the batch)")
     if not cfg.model.gradient_checkpointing:
         fixes.append("set model.gradient_checkpointing: true")

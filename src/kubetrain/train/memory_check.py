@@ -29,6 +29,7 @@ def check_memory(cfg: Config, layout: Layout | None = None, launcher: bool = Fal
         return
     from kubetrain.hardware import device_info
     from kubetrain.train.device import select_device
+    from kubetrain.train.micro_batch import resolve_batch
 
     if launcher:
         from kubetrain.distributed.setup import local_device
@@ -41,6 +42,7 @@ def check_memory(cfg: Config, layout: Layout | None = None, launcher: bool = Fal
         penv = process_env()
         layout = Layout.of(cfg, penv.world_size, penv.local_world_size)
     device = select_device(cfg.run.device)
+    cfg, _ = resolve_batch(cfg, layout, device)  # auto: the largest that fits; when none does, refused below
     est = estimate_on(cfg, layout, device)
     free = device_info(device).memory_free
     if isinstance(est, str) or free is None:

@@ -44,8 +44,10 @@ from kubetrain.train.evaluate import evaluate, perplexity, sample_text
 from kubetrain.train.heartbeat import Heartbeat
 from kubetrain.train.loss import counted_tokens, lm_loss, loss_step
 from kubetrain.train.memory_check import check_memory, estimate_for_this_process, peak_against_estimate
+from kubetrain.train.micro_batch import MicroBatchChoice, confirm_on_model, resolve_here
 from kubetrain.train.model_for_world import build_model_for_world
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
+from kubetrain.train.profile import StepProfiler
 from kubetrain.train.state import (
     TrainResult,
     TrainState,
@@ -71,6 +73,7 @@ class RunOptions:
     init_weights: Path | None = None  # start from these weights (a phase chained to the previous one)
     init_optimizer: bool = False
     phase: str | None = None
+    micro_batch: MicroBatchChoice | None = None  # micro_batch_size auto: the estimate's choice; setup confirms it
 
 
 def train(cfg: Config, *, log: Log | None = None, **options: Any) -> TrainResult:
@@ -78,8 +81,9 @@ def train(cfg: Config, *, log: Log | None = None, **options: Any) -> TrainResult
 
     Under a launcher this joins the process group; the caller tears it down (phases share one group).
     """
+    cfg, auto = resolve_here(cfg)  # micro_batch_size auto -> an int, grad_accum_steps from global_batch_size
     check_memory(cfg)  # before the model is built: this process's share (a launcher checked its workers' total)
-    return Trainer(cfg, RunOptions(**options), log=log).run()
+    return Trainer(cfg, RunOptions(**options, micro_batch=auto), log=log).run()
 
 
 class Trainer:
@@ -131,10 +135,14 @@ class Trainer:
         status, sample = "failed", None
         stop = GracefulStop(cfg.checkpoint.grace_seconds, self.ckpt_root)
         vote = StopVote.for_world()  # every rank stops at the same step, with no GPU sync per step
+        profiler = StepProfiler.for_rank(cfg.train.profile, self.path, self.penv.rank, self.device, state.step,
+                                         self.out)  # train.profile: a trace of a few steps, rank 0 by default
         try:
             with stop:
                 while state.step < self.max_steps:
                     self.train_step()
+                    if profiler:
+                        profiler.step(state.step)
                     if state.step == self.start_step + 1:  # start-up is behind us: the short timeout from now on
                         dist.use_step_timeout(cfg.dist, self.device)
                         self.first_step_done()
@@ -174,6 +182,8 @@ class Trainer:
             where = f": {e.filename}" if e.filename else ""
             raise TrainingFailed(f"failed while running at step {state.step}: {e.strerror or e}{where}") from e
         finally:
+            if profiler:
+                profiler.close()
             with contextlib.suppress(CheckpointError):  # a failure elsewhere: keep what is being written
                 self.checkpointer.wait_for_saves(stop.time_left())  # (a failed shard is already reported on rank 0)
             self.checkpointer.close()
@@ -240,11 +250,17 @@ class Trainer:
         self.base = unwrap(self.model)
         # (input_ids, labels) -> summed loss: the model and its loss in one compiled graph when compiling
         self.loss_of = loss_step(self.model, self.compile.enabled, blocks_compiled=self.sharded)
+        if self.opts.micro_batch is not None:  # one training step confirms it, stepping down on out-of-memory
+            cfg, line = confirm_on_model(cfg, self.opts.micro_batch, self.model, self.train_windows, self.device,
+                                         autocast(self.precision, self.device, self.sharded), penv.world_size,
+                                         self.opts.dry_run, self.loss_of)
+            self.cfg = cfg
+            self.say(line)
         n_params = sum(p.numel() for p in self.model.parameters())
         n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.n_params = n_params
         t = cfg.train
-        self.tokens_per_step = t.micro_batch_size * t.grad_accum_steps * penv.world_size * cfg.model.block_size
+        self.tokens_per_step = t.micro_batch * t.grad_accum_steps * penv.world_size * cfg.model.block_size
         self.max_steps = t.max_steps
         if t.max_tokens:
             self.max_steps = min(self.max_steps, math.ceil(t.max_tokens / self.tokens_per_step))
@@ -258,7 +274,7 @@ class Trainer:
         )
         self.say(self.compile.line())
         self.say(
-            f"tokens per step: {self.tokens_per_step:,} ({t.micro_batch_size} seq x {cfg.model.block_size} tok x "
+            f"tokens per step: {self.tokens_per_step:,} ({t.micro_batch} seq x {cfg.model.block_size} tok x "
             f"{t.grad_accum_steps} accum x {penv.world_size} ranks) | steps {self.max_steps} | "
             f"data {prepared.n_train:,} train / {prepared.n_val:,} val tokens ({self.tokenizer.kind} tokenizer)"
         )
@@ -266,7 +282,7 @@ class Trainer:
     def dry_run(self) -> TrainResult:
         """One forward pass on the first batch; nothing is written."""
         cfg = self.cfg
-        batch = TrainLoader(self.train_windows, cfg.train.micro_batch_size, cfg.run.seed).next_batch().to(self.device)
+        batch = TrainLoader(self.train_windows, cfg.train.micro_batch, cfg.run.seed).next_batch().to(self.device)
         with torch.no_grad(), self.amp():
             first_loss = float(lm_loss(self.model(batch.input_ids), batch.labels))
         self.say(f"dry run: one forward pass, loss {first_loss:.4f} (ln(vocab) = "
@@ -280,7 +296,7 @@ class Trainer:
         cfg, penv = self.cfg, self.penv
         self.path = self.opts.run_path or runs.run_dir(cfg)
         self.ckpt_root = self.path / runs.CHECKPOINTS
-        self.loader = TrainLoader(self.train_windows, cfg.train.micro_batch_size, cfg.run.seed, penv.rank,
+        self.loader = TrainLoader(self.train_windows, cfg.train.micro_batch, cfg.run.seed, penv.rank,
                                   penv.world_size)
         self.shapes = weight_shapes(self.base)
         self.checkpointer = Checkpointer(cfg, self.path, penv, self.device, sharded=self.sharded,
@@ -452,7 +468,7 @@ class Trainer:
         if self.val_windows is None:
             return False
         cfg, state = self.cfg, self.state
-        val = evaluate(self.model, self.val_windows, cfg.train.micro_batch_size, cfg.eval.batches, self.device,
+        val = evaluate(self.model, self.val_windows, cfg.train.micro_batch, cfg.eval.batches, self.device,
                        self.amp, self.penv.rank, self.penv.world_size, self.loss_of)
         state.last_val_loss, self.evaluated_step = val, state.step
         improved = state.best_val_loss is None or val < state.best_val_loss

@@ -40,7 +40,9 @@ def pod_estimate(cfg: Config, shape: dict[str, Any]) -> Estimate:
     with the configured precision (auto: bf16) and flash attention, the kernels a current GPU runs.
     """
     from kubetrain.hardware import Accelerator, choose_precision
+    from kubetrain.train.micro_batch import planning_config
 
+    cfg = planning_config(cfg, Layout.of_pods(cfg))  # micro_batch_size auto: the smallest the pods may choose
     gpu = on_gpu(cfg)
     acc = Accelerator("cuda", (9, 0), True) if gpu else Accelerator("cpu")
     precision = choose_precision(cfg.train.precision, acc).name
