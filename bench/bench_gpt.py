@@ -33,7 +33,7 @@ from torch import nn
 
 from kubetrain.config.schema import TrainConfig
 from kubetrain.models.gpt import GPT, GPTConfig
-from kubetrain.train.loss import lm_loss
+from kubetrain.models.loss import lm_loss
 from kubetrain.train.optim import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]

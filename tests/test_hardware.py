@@ -65,3 +65,18 @@ def test_this_machines_accelerator_feeds_the_same_choice() -> None:
     acc = hardware.accelerator(torch.device("cpu"))
     assert acc == hardware.Accelerator("cpu")
     assert hardware.choose_precision("auto", acc).name == "fp32"
+
+
+def test_compile_is_on_by_default_for_gpus_that_triton_serves_and_off_elsewhere() -> None:
+    from kubetrain.hardware import choose_compile
+
+    h200 = choose_compile("auto", "cuda", (9, 0), "3.5.0")
+    assert h200.enabled and h200.line() == ("compile: on (auto: CUDA sm90 with Triton 3.5.0; train.compile: false "
+                                            "turns it off)")
+    assert choose_compile("auto", "cuda", (7, 5), "3.5.0").enabled  # a T4
+    assert not choose_compile("auto", "cuda", (6, 1), "3.5.0").enabled  # a GTX 1080: Triton needs 7.0
+    assert not choose_compile("auto", "cuda", (9, 0), None).enabled  # no Triton installed
+    assert choose_compile("auto", "cuda").enabled  # a GPU pod planned from here: the image brings Triton
+    assert not choose_compile("auto", "cpu").enabled and not choose_compile("auto", "mps").enabled
+    assert choose_compile(True, "cpu").enabled and not choose_compile(False, "cuda", (9, 0), "3.5.0").enabled
+    assert "on the CPU" in choose_compile("auto", "cpu").why

@@ -243,3 +243,9 @@ def triton_version() -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
+
+
+def compile_choice(requested: bool | str, device: torch.device) -> CompileChoice:
+    """`choose_compile` for this process's device."""
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return choose_compile(requested, device.type, capability, triton_version() if device.type == "cuda" else None)

@@ -134,9 +134,7 @@ def estimate_on(cfg: Config, layout: Layout, device: torch.device) -> Estimate |
         return str(shape["error"])
     precision = hardware.choose_precision(cfg.train.precision, hardware.accelerator(device)).name
     attention = first_usable(hardware.sdpa_backends(device, DTYPES[precision], shape["head_dim"], shape["n_head"]))
-    from kubetrain.train.compile import compile_choice
-
-    compiled = compile_choice(cfg.train.compile, device).enabled
+    compiled = hardware.compile_choice(cfg.train.compile, device).enabled
     return estimate(cfg, shape, layout, device.type, precision=precision, attention=attention, compiled=compiled)
 
 
@@ -164,7 +162,7 @@ def estimate_memory(cfg: Config, shape: dict[str, Any], layout: Layout, *, preci
     logits in the compute dtype and makes their gradient (compiled, Inductor writes it over the logits) and, eager,
     one fp32 chunk at a time (train/loss.py).
     """
-    from kubetrain.train.loss import chunk_tokens
+    from kubetrain.models.loss import chunk_tokens
 
     b, s, layers, h, vocab = (cfg.train.micro_batch, cfg.model.block_size, shape["n_layer"],
                               shape["hidden"], shape["vocab"])

@@ -15,7 +15,7 @@ from kubetrain.errors import ConfigError, UserInputError
 from kubetrain.models import build_model
 from kubetrain.models.hf import HFCausalLM, hub_token, load_hf_model
 from kubetrain.models.load import load_trained
-from kubetrain.train.loss import lm_loss
+from kubetrain.models.loss import lm_loss
 
 
 def hf_model(path: Path, **kw: object) -> ModelConfig:

@@ -21,8 +21,8 @@ from kubetrain.distributed.env import ProcessEnv
 from kubetrain.distributed.parallelize import parallelize
 from kubetrain.distributed.setup import teardown
 from kubetrain.models import build_model
+from kubetrain.models.loss import lm_loss
 from kubetrain.train.evaluate import eval_batches, evaluate, perplexity
-from kubetrain.train.loss import lm_loss
 
 BLOCK, VOCAB = 8, 64
 # (validation windows, micro-batch, eval batches): uneven splits, a short last batch, more ranks than windows

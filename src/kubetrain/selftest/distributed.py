@@ -99,7 +99,7 @@ def _curve(ctx: Context, wrap: Callable[[Any], Any] | None) -> list[float]:
     import torch
 
     from kubetrain.models.gpt import GPT, GPTConfig
-    from kubetrain.train.loss import lm_loss
+    from kubetrain.models.loss import lm_loss
 
     device = torch.device(ctx.device, 0) if ctx.on_gpu else torch.device(ctx.device)
     torch.manual_seed(0)

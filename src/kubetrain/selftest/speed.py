@@ -115,7 +115,8 @@ def bare_loop_speed(ctx: Context, compiled: bool) -> dict[str, Any]:
     import torch
 
     from kubetrain.models import build_model
-    from kubetrain.train.loss import counted_tokens, loss_step
+    from kubetrain.models.loss import counted_tokens
+    from kubetrain.train.loss import loss_step
     from kubetrain.train.optim import build_optimizer
 
     cfg, s, (n, window) = speed_config(ctx, compiled), shape(ctx), steps(ctx)

@@ -26,7 +26,8 @@ from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.errors import TrainingFailed, UserInputError
 from kubetrain.memory import Layout, estimate_on
-from kubetrain.train.loss import LossStep, counted_tokens, loss_step
+from kubetrain.models.loss import counted_tokens
+from kubetrain.train.loss import LossStep, loss_step
 
 GIB = 2**30
 # Of the memory free at start, what `auto` plans to fill: the estimate is within about 10% of the measured peak

@@ -22,13 +22,13 @@ from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import Prepared, prepare
 from kubetrain.distributed import setup as dist
 from kubetrain.errors import CheckpointError, TrainingFailed, TrainingStopped
+from kubetrain.models.loss import counted_tokens, lm_loss
 from kubetrain.secrets import redact_text
 from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
 from kubetrain.track.console import Throughput, console_log, count
 from kubetrain.track.jsonl import truncate_after
 from kubetrain.train.checkpointing import Checkpointer, tokenizer_fingerprint
-from kubetrain.train.compile import compile_choice
 from kubetrain.train.device import (
     MemoryPeak,
     apply_torch_settings,
@@ -42,7 +42,7 @@ from kubetrain.train.device import (
 )
 from kubetrain.train.evaluate import evaluate, perplexity, sample_text
 from kubetrain.train.heartbeat import Heartbeat
-from kubetrain.train.loss import counted_tokens, lm_loss, loss_step
+from kubetrain.train.loss import loss_step
 from kubetrain.train.memory_check import check_memory, estimate_for_this_process, peak_against_estimate
 from kubetrain.train.micro_batch import MicroBatchChoice, confirm_on_model, resolve_here
 from kubetrain.train.model_for_world import build_model_for_world
@@ -244,7 +244,7 @@ class Trainer:
         if choice.warning:
             self.say(f"warning: {choice.warning}")
         self.precision = choice.name
-        self.compile = compile_choice(cfg.train.compile, self.device)
+        self.compile = hardware.compile_choice(cfg.train.compile, self.device)
         self.model = build_model_for_world(cfg, self.tokenizer.vocab_size, self.device, self.precision, penv,
                                            compiled=self.compile.enabled)
         self.base = unwrap(self.model)
