@@ -278,6 +278,8 @@ class ApiServer(Controllers):
         discovered = self._discovery(method, path)
         if discovered:
             return discovered
+        if not self._served(path):  # a custom group without its CRD: no handler is installed for it at all
+            return _json(404, status(404, "NotFound", "the server could not find the requested resource"))
         with self.changed:
             if method == "PATCH":
                 return self._apply(path, json.loads(body), "dryRun" in query)
@@ -313,6 +315,15 @@ class ApiServer(Controllers):
         what = f"{plural}.{group}" if group else plural
         return status(403, "Forbidden", f'{what} is forbidden: User "alice" cannot {verb} resource "{plural}" in '
                       f'API group "{group}" {where}')
+
+    def _served(self, path: str) -> bool:
+        """kube-apiserver serves a custom group/version only once a CRD defines it (apiextensions-apiserver's
+        crdHandler): before that, any request under it is 404 'the server could not find the requested resource'."""
+        match = re.match(r"/apis/([^/]+/[^/]+)/", path)
+        if match is None or match[1] in BUILT_IN:
+            return True
+        return any(f"{c['spec']['group']}/{v['name']}" == match[1]
+                   for c in self.crds.values() for v in c["spec"]["versions"])
 
     def _discovery(self, method: str, path: str) -> Answer | None:
         """/apis/GROUP/VERSION lists the kinds served; a custom group is served once its CRD is installed."""
