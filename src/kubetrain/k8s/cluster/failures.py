@@ -18,15 +18,13 @@ import datetime
 from typing import Any
 
 from kubetrain.errors import EXIT_PEER_LOST, EXIT_STOPPED_RESUMABLE
-from kubetrain.k8s.workloads import node_rank
+from kubetrain.k8s.workloads import main_container, node_rank
 
 IMAGE_PULL = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 
 
 def _main(pod: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the main container's spec, its status) of a pod (the first container, or kubectl's default one)."""
-    from kubetrain.k8s.cluster.status import main_container
-
     name = main_container(pod)
     spec: dict[str, Any] = next((c for c in pod["spec"].get("containers") or [] if c.get("name") == name), {})
     status: dict[str, Any] = next((c for c in (pod.get("status") or {}).get("containerStatuses") or []

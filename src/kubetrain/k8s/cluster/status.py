@@ -21,6 +21,7 @@ from kubetrain.k8s.workloads import (
     WORKLOAD_LABEL,
     conditions,
     finished,
+    main_container,
     node_rank,
     pod_selector,
 )
@@ -44,13 +45,6 @@ class Rank:
     @property
     def name(self) -> str:
         return str(self.pod["metadata"]["name"])
-
-
-def main_container(pod: dict[str, Any]) -> str:
-    annotations = pod["metadata"].get("annotations") or {}
-    return str(
-        annotations.get("kubectl.kubernetes.io/default-container") or pod["spec"]["containers"][0]["name"]
-    )
 
 
 def ranks(pods: list[dict[str, Any]]) -> list[Rank]:
