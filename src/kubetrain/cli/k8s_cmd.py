@@ -189,7 +189,8 @@ def logs(
     A restarting or unreachable API server is waited out (one line), for up to --give-up-after seconds.
     Without -f, a rank with no log yet is named with why (exit 1).
     """
-    from kubetrain.k8s.cluster.logs import Patience, stream_logs
+    from kubetrain.k8s.cluster.logs import stream_logs
+    from kubetrain.k8s.cluster.outage import Patience
 
     cluster = cluster_for(kubeconfig, context)
     stream_logs(cluster, name, namespace or cluster.default_namespace, follow=follow, rank=rank, tail=tail,

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from kubetrain.k8s.cluster.api import connect
-from kubetrain.k8s.cluster.logs import GaveUp, Patience, stream_logs
+from kubetrain.k8s.cluster.logs import stream_logs
+from kubetrain.k8s.cluster.outage import GaveUp, Patience
 
 Cli = Callable[..., tuple[int, str, str]]
 PODS = "/api/v1/namespaces/ml/pods"

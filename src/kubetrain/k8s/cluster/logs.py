@@ -32,11 +32,11 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from kubetrain.errors import KubetrainError
 from kubetrain.k8s.cluster.api import Cluster, ClusterError, NotFound, StreamBroken
+from kubetrain.k8s.cluster.outage import GaveUp, Outage, Patience, unreachable
 from kubetrain.k8s.cluster.status import Rank, job_ranks, main_container, waiting_reason
 from kubetrain.k8s.cluster.waiting import expected_ranks, why_waiting, workload_object
 from kubetrain.k8s.workloads import BY_KIND, finished
@@ -51,56 +51,6 @@ class LogsIncomplete(KubetrainError):
 
 class JobFailed(KubetrainError):
     """The followed job ended, and its controller says it failed."""
-
-
-class GaveUp(KubetrainError):
-    """`logs -f` gave up: the API server answered nothing for Patience.give_up_after seconds. Exit 1."""
-
-
-@dataclass(frozen=True)
-class Patience:
-    """How long `logs -f` rides out a control plane that does not answer, and how it waits between tries."""
-
-    give_up_after: float = 600.0  # seconds without one answer from the API server (--give-up-after)
-    first_wait: float = 1.0  # the wait after a failed request, doubled after each further one ...
-    longest_wait: float = 30.0  # ... up to this
-    idle: float = 60.0  # a followed stream that sends nothing this long is opened again (a stalled kubelet)
-
-
-class _Outage:
-    """Whether the API server answers, shared by every rank's reader: the first failed request of an outage is said
-    once, any answer ends the outage, and one that lasts `give_up_after` ends the follow."""
-
-    def __init__(self, patience: Patience, lines: queue.Queue[Any], where: str) -> None:
-        self.patience, self.lines, self.where = patience, lines, where
-        self.since: float | None = None
-        self.lock = threading.Lock()
-
-    def answered(self) -> None:
-        self.since = None
-
-    def failed(self, error: ClusterError) -> None:
-        """A request got no answer (or 429/5xx from the API server itself): say so once, or give up."""
-        reason = str(error).rsplit(": ", 1)[-1]
-        with self.lock:
-            now = time.monotonic()
-            if self.since is None:
-                self.since = now
-                self.lines.put(f"(API server unreachable, retrying for up to {_minutes(self.patience.give_up_after)}: "
-                               f"{reason})")
-            elif now - self.since >= self.patience.give_up_after:
-                raise GaveUp(f"gave up following the logs: the API server at {self.where} answered nothing for "
-                             f"{_minutes(now - self.since)} ({reason}); the job may still be running: "
-                             "kubetrain k8s status")
-
-
-def _minutes(seconds: float) -> str:
-    return f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds:.0f}s"
-
-
-def _unreachable(error: ClusterError) -> bool:
-    """No answer, or the API server's own refusal (429 while it shuts down or sheds load, 503, 504 its timeout)."""
-    return error.status is None or error.status in (429, 500, 502, 503, 504)
 
 
 def _not_started(pod: dict[str, Any]) -> str | None:
@@ -121,10 +71,10 @@ class _RankReader:
 
     def __init__(self, cluster: Cluster, job: str, namespace: str, number: int | None, rank: Rank | None,
                  lines: queue.Queue[Any], follow: bool, tail: int | None, poll: float,
-                 outage: _Outage | None = None) -> None:
+                 outage: Outage | None = None) -> None:
         self.cluster, self.job, self.namespace, self.number = cluster, job, namespace, number
         self.rank, self.lines, self.follow, self.tail, self.poll = rank, lines, follow, tail, poll
-        self.outage = outage or _Outage(Patience(), lines, cluster.where)
+        self.outage = outage or Outage(Patience(), lines, cluster.where)
         self.patience = self.outage.patience
         self.failures = 0  # requests failed in a row: how long the next wait is
         self.prefix = f"[rank {'?' if number is None else number}] "
@@ -143,7 +93,7 @@ class _RankReader:
                 except ClusterError as e:  # a request of the follow failed: wait, then carry on from where it was
                     if not self.follow:
                         raise
-                    if _unreachable(e):
+                    if unreachable(e):
                         self.outage.failed(e)
                     elif e.status in (401, 403):  # who we are: waiting changes nothing
                         raise
@@ -244,7 +194,7 @@ class _RankReader:
             if isinstance(e, StreamBroken):  # broken off (said once), or quiet for `idle` (said never)
                 if not e.idle:
                     self._note(f"({e}; opening it again)")
-            elif _unreachable(e):
+            elif unreachable(e):
                 self.outage.failed(e)
                 self._back_off()
             elif e.status in (401, 403):  # who we are, not what the cluster goes through: no follow can help
@@ -383,7 +333,7 @@ def stream_logs(
         which = f" with rank {rank}" if rank is not None else ""
         raise ClusterError(f"no pods{which} of job '{name}' in namespace {namespace} on {cluster.where}")
     lines: queue.Queue[Any] = queue.Queue(maxsize=1000)
-    outage = _Outage(patience or Patience(), lines, cluster.where)
+    outage = Outage(patience or Patience(), lines, cluster.where)
     for number in ranks:
         reader = _RankReader(cluster, name, namespace, number, found.get(number), lines, follow, tail, poll, outage)
         threading.Thread(target=reader.run, daemon=True).start()
@@ -411,7 +361,7 @@ def stream_logs(
     return len(ranks)
 
 
-def _final_workload(cluster: Cluster, name: str, namespace: str, outage: _Outage) -> dict[str, Any] | None:
+def _final_workload(cluster: Cluster, name: str, namespace: str, outage: Outage) -> dict[str, Any] | None:
     """The workload once every reader saw the job end, asked until the API server answers (or the follow gives up)."""
     failures = 0
     while True:
