@@ -76,7 +76,7 @@ class _RankReader:
         self.rank, self.lines, self.follow, self.tail, self.poll = rank, lines, follow, tail, poll
         self.outage = outage or Outage(Patience(), lines, cluster.where)
         self.patience = self.outage.patience
-        self.failures = 0  # requests failed in a row: how long the next wait is
+        self.failures = 0  # failures since this rank's last line: how long the next wait is
         self.prefix = f"[rank {'?' if number is None else number}] "
         self.last_created = ""  # when this rank's last pod was made: older events about it are stale
         self.printed: tuple[int, int] | None = None  # the stamp of the container's last line printed (follow)
@@ -117,19 +117,15 @@ class _RankReader:
         self.failures += 1
         time.sleep(wait)
 
-    def _answered(self) -> None:
-        self.failures = 0
-        self.outage.answered()
-
     def _refresh(self) -> Rank | None:
         found = job_ranks(self.cluster, self.job, self.namespace)
-        self._answered()
+        self.outage.answered()
         return next((r for r in found if r.rank == self.number), None)
 
     def _workload(self) -> dict[str, Any] | None:
         config_map = self.cluster.find("ConfigMap", f"{self.job}-config", self.namespace)
         found = workload_object(self.cluster, self.job, self.namespace, config_map)
-        self._answered()
+        self.outage.answered()
         return found
 
     def _wait_for_pod(self) -> Rank | None:
@@ -175,7 +171,8 @@ class _RankReader:
                                                follow=self.follow, tail=self.tail if since is None else None,
                                                timestamps=self.follow, since_time=since,
                                                read_timeout=self.patience.idle if self.follow else None):
-                self._answered()
+                self.failures = 0  # a line came: the wait after the next failure starts short again
+                self.outage.answered()
                 text = self._unseen(line) if self.follow else line
                 if text is not None:
                     self.lines.put(self.prefix + text)
