@@ -10,6 +10,15 @@ EXIT_STOPPED_RESUMABLE = 75  # EX_TEMPFAIL from sysexits.h: "try again later"
 # A pod's elastic agent lost its rendezvous host (node rank 0 is gone): resumable once the peer is back, so the
 # Job's podFailurePolicy ignores it (the lost host's own failure is the one counted).
 EXIT_PEER_LOST = 69  # EX_UNAVAILABLE from sysexits.h: "a service is unavailable"
+# How a run stopped with 75 is resumed, where the command that ran it is not what resumes it: a pod's manifest sets
+# it (its controller starts the pod again). Unset: the same command.
+RESUME_HINT_ENV = "KUBETRAIN_RESUME_HINT"
+
+
+def resume_hint() -> str:
+    import os
+
+    return os.environ.get(RESUME_HINT_ENV) or "resume with the same command"
 
 
 class KubetrainError(Exception):

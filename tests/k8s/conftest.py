@@ -9,12 +9,14 @@ waiting_fakes.py.
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import datetime
 import hashlib
 import json
 import os
 import re
+import socket
 import struct
 import subprocess
 import sys
@@ -84,6 +86,7 @@ class ApiServer(Controllers):
         self.stopped: set[str] = set()  # pods whose container ended
         self.instances: dict[str, int] = {}  # pod name -> restarts of its container so far
         self.unreported: dict[str, int] = {}  # pod name -> exit code the kubelet has not reported yet
+        self.exit_reasons: dict[str, str] = {}  # pod name -> the runtime's reason for that exit (OOMKilled, Error)
         self.answers: dict[tuple[str, str], Answer] = {}
         self.requests: list[dict[str, Any]] = []
         self.crds: dict[str, dict[str, Any]] = {}
@@ -96,11 +99,13 @@ class ApiServer(Controllers):
         self.kueue = False  # Kueue installed: its CRDs served, its webhook suspends a Job with a queue label
         self.changed = threading.Condition()
         self.serial = 0
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        # the control plane's troubles (restart, refuse, time_out, and break_stream's "stall" and "kubelet-error"):
+        self.generation = 0  # one more each time the server goes down: the streams it served drop
+        self.refusing = 0  # requests still to answer 429 (the API server shutting down)
+        self.refused = 0  # requests answered so
+        self.holding = 0  # requests still to hold unanswered (an API server whose storage does not answer)
+        self.connections: set[Any] = set()  # the client connections open now (down() closes them)
+        self._serve_on(0)
 
     # -- what tests set up -------------------------------------------------------------------------
 
@@ -132,6 +137,43 @@ class ApiServer(Controllers):
         }))
         return path
 
+    # -- the control plane's troubles --------------------------------------------------------------
+
+    def down(self) -> None:
+        """kube-apiserver stops (a restart, an upgrade): its port refuses connections, and the connections it had
+        close. A followed log is a long-running request (the apiserver's LongRunningFunc): the graceful shutdown does
+        not wait for it, so its client reads a broken answer, not the end of a log."""
+        with self.changed:
+            self.generation += 1
+            self.changed.notify_all()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        for connection in list(self.connections):
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+
+    def up(self) -> None:
+        """kube-apiserver is back on the same address (its state is etcd's: every object is still there)."""
+        self._serve_on(int(self.url.rsplit(":", 1)[1]))
+
+    def refuse(self, count: int) -> None:
+        """The next `count` requests get what kube-apiserver answers once its shutdown delay has passed
+        (staging/src/k8s.io/apiserver/pkg/server/filters/with_retry_after.go, `--shutdown-send-retry-after`): 429,
+        `Retry-After: 5`, `Connection: close`, and http.Error's plain text body."""
+        self.refusing = count
+
+    def time_out(self, count: int) -> None:
+        """The next `count` requests are taken and never answered (an API server waiting on etcd): the client's
+        own timeout ends them."""
+        self.holding = count
+
+    def _serve_on(self, port: int) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())  # allow_reuse_address: same port
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
     # -- HTTP --------------------------------------------------------------------------------------
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
@@ -142,6 +184,38 @@ class ApiServer(Controllers):
 
             def log_message(self, *args: object) -> None:
                 pass
+
+            def setup(self) -> None:
+                super().setup()
+                server.connections.add(self.connection)
+
+            def finish(self) -> None:
+                server.connections.discard(self.connection)
+                with contextlib.suppress(OSError):
+                    super().finish()
+
+            def _trouble(self) -> bool:
+                """Answered (or not) as a troubled control plane does; False when the request goes on."""
+                if server.holding > 0:
+                    server.holding -= 1
+                    generation = server.generation
+                    with server.changed:  # until the server goes down or the test ends; the client gives up first
+                        server.changed.wait_for(lambda: server.generation != generation, timeout=30)
+                    self.close_connection = True
+                    return True
+                if server.refusing > 0:
+                    server.refusing -= 1
+                    server.refused += 1
+                    raw = b"The apiserver is shutting down, please try again later.\n"
+                    self.send_response(429)
+                    for key, value in (("Content-Type", "text/plain; charset=utf-8"), ("Retry-After", "5"),
+                                       ("Connection", "close"), ("Content-Length", str(len(raw)))):
+                        self.send_header(key, value)
+                    self.end_headers()
+                    self.wfile.write(raw)
+                    self.close_connection = True
+                    return True
+                return False
 
             def _serve(self) -> None:
                 url = urlsplit(self.path)
@@ -154,6 +228,8 @@ class ApiServer(Controllers):
                     return
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
+                if self._trouble():
+                    return
                 query = parse_qs(url.query)
                 server.requests.append({
                     "method": self.command, "path": url.path, "query": query,
@@ -178,7 +254,7 @@ class ApiServer(Controllers):
                     for chunk in answer:
                         self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                         self.wfile.flush()
-                except _ConnectionDropped:  # no last chunk: the client reads a broken answer
+                except (_ConnectionDropped, OSError):  # no last chunk: the client reads a broken answer
                     self.close_connection = True
                     return
                 self.wfile.write(b"0\r\n\r\n")
@@ -202,6 +278,8 @@ class ApiServer(Controllers):
         discovered = self._discovery(method, path)
         if discovered:
             return discovered
+        if not self._served(path):  # a custom group without its CRD: no handler is installed for it at all
+            return _json(404, status(404, "NotFound", "the server could not find the requested resource"))
         with self.changed:
             if method == "PATCH":
                 return self._apply(path, json.loads(body), "dryRun" in query)
@@ -237,6 +315,15 @@ class ApiServer(Controllers):
         what = f"{plural}.{group}" if group else plural
         return status(403, "Forbidden", f'{what} is forbidden: User "alice" cannot {verb} resource "{plural}" in '
                       f'API group "{group}" {where}')
+
+    def _served(self, path: str) -> bool:
+        """kube-apiserver serves a custom group/version only once a CRD defines it (apiextensions-apiserver's
+        crdHandler): before that, any request under it is 404 'the server could not find the requested resource'."""
+        match = re.match(r"/apis/([^/]+/[^/]+)/", path)
+        if match is None or match[1] in BUILT_IN:
+            return True
+        return any(f"{c['spec']['group']}/{v['name']}" == match[1]
+                   for c in self.crds.values() for v in c["spec"]["versions"])
 
     def _discovery(self, method: str, path: str) -> Answer | None:
         """/apis/GROUP/VERSION lists the kinds served; a custom group is served once its CRD is installed."""
@@ -422,9 +509,11 @@ class ApiServer(Controllers):
         """A followed log streams the container instance that runs now, until the container runtime says it is not
         running (pkg/kubelet/kuberuntime/logs/logs.go, waitLogs): the pod's status may still say `Running` then.
         Line by line, a last line without its newline only at the end."""
-        sent, instance = first, self.instances.get(name, 0)
+        sent, instance, generation = first, self.instances.get(name, 0), self.generation
         while True:
             with self.changed:
+                if self.generation != generation:  # the server went down: this connection is gone
+                    raise _ConnectionDropped
                 restarted = self.instances.get(name, 0) != instance  # its log is now the previous one
                 text, stamps = self._log_of(name, restarted)
                 ended = (restarted or name in self.stopped or _path_of(pod) not in self.objects
@@ -439,6 +528,17 @@ class ApiServer(Controllers):
                 raise _ConnectionDropped
             if how == "end":
                 return
+            if how == "stall":  # open and silent until the server goes down (or the client gives up on it)
+                with self.changed:
+                    self.changed.wait_for(lambda: self.generation != generation, timeout=60)
+                raise _ConnectionDropped
+            if how == "kubelet-error":
+                # pkg/kubelet/server/server.go, getContainerLogs: the answer (200, chunked) has begun when ReadLogs
+                # fails (pkg/kubelet/kuberuntime/logs/logs.go: waitLogs asks the runtime isContainerRunning, and a
+                # runtime that does not answer in time is a gRPC DeadlineExceeded); response.WriteError then writes
+                # the error's text into the same body, without a newline or a stamp, and the answer ends.
+                yield b"rpc error: code = DeadlineExceeded desc = context deadline exceeded"
+                return
             if whole > sent:
                 yield b"".join(shown(lines[i], stamps[i]) for i in range(sent, whole))
                 sent = whole
@@ -446,6 +546,9 @@ class ApiServer(Controllers):
                 return
 
     def close(self) -> None:
+        with self.changed:
+            self.generation += 1  # held requests and stalled streams end
+            self.changed.notify_all()
         self.httpd.shutdown()
         self.httpd.server_close()
 

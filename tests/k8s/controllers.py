@@ -31,6 +31,7 @@ class Controllers:
     stopped: set[str]
     instances: dict[str, int]
     unreported: dict[str, int]
+    exit_reasons: dict[str, str]
     changed: threading.Condition
     crds: dict[str, dict[str, Any]]
     serial: int
@@ -129,8 +130,10 @@ class Controllers:
 
     def break_stream(self, name: str, how: str, log: str = "") -> None:
         """The pod's followed log breaks off while its container runs on and writes `log`: "end" (the answer is
-        closed, as when the API server stops or a proxy's timeout ends a long request) or "reset" (the connection
-        drops before the last chunk). The stream sends nothing more; a stream opened later reads on."""
+        closed, as when the API server stops or a proxy's timeout ends a long request), "reset" (the connection
+        drops before the last chunk), "stall" (it stays open and sends nothing, as from a kubelet on a node under
+        memory pressure) or "kubelet-error" (the kubelet's error text ends the answer; see ApiServer._follow).
+        The stream sends nothing more; a stream opened later reads on."""
         with self.changed:
             self.break_streams[name] = how
         self.write_log(name, log)
@@ -142,7 +145,7 @@ class Controllers:
             stamps.append(max(time.time_ns(), stamps[-1] + 1 if stamps else 0))
         return stamps
 
-    def exit(self, name: str, code: int, log: str = "", reported: bool = True) -> None:
+    def exit(self, name: str, code: int, log: str = "", reported: bool = True, reason: str | None = None) -> None:
         """The container ends; with `reported`, the kubelet reports it and the pod's controller reacts (a Job
         replaces a failed pod).
 
@@ -151,11 +154,13 @@ class Controllers:
         the pod's status in the API server changes only when the kubelet's next PLEG relist (every second,
         genericPlegRelistPeriod in pkg/kubelet/kubelet.go) and its status manager (pkg/kubelet/status/
         status_manager.go, syncPod) get there. Until then the pod says `Running`, its container `running`.
-        `reported=False` stops between the two acts; `report` plays the second."""
+        `reported=False` stops between the two acts; `report` plays the second. `reason`: the runtime's
+        (OOMKilled for a cgroup OOM kill, with code 137), else Completed or Error."""
         self.write_log(name, log)
         with self.changed:
             self.stopped.add(name)
             self.unreported[name] = code
+            self.exit_reasons[name] = reason or ("Completed" if code == 0 else "Error")
             self.changed.notify_all()
         if reported:
             self.report(name)
@@ -164,11 +169,12 @@ class Controllers:
         """The kubelet's status manager writes the ended container's state and the pod's terminal phase
         (restartPolicy Never). A pod being deleted (`deletionTimestamp`) is then deleted with grace 0 (syncPod's
         canBeDeleted); its Job replaces it at the controller's next `sync`, as `delete_pod` says."""
-        code = self.unreported.pop(name)
+        code, reason = self.unreported.pop(name), self.exit_reasons.pop(name)
+        finished = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())  # the runtime's clock, a real time
 
         def change(pod: dict[str, Any]) -> None:
             pod["status"].update(phase="Succeeded" if code == 0 else "Failed", containerStatuses=[
-                _container(pod, {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}})])
+                _container(pod, {"terminated": {"exitCode": code, "reason": reason, "finishedAt": finished}})])
 
         pod = next(p for p in self.pods() if p["metadata"]["name"] == name)
         if not pod["metadata"].get("deletionTimestamp"):
@@ -178,6 +184,24 @@ class Controllers:
             change(pod)
             del self.objects[_path_of(pod)]
             self.changed.notify_all()
+
+    def evict(self, name: str, message: str) -> None:
+        """The kubelet's eviction manager ends the pod (pkg/kubelet/eviction/eviction_manager.go, evictPod): its
+        container is killed (137), the pod fails with reason Evicted and the resource in its message, and gets the
+        DisruptionTarget condition, reason TerminationByKubelet (pkg/kubelet/status/status_manager.go), which a
+        podFailurePolicy Ignore rule onPodConditions matches."""
+        self.write_log(name, "")
+        finished = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        with self.changed:
+            self.stopped.add(name)
+
+        def change(pod: dict[str, Any]) -> None:
+            pod["status"].update(phase="Failed", reason="Evicted", message=message, containerStatuses=[
+                _container(pod, {"terminated": {"exitCode": 137, "reason": "Error", "finishedAt": finished}})])
+            pod["status"].setdefault("conditions", []).append(
+                {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
+                 "message": message, "lastTransitionTime": finished})
+        self._change_pod(name, change)
 
     def restart(self, name: str, code: int, log: str = "") -> None:
         """The kubelet restarts the container in place (restartPolicy Always or OnFailure): the instance that ended
@@ -382,10 +406,13 @@ def _container(pod: dict[str, Any], state: dict[str, Any], ready: bool = False) 
 def _failure_action(policy: dict[str, Any] | None, pod: dict[str, Any]) -> tuple[str | None, str]:
     """The action of the first podFailurePolicy rule whose exit codes match the failed container, and for FailJob
     the message the Job's Failed condition carries (pkg/controller/job/pod_failure_policy.go,
-    matchPodFailurePolicy; onPodConditions rules need conditions the kubelet sets, which tests do not)."""
+    matchPodFailurePolicy; an onPodConditions rule matches a condition with status True, as `evict` sets)."""
     statuses = pod["status"].get("containerStatuses") or []
     code = ((statuses[0].get("state") or {}).get("terminated") or {}).get("exitCode") if statuses else None
+    conditions = {c.get("type") for c in pod["status"].get("conditions") or [] if c.get("status") == "True"}
     for index, rule in enumerate((policy or {}).get("rules", [])):
+        if any(p.get("type") in conditions for p in rule.get("onPodConditions") or []):
+            return str(rule["action"]), ""
         match = rule.get("onExitCodes")
         if match and code is not None and (code in match["values"]) == (match["operator"] == "In"):
             action = str(rule["action"])

@@ -73,6 +73,22 @@ def test_a_hang_dumps_the_stacks_of_the_ranks_that_answer_names_the_stopped_one_
     assert len(read_all(run)) == 1
 
 
+def test_every_stacks_file_names_the_jobs_suspect(tmp_path: Path) -> None:
+    """Node 0 holds only healthy rank 0 (it answered); the nodes agree that rank 1, on node 1, is stuck. Node 0's
+    stacks file said `suspect: rank 0` (its own guess) while the job's suspect was rank 1."""
+    beats, run = tmp_path / "beats", tmp_path / "run"
+    beats.mkdir()
+    worker = _worker(beats, 0, 7)
+    said: list[str] = []
+    watch = HangWatch(beats, run, hang_timeout=30.0, say=said.append)
+    watch.agree = lambda restart, verdict: {"rank": 1, "step": 6, "silent": True}
+    watch.check(now=time.time() + 60)
+    assert worker.wait(timeout=30) == -signal.SIGKILL
+    [stacks] = (run / "incidents").glob("*-hang-stacks.txt")
+    assert stacks.read_text().splitlines()[0] == "hang: no rank advanced for 60s; suspect: rank 1 (on another node)"
+    assert not read_all(run) and "the stuck rank is rank 1 on another node" in said[0]
+
+
 def test_a_worker_that_dies_on_its_own_is_recorded_once_with_its_rank_and_step(tmp_path: Path) -> None:
     beats, run = tmp_path / "beats", tmp_path / "run"
     beats.mkdir()

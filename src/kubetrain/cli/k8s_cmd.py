@@ -175,6 +175,9 @@ def logs(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep streaming new lines.")] = False,
     rank: Annotated[int | None, typer.Option("--rank", help="Only this node rank.")] = None,
     tail: Annotated[int | None, typer.Option("--tail", help="Only the last N lines of each pod.")] = None,
+    give_up_after: Annotated[float, typer.Option(
+        "--give-up-after", help="With -f: seconds the API server may answer nothing before the follow gives up "
+        "(exit 1); failed requests are retried until then.")] = 600.0,
     namespace: NamespaceOpt = None,
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
@@ -183,13 +186,15 @@ def logs(
 
     With -f, ranks whose pod is not scheduled or still starting are waited for, a rank is followed into
     the pod that replaces a failed one, and the command ends when the job has ended (exit 1 when it failed).
+    A restarting or unreachable API server is waited out (one line), for up to --give-up-after seconds.
     Without -f, a rank with no log yet is named with why (exit 1).
     """
     from kubetrain.k8s.cluster.logs import stream_logs
+    from kubetrain.k8s.cluster.outage import Patience
 
     cluster = cluster_for(kubeconfig, context)
     stream_logs(cluster, name, namespace or cluster.default_namespace, follow=follow, rank=rank, tail=tail,
-                emit=lambda line: typer.echo(line))
+                emit=lambda line: typer.echo(line), patience=Patience(give_up_after=give_up_after))
 
 
 @app.command()

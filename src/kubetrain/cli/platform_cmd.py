@@ -94,3 +94,30 @@ def platform_explain(
     if not docs:
         raise UserInputError(f"unknown platform config key '{key}'; `kubetrain k8s platform explain` lists them")
     typer.echo(render_docs(docs))
+
+
+@app.command("grant")
+def platform_grant(
+    tracking_uri: Annotated[str, typer.Option("--tracking-uri", help="The MLflow server, as you reach it (e.g. "
+                                              "http://localhost:5000 through kubectl port-forward).")],
+    user: Annotated[str, typer.Option("--user", help="The jobs' MLflow user (the username in their Secret).")],
+    experiment: Annotated[str, typer.Option("--experiment", help="The jobs' track.mlflow.experiment.")] = "kubetrain",
+    password_env: Annotated[str | None, typer.Option(
+        "--password-env", help="Create the user first, with the password in this environment variable (the value "
+        "of the jobs' Secret; never on the command line).")] = None,
+) -> None:
+    """Let a job's own MLflow user write to its experiment (mlflow.auth): an EDIT grant, made as the admin.
+
+    Run with the admin's credentials in MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD. Creates the
+    experiment when it is missing (and the user with --password-env); running it again changes nothing.
+    """
+    import os
+
+    from kubetrain.k8s.platform.grants import grant_edit
+
+    password = None
+    if password_env is not None:
+        password = os.environ.get(password_env)
+        if not password:
+            raise UserInputError(f"--password-env {password_env}: that environment variable is not set or empty")
+    grant_edit(tracking_uri, user, experiment, password, say=typer.echo)

@@ -62,6 +62,14 @@ def pod_selector(name: str) -> str:
     return f"{JOB_LABEL}={name}"
 
 
+def main_container(pod: dict[str, Any]) -> str:
+    """The name of a pod's training container (kubectl's default container, else the first)."""
+    annotations = pod["metadata"].get("annotations") or {}
+    return str(
+        annotations.get("kubectl.kubernetes.io/default-container") or pod["spec"]["containers"][0]["name"]
+    )
+
+
 def node_rank(pod: dict[str, Any]) -> int | None:
     """The node rank a pod's controller gave it, from the labels and annotations the controllers set."""
     meta = pod.get("metadata", {})

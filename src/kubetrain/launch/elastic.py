@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kubetrain.distributed.peers import PEER_LOST as _PEER_LOST  # a peer went away: an effect, not a cause
-from kubetrain.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_STOPPED_RESUMABLE, UserInputError
+from kubetrain.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_STOPPED_RESUMABLE, UserInputError, resume_hint
 from kubetrain.torch_compat import FLIGHT_RECORDER_NAMES, elastic_agent, flight_recorder_names, torchrun_shutdown_args
 
 
@@ -86,7 +86,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     """Run the elastic agent in this process; the exit code says finished (0), stopped (75), bad input or failed."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousConnectionError
     from torch.distributed.run import parse_args, run
 
     from kubetrain.launch.watch import HangWatch, hang_agreement, launcher_metrics
@@ -121,6 +121,10 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
             _say(f"launcher: {e.sigval.name}: workers stopped before their stop checkpoint; the run resumes from "
                  f"{latest}")
             return EXIT_STOPPED_RESUMABLE
+        if status != "stopped" and latest is None:  # stopped before its first checkpoint: no work to lose
+            _say(f"launcher: {e.sigval.name}: stopped before the first checkpoint: nothing to lose, the run starts "
+                 f"over; exiting {EXIT_STOPPED_RESUMABLE}, not a failure ({resume_hint()})")
+            return EXIT_STOPPED_RESUMABLE
         _say(f"launcher: {e.sigval.name}: workers stopped (run status: {status})")
         return EXIT_STOPPED_RESUMABLE if status == "stopped" else EXIT_FAILURE
     except ChildFailedError as e:
@@ -144,6 +148,9 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         return EXIT_FAILURE
     except RendezvousConnectionError as e:  # an incident here; the caller decides the exit (pods: 69)
         watch.rendezvous_lost(opts.rdzv_endpoint, e)
+        raise
+    except RendezvousClosedError:  # another node's agent gave up (or ended) first: the same, a closed rendezvous
+        watch.rendezvous_closed(opts.rdzv_id)
         raise
     finally:
         watch.stop()

@@ -254,7 +254,10 @@ class HangWatch:
         out = incidents.incidents_dir(self.run_dir) / f"{incidents.stamp(at)}-hang-stacks.txt"
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "w", encoding="utf-8") as f:
-            f.write(f"hang: no rank advanced for {silent_for:.0f}s; suspect: rank {suspect.rank}\n")
+            # the job's suspect, as every node's file names it (this node's own guess may be a healthy rank that
+            # waits in a collective for the stuck one)
+            elsewhere = " (on another node)" if chosen["rank"] != suspect.rank else ""
+            f.write(f"hang: no rank advanced for {silent_for:.0f}s; suspect: rank {chosen['rank']}{elsewhere}\n")
             for b in sorted(live, key=lambda b: b.rank):
                 age = at - b.time
                 f.write(f"\n=== rank {b.rank} (pid {b.pid}, process state {states[b.rank]}, last step {b.step}, "
@@ -283,6 +286,11 @@ class HangWatch:
         cause = f": {error.__cause__}" if error.__cause__ else ""
         self.recorded(incidents.record(self.run_dir, "rendezvous-lost", rank=None, step=self.last_step(),
                                        message=f"lost the rendezvous host {endpoint}{cause}"))
+
+    def rendezvous_closed(self, rdzv_id: str) -> None:
+        """Another node's agent closed the rendezvous (it gave up, or ended): this node cannot join a new round."""
+        self.recorded(incidents.record(self.run_dir, "rendezvous-closed", rank=None, step=self.last_step(),
+                                       message=f"the rendezvous {rdzv_id} was closed by another node's agent"))
 
     def finish(self, failure_rank: int | None, failure_message: str | None) -> None:
         """After the agent gave up: record the failure that ended the last round, unless it was already."""

@@ -2,8 +2,10 @@
 
 Exiting at once is safe because every file a checkpoint writes is renamed into place: `latest` always names
 a complete checkpoint. When the grace period ends before the stop checkpoint is written, the process exits
-75 (resumable) if an earlier checkpoint is complete, naming the step the run will resume from, else 1.
-StopVote makes every rank stop at the same step without a GPU synchronisation.
+75 (resumable), naming the step the run will resume from, or saying that no checkpoint exists yet: a stop before
+the first checkpoint loses nothing that a restart would not redo, and is no failure (a Job's podFailurePolicy
+ignores 75; counting it failed jobs that had lost nothing). StopVote makes every rank stop at the same step without
+a GPU synchronisation.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as td
 
 from kubetrain.checkpoint.layout import LATEST, pointer
-from kubetrain.errors import EXIT_FAILURE, EXIT_STOPPED_RESUMABLE
+from kubetrain.errors import EXIT_STOPPED_RESUMABLE, resume_hint
 
 
 class GracefulStop:
@@ -59,9 +61,10 @@ class GracefulStop:
             print(f"grace period of {self.grace_seconds:.0f}s passed before the stop checkpoint was saved; exiting: "
                   f"the run resumes from {latest} (its newest complete checkpoint)", file=sys.stderr, flush=True)
             os._exit(EXIT_STOPPED_RESUMABLE)
-        print(f"grace period of {self.grace_seconds:.0f}s passed before the checkpoint was saved and there is no "
-              "earlier one; exiting", file=sys.stderr, flush=True)
-        os._exit(EXIT_FAILURE)
+        print(f"grace period of {self.grace_seconds:.0f}s passed before the first checkpoint was saved: nothing to "
+              f"lose, the run starts over; exiting {EXIT_STOPPED_RESUMABLE} ({resume_hint()})",
+              file=sys.stderr, flush=True)
+        os._exit(EXIT_STOPPED_RESUMABLE)
 
     def time_left(self) -> float | None:
         """Seconds left of the grace period since the stop was asked for; None when no stop was asked for."""

@@ -21,7 +21,7 @@ from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import Prepared, prepare
 from kubetrain.distributed import setup as dist
-from kubetrain.errors import CheckpointError, TrainingFailed, TrainingStopped
+from kubetrain.errors import CheckpointError, TrainingFailed, TrainingStopped, resume_hint
 from kubetrain.models.loss import counted_tokens, lm_loss
 from kubetrain.secrets import redact_text
 from kubetrain.track import Fanout
@@ -166,7 +166,7 @@ class Trainer:
                         saved = self.last_checkpoint.path.name if self.last_checkpoint else "saved"  # rank 0's
                         raise TrainingStopped(
                             f"stopped by {stop.signal_name or 'a signal on another rank'} at step {state.step}; "
-                            f"checkpoint {saved}; resume with the same command"
+                            f"checkpoint {saved}; {resume_hint()}"
                         )
                 vote.close()
                 self.t_end = time.perf_counter()

@@ -158,8 +158,17 @@ def test_stop_deletes_the_job_and_keeps_the_claims(tmp_path: Path, apiserver: An
     assert all(r["body"]["propagationPolicy"] == "Background" for r in deletes)
     assert list(apiserver.objects) == ["/api/v1/namespaces/ml/persistentvolumeclaims/tiny-checkpoints"]
     assert "kept claims (checkpoints; the next launch resumes from them): tiny-checkpoints" in out
-    code, _, err = cli("k8s", "stop", "tiny", "--kubeconfig", str(kubeconfig))
+    code, out, err = cli("k8s", "stop", "tiny", "--kubeconfig", str(kubeconfig))
     assert code == 2 and "no kubetrain job 'tiny' in namespace ml" in err
+
+
+def test_stop_of_a_missing_job_prints_only_its_error(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    """No job: every kind is tried, and the custom ones this cluster does not serve were each said before the
+    error (`skipped JobSet: not served here`, TrainJob, PyTorchJob). Only the error now."""
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    code, out, err = cli("k8s", "stop", "missing", "--kubeconfig", str(kubeconfig))
+    assert (code, out) == (2, "")
+    assert err.startswith("error: no kubetrain job 'missing' in namespace ml on ") and err.count("\n") == 1
 
 
 def test_stop_as_a_namespace_editor_with_other_crds_installed(

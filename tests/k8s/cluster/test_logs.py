@@ -12,6 +12,7 @@ import pytest
 
 from kubetrain.k8s.cluster.api import connect
 from kubetrain.k8s.cluster.logs import stream_logs
+from kubetrain.k8s.cluster.outage import GaveUp, Patience
 
 Cli = Callable[..., tuple[int, str, str]]
 PODS = "/api/v1/namespaces/ml/pods"
@@ -20,10 +21,11 @@ PODS = "/api/v1/namespaces/ml/pods"
 def test_logs_of_every_rank_and_of_one(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
     kubeconfig = str(apiserver.kubeconfig(tmp_path))
     apiserver.answer("GET", PODS, 200, apiserver.recorded("pods_tiny"))
-    apiserver.answer(
-        "GET", f"{PODS}/tiny-0-4mq9d/log", 200, b"step 4/8 | loss 5.1\nstep 8/8 | loss 4.7\n", "text/plain"
-    )
-    apiserver.answer("GET", f"{PODS}/tiny-1-x7k2p/log", 200, b"[entrypoint] node 1/2\n", "text/plain")
+    # -f asks for `timestamps`: the kubelet puts the runtime's stamp before every line
+    apiserver.answer("GET", f"{PODS}/tiny-0-4mq9d/log", 200, b"2026-11-26T02:30:00.1Z step 4/8 | loss 5.1\n"
+                     b"2026-11-26T02:30:01.25Z step 8/8 | loss 4.7\n", "text/plain")
+    apiserver.answer("GET", f"{PODS}/tiny-1-x7k2p/log", 200, b"2026-11-26T02:30:00Z [entrypoint] node 1/2\n",
+                     "text/plain")
     code, out, err = cli("k8s", "logs", "tiny", "-f", "--kubeconfig", kubeconfig)
     assert code == 0, err
     assert sorted(out.splitlines()) == [
@@ -36,6 +38,7 @@ def test_logs_of_every_rank_and_of_one(tmp_path: Path, apiserver: Any, cli: Cli)
     log_requests = [r for r in apiserver.requests if r["path"].endswith("/log")]
     assert {r["query"]["follow"][0] for r in log_requests} == {"true"}
     assert {r["query"]["container"][0] for r in log_requests} == {"trainer"}
+    apiserver.answer("GET", f"{PODS}/tiny-1-x7k2p/log", 200, b"[entrypoint] node 1/2\n", "text/plain")
 
     code, out, _ = cli("k8s", "logs", "tiny", "--rank", "1", "--kubeconfig", kubeconfig)
     assert code == 0 and out.splitlines() == ["[rank 1] [entrypoint] node 1/2"]
@@ -49,19 +52,24 @@ def launch(cli: Cli, kubeconfig: Path, nnodes: int) -> None:
     assert code == 0, err
 
 
+# Waits between tries short enough for a test; a request or a silent stream given up on within a second.
+QUICK = Patience(give_up_after=60, first_wait=0.01, longest_wait=0.1, idle=1.0)
+
+
 class Follower:
     """`logs -f` in a thread, as a user runs it beside the cluster's changes."""
 
-    def __init__(self, kubeconfig: Path) -> None:
+    def __init__(self, kubeconfig: Path, patience: Patience = QUICK) -> None:
         self.lines: list[str] = []
         self.error: BaseException | None = None
         cluster = connect(kubeconfig)
-        self.thread = threading.Thread(target=self._run, args=(cluster,), daemon=True)
+        cluster.timeout = 1.0
+        self.thread = threading.Thread(target=self._run, args=(cluster, patience), daemon=True)
         self.thread.start()
 
-    def _run(self, cluster: Any) -> None:
+    def _run(self, cluster: Any, patience: Patience) -> None:
         try:
-            stream_logs(cluster, "tiny", "ml", follow=True, emit=self.lines.append, poll=0.01)
+            stream_logs(cluster, "tiny", "ml", follow=True, emit=self.lines.append, poll=0.01, patience=patience)
         except BaseException as e:  # handed to the test
             self.error = e
 
@@ -77,13 +85,14 @@ class Follower:
         return self.lines
 
 
-def following_one_rank(tmp_path: Path, apiserver: Any, cli: Cli, log: str) -> tuple[str, Follower]:
+def following_one_rank(tmp_path: Path, apiserver: Any, cli: Cli, log: str,
+                       patience: Patience = QUICK) -> tuple[str, Follower]:
     """A one-pod job whose container started writing `log`, followed until its last line was printed."""
     kubeconfig = apiserver.kubeconfig(tmp_path)
     launch(cli, kubeconfig, 1)
     pod = apiserver.pod("tiny", 0)
     apiserver.start(pod, log)
-    follower = Follower(kubeconfig)
+    follower = Follower(kubeconfig, patience)
     follower.saw(f"[rank 0] {log.splitlines()[-1]}")
     return pod, follower
 
@@ -246,6 +255,101 @@ def test_follow_of_a_failed_job_exits_1_with_one_line(tmp_path: Path, apiserver:
     code, out, err = cli("k8s", "logs", "tiny", "-f", "--kubeconfig", str(kubeconfig))
     assert code == 1 and out.splitlines() == [
         "[rank 0] step 1/8", "[rank 0] RuntimeError: CUDA error: an illegal memory access was encountered"]
-    assert err == "error: job 'tiny' failed: BackoffLimitExceeded: Job has reached the specified backoff limit\n"
+    assert err == ("error: job 'tiny' failed: BackoffLimitExceeded: Job has reached the specified backoff limit; "
+                   f"rank 0: container trainer of pod {pod} exited 1\n")
     code, out, err = cli("k8s", "logs", "tiny", "--kubeconfig", str(kubeconfig))  # without -f: what is there
     assert code == 0, err
+
+
+def rank_lines(lines: list[str]) -> list[str]:
+    """What the ranks wrote, without our own parenthesised status lines."""
+    return [line for line in lines if not line.startswith("(") and "] (" not in line]
+
+
+def test_follow_rides_out_an_api_server_restart(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    """kube-apiserver restarts: it first answers 429 (shutting down, Retry-After 5: the client's urllib3 waits and
+    asks again), then its port refuses connections and its streams drop, then it serves again. `logs -f` exited 2
+    at the first refused request while the job trained on; now it says so once, waits, prints what the container
+    wrote meanwhile, once, and ends with the job."""
+    pod, follower = following_one_rank(tmp_path, apiserver, cli, "step 1/9\n")
+    apiserver.refuse(1)
+    apiserver.break_stream(pod, "end", "step 2/9\n")  # the stream closes; asking again meets the 429
+    follower.saw("[rank 0] step 2/9")
+    assert apiserver.refused == 1
+    apiserver.down()
+    follower.saw("(API server unreachable, retrying for up to 1 min: connection refused)")
+    apiserver.write_log(pod, "step 3/9\n")
+    time.sleep(0.5)  # several tries meet the closed port
+    assert follower.thread.is_alive()
+    apiserver.up()
+    follower.saw("[rank 0] step 3/9")
+    apiserver.exit(pod, 0, "step 9/9\n")
+    lines = follower.end()
+    assert [line for line in lines if "waiting:" not in line] == [
+        "[rank 0] step 1/9", "[rank 0] step 2/9",
+        f"[rank 0] (the log stream of pod {pod} broke off: Response ended prematurely; opening it again)",
+        "(API server unreachable, retrying for up to 1 min: connection refused)",  # said once
+        "[rank 0] step 3/9", "[rank 0] step 9/9"]
+
+
+def test_follow_rides_out_requests_that_time_out(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    """Requests the API server takes and never answers (its storage stalled) end at the client's timeout (1 s here);
+    urllib3 asks three more times, and then the follow retries instead of exiting 2 ("timed out")."""
+    pod, follower = following_one_rank(tmp_path, apiserver, cli, "step 1/4\n")
+    apiserver.time_out(5)
+    apiserver.break_stream(pod, "end", "step 2/4\n")
+    follower.saw("(API server unreachable, retrying for up to 1 min: timed out)")
+    follower.saw("[rank 0] step 2/4")
+    apiserver.exit(pod, 0, "step 4/4\n")
+    assert rank_lines(follower.end()) == ["[rank 0] step 1/4", "[rank 0] step 2/4", "[rank 0] step 4/4"]
+
+
+def test_follow_gives_up_after_the_stated_time_with_one_line(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    patience = Patience(give_up_after=0.5, first_wait=0.01, longest_wait=0.1, idle=1.0)
+    pod, follower = following_one_rank(tmp_path, apiserver, cli, "step 1/9\n", patience)
+    apiserver.down()
+    follower.thread.join(timeout=30)
+    assert isinstance(follower.error, GaveUp) and follower.error.exit_code == 1, (follower.lines, follower.error)
+    assert str(follower.error).startswith(f"gave up following the logs: the API server at {apiserver.url} ")
+    assert "answered nothing for" in str(follower.error) and "connection refused" in str(follower.error)
+    assert follower.lines[1:] == [
+        f"[rank 0] (the log stream of pod {pod} broke off: Response ended prematurely; opening it again)",
+        "(API server unreachable, retrying for up to 0s: connection refused)"]
+
+
+def test_a_kubelet_error_in_the_stream_is_our_line_not_the_ranks(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    """The kubelet writes a failed ReadLogs' error into the answer it began (rpc error: ... DeadlineExceeded on a
+    stalled node): it was printed as a line of rank 0's log. It is one of our status lines; the stream is opened
+    again and the container's lines follow, once."""
+    pod, follower = following_one_rank(tmp_path, apiserver, cli, "step 1/4\n")
+    apiserver.break_stream(pod, "kubelet-error", "step 2/4\n")
+    follower.saw("[rank 0] step 2/4")
+    apiserver.exit(pod, 0, "step 4/4\n")
+    lines = follower.end()
+    assert rank_lines(lines) == ["[rank 0] step 1/4", "[rank 0] step 2/4", "[rank 0] step 4/4"]
+    assert f"[rank 0] (the log stream of pod {pod} ended with the kubelet's error: rpc error: code = " \
+           "DeadlineExceeded desc = context deadline exceeded; opening it again)" in lines
+    assert not any(line.startswith("[rank 0] rpc error") for line in lines)
+
+
+def test_follow_leaves_a_stalled_stream_for_the_pod_that_replaced_it(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    """A node under memory pressure: its kubelet keeps the stream open and sends nothing, the pod is replaced. The
+    follow never printed a line of the new pod; now a stream silent for `idle` is looked at again."""
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, 2)
+    zero, one = apiserver.pod("tiny", 0), apiserver.pod("tiny", 1)
+    apiserver.start(zero, "step 1/8\n")
+    apiserver.start(one, "[entrypoint] node 1/2\n")
+    follower = Follower(kubeconfig)
+    follower.saw("[rank 1] [entrypoint] node 1/2")
+    apiserver.break_stream(one, "stall", "[rank 1 stalls]\n")
+    apiserver.exit(one, 137)  # its node's kernel ended it; the Job controller replaces the pod
+    new_one = apiserver.pod("tiny", 1)
+    apiserver.start(new_one, "[entrypoint] node 1/2 again\n")
+    follower.saw("[rank 1] [entrypoint] node 1/2 again")
+    apiserver.exit(new_one, 0)
+    apiserver.exit(zero, 0, "step 8/8\n")
+    lines = follower.end()
+    assert [line for line in rank_lines(lines) if line.startswith("[rank 1]")] == [
+        "[rank 1] [entrypoint] node 1/2", "[rank 1] [rank 1 stalls]", "[rank 1] [entrypoint] node 1/2 again"]
+    assert f"[rank 1] (pod {one} was replaced by {new_one}; following it)" in lines

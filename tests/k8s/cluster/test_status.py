@@ -97,6 +97,7 @@ def test_one_line_per_rank_from_its_newest_pod(tmp_path: Path, apiserver: Any, c
     assert code == 0, err
     assert out.splitlines() == [
         "tiny (indexed-job, namespace ml): running, step 14/20 (70%)",
+        f"  last failure: rank 0: container trainer of pod {first} exited 1",  # what ended the earlier pod
         f"  rank 0: {replacement} Running on node-a, 0 restarts, 1 earlier failed pod",
         f"  rank 1: {other} Running on node-b, 0 restarts",
     ]
@@ -278,3 +279,71 @@ def test_the_incident_that_ended_a_replaced_pod_is_read_from_its_log(tmp_path: P
     assert out.splitlines()[0] == ("tiny (indexed-job, namespace ml): running, step 121/200 (60.5%), 12,345 tok/s, "
                                    "eta 11:40")
     assert "last incident" not in out
+
+
+def test_an_oom_killed_pod_is_named_with_its_limit_and_advice_and_is_the_oom_incident(
+        tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    """The container's cgroup was OOM-killed (exit 137, reason OOMKilled): status said `failed, step unknown` and
+    the incident `worker-exit` (the peer's launcher's); `logs -f` ended with BackoffLimitExceeded only."""
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, "k8s.nnodes=2", "k8s.backoff_limit=0", "k8s.resources.memory=3Gi")
+    zero, one = apiserver.pod("tiny", 0), apiserver.pod("tiny", 1)
+    apiserver.start(zero, _incident("worker-exit", 0, 3, T0, "a peer went away") + "error: rank 0 failed\n")
+    apiserver.start(one, "[entrypoint] node 1/2\n", node="node-b")
+    apiserver.exit(one, 137, reason="OOMKilled")  # its launcher died with it: no incident line of its own
+    apiserver.exit(zero, 1)
+    status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])
+    assert status["state"] == "failed"
+    failure = status["last_failure"]
+    assert (failure["rank"], failure["pod"], failure["reason"], failure["exit_code"]) == (1, one, "OOMKilled", 137)
+    assert failure["message"].startswith(f"rank 1: container trainer of pod {one} was OOMKilled (exit 137) at its "
+                                         "memory limit of 3Gi: a pod's processes need about ")
+    assert "`kubetrain doctor CONFIG` shows it); raise k8s.resources.memory" in failure["message"]
+    incident = status["last_incident"]
+    assert (incident["kind"], incident["rank"], incident["log"]) == ("oom", 1, f"{one}, containerStatuses")
+    code, out, _ = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert f"  last failure: {failure['message']}" in out.splitlines()
+    assert "  last incident: oom on rank 1 (" in out
+    code, out, err = cli("k8s", "logs", "tiny", "-f", "--kubeconfig", str(kubeconfig))
+    assert code == 1 and err == ("error: job 'tiny' failed: BackoffLimitExceeded: Job has reached the specified "
+                                 f"backoff limit; {failure['message']}\n")
+
+
+def test_an_evicted_pod_is_named_and_does_not_fail_the_job(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, "k8s.backoff_limit=0")
+    pod = apiserver.pod("tiny", 0)
+    apiserver.start(pod, "step 1/8\n")
+    apiserver.evict(pod, "The node was low on resource: memory. Threshold quantity: 100Mi, available: 42Mi.")
+    status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])
+    assert status["state"] == "pending: not scheduled yet"  # replaced: the DisruptionTarget rule ignores it
+    assert status["last_failure"]["message"] == (
+        f"rank 0: container trainer of pod {pod} was evicted from node node-a: The node was low on resource: "
+        "memory. Threshold quantity: 100Mi, available: 42Mi.")
+
+
+def test_a_pod_that_exited_with_a_code_and_one_that_cannot_pull_its_image_are_named(
+        tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, "k8s.backoff_limit=0")
+    pod = apiserver.pod("tiny", 0)
+    apiserver.start(pod, "step 1/8\n")
+    apiserver.exit(pod, 3)
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert out.splitlines()[0] == "tiny (indexed-job, namespace ml): failed, step 1/8 (12.5%)"
+    assert f"  last failure: rank 0: container trainer of pod {pod} exited 3" in out.splitlines()
+    code, out, err = cli("k8s", "logs", "tiny", "-f", "--kubeconfig", str(kubeconfig))
+    assert code == 1 and err.endswith(f"; rank 0: container trainer of pod {pod} exited 3\n")
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    apiserver.objects.clear()
+    launch(cli, kubeconfig)
+    pod = apiserver.pod("tiny", 0)
+    apiserver.schedule(pod)
+    image = apiserver.objects[f"/api/v1/namespaces/ml/pods/{pod}"]["spec"]["containers"][0]["image"]
+    pulling = {"reason": "ImagePullBackOff", "message": f'Back-off pulling image "{image}"'}
+    apiserver.objects[f"/api/v1/namespaces/ml/pods/{pod}"]["status"]["containerStatuses"][0]["state"] = {
+        "waiting": pulling}
+    status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])
+    assert status["last_failure"]["message"] == (
+        f"rank 0: container trainer of pod {pod} cannot pull image {image} (ImagePullBackOff: Back-off pulling "
+        f'image "{image}")')

@@ -316,3 +316,61 @@ def _stop(server: subprocess.Popen[bytes], log: Any) -> None:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
     log.close()
+
+
+def _post(url: str, body: dict[str, Any], auth: tuple[str, str]) -> int:
+    import json
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={
+        "Content-Type": "application/json",
+        "Authorization": "Basic " + base64.b64encode(":".join(auth).encode()).decode()})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+@pytest.mark.slow
+def test_a_job_with_its_own_credentials_logs_a_run_and_a_reader_cannot_write(
+        tmp_path: Path, train_tiny: TrainTiny, cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """docs/platform.md's recipe, against the rendered server with auth on: a user made with users/create alone got
+    403 at runs/create in the experiment that already existed (default_permission READ), and the job trained on
+    untracked. `kubetrain k8s platform grant` (an EDIT grant, made as the admin) is what the docs now say."""
+    from mlflow.tracking import MlflowClient
+
+    admin = ("admin", "s3cret-admin-pw")
+    secrets = {"MLFLOW_AUTH_ADMIN_PASSWORD": admin[1], "MLFLOW_FLASK_SERVER_SECRET_KEY": "csrf-key"}
+    with rendered_server(tmp_path, {"mlflow": {"workers": 1, "auth": {"enabled": True}}}, secrets) as (url, _):
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", admin[0])
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", admin[1])
+        existing = MlflowClient(url).create_experiment("kubetrain")  # made before the job's user had any say
+        users = f"{url}/api/2.0/mlflow/users/create"
+        assert _post(users, {"username": "reader", "password": "reader-password-1"}, admin) == 200
+        assert _post(users, {"username": "trainer", "password": "trainer-password-1"}, admin) == 200
+        runs = f"{url}/api/2.0/mlflow/runs/create"
+        trainer = ("trainer", "trainer-password-1")
+        assert _post(runs, {"experiment_id": existing}, trainer) == 403  # where the old recipe ended
+
+        monkeypatch.setenv("TRAINER_PASSWORD", "trainer-password-1")
+        code, out, err = cli("k8s", "platform", "grant", "--tracking-uri", url, "--user", "trainer",
+                             "--experiment", "kubetrain", "--password-env", "TRAINER_PASSWORD")
+        assert code == 0, err
+        assert out.splitlines() == ["MLflow user trainer exists (its password is unchanged)",
+                                    f"experiment kubetrain (existing, id {existing})",
+                                    "granted EDIT on experiment kubetrain to trainer: its jobs can create runs there"]
+        code, out, err = cli("k8s", "platform", "grant", "--tracking-uri", url, "--user", "trainer")
+        assert code == 0 and out.splitlines()[-1] == "trainer had a grant on it already: kept as it is", err
+
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "trainer")  # the job's own credentials, from its Secret
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "trainer-password-1")
+        result = train_tiny("track.mlflow.enabled=true", f"track.mlflow.tracking_uri={url}")
+        assert result.status == "finished"
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", admin[0])
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", admin[1])
+        [run] = MlflowClient(url).search_runs([existing])
+        assert run.info.status == "FINISHED" and run.data.metrics  # the job's run, with its metrics
+
+        reader = ("reader", "reader-password-1")
+        assert _post(runs, {"experiment_id": existing}, reader) == 403  # a reader cannot write
+        assert _get(f"{url}/api/2.0/mlflow/runs/get?run_id={run.info.run_id}", auth=reader) == 200  # but reads

@@ -130,6 +130,38 @@ def test_sigterm_to_the_pod_ends_it_with_75_after_a_checkpoint(tmp_path: Path) -
     assert (checkpoints / "latest").exists(), pod.log_path.read_text()[-3000:]
     meta = json.loads((s.root / "volumes" / "checkpoints" / "tiny" / "meta.json").read_text())
     assert meta["status"] == "stopped"
+    # a pod is resumed by its controller (or a launch), not by "the same command" (the rendered env says so)
+    stopped = [line for line in pod.log_path.read_text().splitlines() if "stopped by SIGTERM at step" in line]
+    assert len(stopped) == 1 and stopped[0].endswith(
+        "; the Job starts the pod again and it resumes from there; after kubetrain k8s stop, kubetrain k8s launch "
+        "resumes it"), stopped
+
+
+@pytest.mark.slow
+def test_a_pod_stopped_before_its_first_checkpoint_exits_75_and_says_it_lost_nothing(tmp_path: Path) -> None:
+    """A pod deleted or preempted before the run's first checkpoint exited 1, a failure the Job counts (four of
+    them failed a job that had lost nothing). With no checkpoint there is nothing to lose: 75, which the rendered
+    podFailurePolicy ignores, and the log says so. The save cannot finish within a grace of 10 ms."""
+    tiny = ["run.threads=1", "run.device=cpu", "model.n_layer=1", "model.n_head=2", "model.n_embd=16",
+            "model.block_size=16", "train.micro_batch_size=2", "train.warmup_steps=1", "train.log_every_steps=1",
+            "train.max_steps=100000", "eval.every_steps=100000", "eval.sample_prompt=null",
+            "checkpoint.every_steps=100000", "checkpoint.grace_seconds=0.01"]
+    s = Simulation(load_config(None, "tiny", tiny), tmp_path / "sim", "indexed-job", echo=False)
+    pod = s.start_pod(0)
+    assert pod.process is not None
+    deadline = time.monotonic() + 300  # a safety net against a hang, not a timing assertion
+    while "step 1/" not in (pod.log_path.read_text() if pod.log_path.exists() else ""):
+        assert pod.running() and time.monotonic() < deadline, pod.log_path.read_text()[-3000:]
+        time.sleep(0.1)
+    pod.process.send_signal(signal.SIGTERM)
+    log = pod.log_path.read_text
+    assert pod.process.wait(timeout=300) == 75, log()[-3000:]
+    assert not (s.root / "volumes" / "checkpoints" / "tiny" / "checkpoints" / "latest").exists()
+    assert ("launcher: SIGTERM: stopped before the first checkpoint: nothing to lose, the run starts over; exiting "
+            "75, not a failure (the Job starts the pod again and it resumes from there; after kubetrain k8s stop, "
+            "kubetrain k8s launch resumes it)") in log().splitlines(), log()[-3000:]
+    rules = s.workload_obj["spec"]["podFailurePolicy"]["rules"]
+    assert any(r["action"] == "Ignore" and 75 in (r.get("onExitCodes") or {}).get("values", []) for r in rules)
 
 
 @pytest.mark.slow
@@ -163,3 +195,33 @@ def test_a_pod_that_lost_its_rendezvous_host_exits_69_which_the_job_ignores(tmp_
     logs = "".join(p.log_path.read_text() for p in s.pods)
     assert result.succeeded, result.message + logs[-4000:]
     assert result.exit_codes == {"tiny-0": [-9, 0], "tiny-1": [EXIT_PEER_LOST, 0]}
+
+
+def test_a_pod_whose_rendezvous_another_agent_closed_says_so_in_one_line_and_exits_69(tmp_path: Path) -> None:
+    """Another node's agent gave up and closed the rendezvous (torch's launch_agent shuts its handler down); this
+    pod's agent, joining the next round, meets RendezvousClosedError: ~80 lines of traceback and exit 1 before.
+    The closed rendezvous is torch's own: a host handler on a real c10d store, shut down."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    from kubetrain.errors import EXIT_PEER_LOST
+    from tests.conftest import cli_env
+
+    port = closed_port()
+    host = get_rendezvous_handler(RendezvousParameters(
+        backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="tiny", min_nodes=2, max_nodes=2, is_host="true"))
+    host.shutdown()  # what the agent that gave up does on its way out: the state says closed
+    config = tmp_path / "config.yaml"
+    config.write_text(f"run:\n  name: tiny\n  output_dir: {tmp_path / 'runs'}\n")
+    env = {**cli_env(), "KUBETRAIN_NNODES": "2", "JOB_COMPLETION_INDEX": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    proc = subprocess.run([sys.executable, "-m", "kubetrain", "k8s", "entrypoint", "--config", str(config),
+                           "--rdzv-id", "tiny", "--wait-timeout", "30"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == EXIT_PEER_LOST, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "RendezvousClosedError" not in proc.stderr, proc.stderr[-3000:]
+    assert (f"[entrypoint] the rendezvous tiny at 127.0.0.1:{port} was closed by another node's agent (it gave "
+            f"up); exiting 69 so this pod is replaced without counting as a failure") in proc.stderr.splitlines()
+    incidents = [line for line in proc.stderr.splitlines() if line.startswith("incident:")]
+    assert len(incidents) == 1 and incidents[0].startswith("incident: rendezvous-closed (")
+    del host

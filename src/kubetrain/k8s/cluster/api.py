@@ -26,6 +26,8 @@ APPLY_CONTENT_TYPE = "application/apply-patch+yaml"  # server-side apply (a JSON
 class ClusterError(UserInputError):
     """The API server cannot be reached, or refused a request. Exit code 2."""
 
+    status: int | None = None  # the HTTP status it answered with; None: no answer (unreachable, timed out)
+
 
 class NotFound(ClusterError):
     pass
@@ -33,6 +35,10 @@ class NotFound(ClusterError):
 
 class StreamBroken(ClusterError):
     """A streamed answer (a followed log) broke off mid-way: the connection was reset or timed out."""
+
+    def __init__(self, message: str, idle: bool = False) -> None:
+        super().__init__(message)
+        self.idle = idle  # nothing arrived for the read timeout: a quiet container, or a stalled stream
 
 
 class Conflict(ClusterError):
@@ -117,6 +123,7 @@ class Cluster:
         self.client = client
         self.where = where  # "https://host:6443 (kubeconfig X, context Y)", for messages
         self.default_namespace = default_namespace
+        self.timeout = 30.0  # seconds a request may take (a followed stream: between two reads, when it sets one)
 
     @property
     def server(self) -> str:
@@ -141,16 +148,22 @@ class Cluster:
         content_type: str = "application/json",
         what: str = "",
         stream: bool = False,
-        timeout: float | None = 30.0,
+        timeout: float | None = None,
     ) -> tuple[int, Any]:
-        """(HTTP status, JSON body) of one round-trip. A dict body goes as JSON; a str body as it is."""
+        """(HTTP status, JSON body) of one round-trip. A dict body goes as JSON; a str body as it is.
+
+        `timeout`: seconds to wait for the answer (default `self.timeout`); with `stream`, for each read of it
+        (default: none, a followed log may stay quiet for hours)."""
         import urllib3
         from kubernetes.client.exceptions import ApiException
 
         headers = {"Accept": "application/json", "Content-Type": content_type}
         what = what or f"{method} {path}"
         try:
-            response = self._send(method, path, query or [], headers, body, None if stream else timeout)
+            wait: Any = timeout if timeout is not None or stream else self.timeout
+            if stream and timeout is not None:  # connecting takes the usual time; each read may take `timeout`
+                wait = (self.timeout, timeout)
+            response = self._send(method, path, query or [], headers, body, wait)
         except (urllib3.exceptions.HTTPError, OSError) as e:
             reason = getattr(e, "reason", None) or e
             raise ClusterError(f"cannot reach the API server at {self.where}: {_short(reason)}") from None
@@ -183,21 +196,31 @@ class Cluster:
 
     def _send(
         self, method: str, path: str, query: list[tuple[str, str]], headers: dict[str, str], body: Any,
-        timeout: float | None,
+        timeout: Any,
     ) -> Any:
-        """The urllib3 response of one request (its body unread), whatever its status."""
+        """The urllib3 response of one request (its body unread), whatever its status; `timeout`: seconds, or
+        (connect, read) seconds, or None."""
         url, headers, body = self.prepare(method, path, query, headers, body)
         if hasattr(self.client, "param_serialize"):
             return self.client.call_api(method, url, header_params=headers, body=body,
                                         _request_timeout=timeout).response
         # The older REST layer raises on any status outside 2xx and reads the whole body: use its connection
         # pool (TLS and proxy as the kubeconfig says) directly, as the newer one does.
+        import urllib3
+
+        if isinstance(timeout, tuple):
+            timeout = urllib3.Timeout(connect=timeout[0], read=timeout[1])
         return self.client.rest_client.pool_manager.request(
             method, url, body=body, headers=headers, preload_content=False, timeout=timeout,
         )
 
     def error(self, status: int, data: bytes, what: str) -> ClusterError:
         """The one-line error of an HTTP status and the Status body the API server sent with it."""
+        error = self._error(status, data, what)
+        error.status = status
+        return error
+
+    def _error(self, status: int, data: bytes, what: str) -> ClusterError:
         message, body = "", {}
         try:
             body = json.loads(data)
@@ -331,13 +354,15 @@ class Cluster:
         previous: bool = False,
         timestamps: bool = False,
         since_time: str | None = None,
+        read_timeout: float | None = None,
     ) -> Iterator[str]:
         """A pod's log line by line as it arrives, never read whole.
 
         `previous`: the container's previous instance (the kubelet keeps the last one that terminated; it answers
         400 when there is none, see `lastState.terminated`). `timestamps`: each line starts with the time the
         container runtime took it (RFC 3339, to the nanosecond) and a space; `since_time` (RFC 3339): only the
-        lines taken at or after it. A stream that breaks off raises StreamBroken."""
+        lines taken at or after it. A stream that breaks off raises StreamBroken; so does one that sends nothing for
+        `read_timeout` seconds (`idle`)."""
         import urllib3
 
         query = [("follow", "true" if follow else "false")]
@@ -352,7 +377,8 @@ class Cluster:
         if since_time is not None:
             query.append(("sinceTime", since_time))
         path = RESOURCES["Pod"].path(namespace or self.default_namespace, pod, "log")
-        response = self.request("GET", path, query=query, stream=True, what=f"logs of pod {pod}")
+        response = self.request("GET", path, query=query, stream=True, what=f"logs of pod {pod}",
+                                timeout=read_timeout)
         pending = b""
         try:
             for chunk in response.stream(4096, decode_content=True):
@@ -362,6 +388,8 @@ class Cluster:
                     yield line.decode(errors="replace")
             if pending:
                 yield pending.decode(errors="replace")
+        except urllib3.exceptions.ReadTimeoutError:
+            raise StreamBroken(f"the log stream of pod {pod} sent nothing for {read_timeout:g}s", idle=True) from None
         except (urllib3.exceptions.HTTPError, OSError) as e:
             raise StreamBroken(f"the log stream of pod {pod} broke off: {_short(e)}") from None
         finally:

@@ -136,13 +136,16 @@ def stop(cluster: Cluster, name: str, namespace: str, log: Log = print) -> list[
     """
     selector = pod_selector(name)  # every object of the job carries the same label
     found: list[tuple[str, str]] = []
+    skipped: list[str] = []  # said only when there is a job: a missing one is one line, the error
     for kind in (*_kinds_of(cluster, name, namespace), *OWNED_KINDS):
         try:
             found += [(kind, o["metadata"]["name"]) for o in cluster.list(kind, namespace, selector)]
         except (Forbidden, NotFound) as e:
-            log(f"skipped {kind}: {'forbidden' if isinstance(e, Forbidden) else 'not served'} here")
+            skipped.append(f"skipped {kind}: {'forbidden' if isinstance(e, Forbidden) else 'not served'} here")
     if not found:
         raise ClusterError(f"no kubetrain job '{name}' in namespace {namespace} on {cluster.where}")
+    for line in skipped:
+        log(line)
     for kind, obj in found:
         cluster.delete(kind, obj, namespace)  # gone already: the garbage collector took it with its owner
         log(f"deleted {kind.lower()}/{obj}")

@@ -11,7 +11,17 @@ A followed log ends when the container ends, and the pod's status says so only a
 kubelet reports it at its next sync): a pod that still says `Running` after its log ended is not the end. A
 followed log can also end, or break off, while its container runs on (the API server restarts, a proxy or the
 kubelet closes a long stream): then the stream is opened again from the time of the last line printed
-(`timestamps` and `sinceTime`, as stern does), and the lines already printed are skipped.
+(`timestamps` and `sinceTime`, as stern does), and the lines already printed are skipped. A stream that sends
+nothing for `Patience.idle` seconds is opened again the same way: a stalled kubelet (a node under memory pressure)
+keeps a stream open and silent, and a quiet container costs one request a minute.
+
+With --follow, nothing the API server or a kubelet does ends the command; only the job's own status does (exit 0,
+or 1 when it failed). A request that fails (the API server restarts, refuses with 429, times out) is tried again
+with a growing wait, said once in one line (`(API server unreachable, retrying ...)`), and only an API server
+that answers nothing for `Patience.give_up_after` seconds ends the command (one line, exit 1). What a kubelet or
+the API server says about a log (an error in the stream's body: the kubelet's getContainerLogs writes a
+failed ReadLogs' error into an answer it already began, pkg/kubelet/server/server.go) is one of our own
+parenthesised lines, never a rank's line: every line a container wrote carries the runtime's stamp.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from typing import Any
 
 from kubetrain.errors import KubetrainError
 from kubetrain.k8s.cluster.api import Cluster, ClusterError, NotFound, StreamBroken
+from kubetrain.k8s.cluster.outage import GaveUp, Outage, Patience, unreachable
 from kubetrain.k8s.cluster.status import Rank, job_ranks, main_container, waiting_reason
 from kubetrain.k8s.cluster.waiting import expected_ranks, why_waiting, workload_object
 from kubetrain.k8s.workloads import BY_KIND, finished
@@ -59,31 +70,63 @@ class _RankReader:
     """
 
     def __init__(self, cluster: Cluster, job: str, namespace: str, number: int | None, rank: Rank | None,
-                 lines: queue.Queue[Any], follow: bool, tail: int | None, poll: float) -> None:
+                 lines: queue.Queue[Any], follow: bool, tail: int | None, poll: float,
+                 outage: Outage | None = None) -> None:
         self.cluster, self.job, self.namespace, self.number = cluster, job, namespace, number
         self.rank, self.lines, self.follow, self.tail, self.poll = rank, lines, follow, tail, poll
+        self.outage = outage or Outage(Patience(), lines, cluster.where)
+        self.patience = self.outage.patience
+        self.failures = 0  # failures since this rank's last line: how long the next wait is
         self.prefix = f"[rank {'?' if number is None else number}] "
         self.last_created = ""  # when this rank's last pod was made: older events about it are stale
         self.printed: tuple[int, int] | None = None  # the stamp of the container's last line printed (follow)
         self.printed_then: set[str] = set()  # the lines printed with that stamp
-        self.broken = ""  # why the last followed stream broke off (said once)
-        self.reopening = False  # the stream of this container was open before
+        self.broken = ""  # our last status line about this rank's stream (said once)
+        self.unread = False  # the last stream did not end with its container: its pod's log may hold more
 
     def run(self) -> None:
         try:
-            while self._read_pod():
-                pass
-        except ClusterError as e:
+            while True:
+                try:
+                    if not self._read_pod():
+                        break
+                except ClusterError as e:  # a request of the follow failed: wait, then carry on from where it was
+                    if not self.follow:
+                        raise
+                    if unreachable(e):
+                        self.outage.failed(e)
+                    elif e.status in (401, 403):  # who we are: waiting changes nothing
+                        raise
+                    else:  # the API server answered, with an error about this rank's objects
+                        self.outage.answered()
+                        self._note(f"({e}; trying again)")
+                    self._back_off()
+        except KubetrainError as e:
             self.lines.put(e)
         finally:
             self.lines.put(_DONE)
 
+    def _note(self, text: str) -> None:
+        """One of our own status lines for this rank, said once while it stays the same."""
+        if text != self.broken:
+            self.lines.put(self.prefix + text)
+            self.broken = text
+
+    def _back_off(self) -> None:
+        wait = min(self.patience.first_wait * 2 ** min(self.failures, 16), self.patience.longest_wait)
+        self.failures += 1
+        time.sleep(wait)
+
     def _refresh(self) -> Rank | None:
-        return next((r for r in job_ranks(self.cluster, self.job, self.namespace) if r.rank == self.number), None)
+        found = job_ranks(self.cluster, self.job, self.namespace)
+        self.outage.answered()
+        return next((r for r in found if r.rank == self.number), None)
 
     def _workload(self) -> dict[str, Any] | None:
         config_map = self.cluster.find("ConfigMap", f"{self.job}-config", self.namespace)
-        return workload_object(self.cluster, self.job, self.namespace, config_map)
+        found = workload_object(self.cluster, self.job, self.namespace, config_map)
+        self.outage.answered()
+        return found
 
     def _wait_for_pod(self) -> Rank | None:
         """This rank's pod once it exists; None when the job ended (or, without --follow, at once)."""
@@ -126,10 +169,14 @@ class _RankReader:
         try:
             for line in self.cluster.log_lines(self.rank.name, self.namespace, main_container(self.rank.pod),
                                                follow=self.follow, tail=self.tail if since is None else None,
-                                               timestamps=self.follow, since_time=since):
+                                               timestamps=self.follow, since_time=since,
+                                               read_timeout=self.patience.idle if self.follow else None):
+                self.failures = 0  # a line came: the wait after the next failure starts short again
+                self.outage.answered()
                 text = self._unseen(line) if self.follow else line
                 if text is not None:
                     self.lines.put(self.prefix + text)
+            self.unread = False
         except NotFound:
             if not self.follow:
                 raise
@@ -140,12 +187,18 @@ class _RankReader:
                 time.sleep(self.poll)
                 self.rank = self._refresh()
                 return True
-            if not isinstance(e, StreamBroken) and not self.reopening:
+            self.unread = True  # the container may have written more than this stream gave
+            if isinstance(e, StreamBroken):  # broken off (said once), or quiet for `idle` (said never)
+                if not e.idle:
+                    self._note(f"({e}; opening it again)")
+            elif unreachable(e):
+                self.outage.failed(e)
+                self._back_off()
+            elif e.status in (401, 403):  # who we are, not what the cluster goes through: no follow can help
                 raise
-            if str(e) != self.broken:  # broken off, or cannot be opened again (its node is unreachable)
-                self.lines.put(f"{self.prefix}({e}; opening it again)")
-                self.broken = str(e)
-        self.reopening = self.follow
+            else:  # the API server answered for the kubelet (its node unreachable, a log it cannot read)
+                self._note(f"({e}; opening it again)")
+                self._back_off()
         return self.follow and self._next_pod()
 
     def _unseen(self, line: str) -> str | None:
@@ -153,8 +206,11 @@ class _RankReader:
         again: `sinceTime` has whole seconds, the stamps nanoseconds)."""
         stamp, _, text = line.partition(" ")
         at = _log_time(stamp)
-        if at is None:  # not stamped: print it as it is
-            return line
+        if at is None:  # every line the runtime took is stamped: this is the kubelet's error, sent in the stream
+            self.unread = True
+            self._note(f"(the log stream of pod {self.rank.name if self.rank else '?'} ended with the kubelet's "
+                       f"error: {line.strip()[:300]}; opening it again)")
+            return None
         if self.printed is not None and (at < self.printed or (at == self.printed and text in self.printed_then)):
             return None
         if at != self.printed:
@@ -164,8 +220,24 @@ class _RankReader:
 
     def _new_instance(self, rank: Rank | None) -> None:
         """Follow another container (a replacement pod, a restart): its log starts afresh."""
+        if self.unread and self.rank is not None:
+            self._rest_of(self.rank.name)
         self.rank, self.tail, self.printed, self.printed_then, self.broken = rank, None, None, set(), ""
-        self.reopening = False
+        self.unread = False
+
+    def _rest_of(self, pod: str) -> None:
+        """What the container of a pod being left behind wrote after the last line printed, when its stream broke
+        off or stalled before its end (read once, not followed; a log that cannot be read is left)."""
+        since = None if self.printed is None else _rfc3339(self.printed[0])
+        try:
+            for line in self.cluster.log_lines(pod, self.namespace, main_container(self.rank.pod) if self.rank
+                                               else None, timestamps=True, since_time=since,
+                                               read_timeout=self.patience.idle):
+                text = self._unseen(line)
+                if text is not None:
+                    self.lines.put(self.prefix + text)
+        except ClusterError:
+            pass
 
     def _next_pod(self) -> bool:
         """After a followed stream ended: a replacement pod, a restarted container, or the end of the job.
@@ -244,8 +316,11 @@ def stream_logs(
     tail: int | None = None,
     emit: Emit = print,
     poll: float = 2.0,
+    patience: Patience | None = None,
 ) -> int:
-    """Print the ranks' logs line by line (one reader per rank); returns how many ranks were read."""
+    """Print the ranks' logs line by line (one reader per rank); returns how many ranks were read.
+
+    `patience`: with `follow`, how failed requests are retried and when the follow gives up (GaveUp, exit 1)."""
     found = {r.rank: r for r in job_ranks(cluster, name, namespace)}
     # the ranks the config asks for, also those without a pod yet (not created, or being replaced)
     expected = expected_ranks(cluster.find("ConfigMap", f"{name}-config", namespace)) or 0
@@ -255,28 +330,58 @@ def stream_logs(
         which = f" with rank {rank}" if rank is not None else ""
         raise ClusterError(f"no pods{which} of job '{name}' in namespace {namespace} on {cluster.where}")
     lines: queue.Queue[Any] = queue.Queue(maxsize=1000)
+    outage = Outage(patience or Patience(), lines, cluster.where)
     for number in ranks:
-        reader = _RankReader(cluster, name, namespace, number, found.get(number), lines, follow, tail, poll)
+        reader = _RankReader(cluster, name, namespace, number, found.get(number), lines, follow, tail, poll, outage)
         threading.Thread(target=reader.run, daemon=True).start()
     open_streams, errors = len(ranks), []
     while open_streams:
         item = lines.get()
         if item is _DONE:
             open_streams -= 1
+        elif isinstance(item, GaveUp):  # the other readers would only say the same
+            raise item
         elif isinstance(item, KubetrainError):
             errors.append(item)
         else:
             emit(item)
-    cluster_errors = [e for e in errors if isinstance(e, ClusterError)]
-    if cluster_errors:
-        raise cluster_errors[0]
+    fatal = [e for e in errors if isinstance(e, ClusterError | GaveUp)]
+    if fatal:
+        raise fatal[0]
     if errors:
         raise LogsIncomplete("; ".join(sorted(str(e) for e in errors)))
     if follow:
-        obj = workload_object(cluster, name, namespace, cluster.find("ConfigMap", f"{name}-config", namespace))
+        obj = _final_workload(cluster, name, namespace, outage)
         if obj is not None and finished(obj) == "failed":
-            raise JobFailed(f"job '{name}' failed" + "".join(f": {why}" for why in _failed_because(obj)))
+            raise JobFailed(f"job '{name}' failed" + "".join(f": {why}" for why in _failed_because(obj))
+                            + _cause(cluster, name, namespace))
     return len(ranks)
+
+
+def _final_workload(cluster: Cluster, name: str, namespace: str, outage: Outage) -> dict[str, Any] | None:
+    """The workload once every reader saw the job end, asked until the API server answers (or the follow gives up)."""
+    failures = 0
+    while True:
+        try:
+            return workload_object(cluster, name, namespace, cluster.find("ConfigMap", f"{name}-config", namespace))
+        except ClusterError as e:
+            outage.failed(e)
+            p = outage.patience
+            time.sleep(min(p.first_wait * 2 ** min(failures, 16), p.longest_wait))
+            failures += 1
+
+
+def _cause(cluster: Cluster, name: str, namespace: str) -> str:
+    """`; ` and the newest failure of the job's pods (OOMKilled, evicted, exited N), or nothing."""
+    from kubetrain.k8s.cluster.status import failure_of
+    from kubetrain.k8s.workloads import pod_selector
+
+    try:
+        pods = cluster.list("Pod", namespace, pod_selector(name))
+        failure = failure_of(pods, cluster.find("ConfigMap", f"{name}-config", namespace))
+    except ClusterError:  # the job's own verdict stands alone
+        return ""
+    return f"; {failure['message']}" if failure else ""
 
 
 def _failed_because(obj: dict[str, Any]) -> list[str]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubetrain.k8s.cluster.api import Cluster, ClusterError
+from kubetrain.k8s.cluster.failures import last_failure, oom_advice, oom_incident
 from kubetrain.k8s.cluster.waiting import Waiting, expected_ranks, workload_object
 from kubetrain.k8s.workloads import (
     IDLE_MARKER,
@@ -20,6 +21,7 @@ from kubetrain.k8s.workloads import (
     WORKLOAD_LABEL,
     conditions,
     finished,
+    main_container,
     node_rank,
     pod_selector,
 )
@@ -43,13 +45,6 @@ class Rank:
     @property
     def name(self) -> str:
         return str(self.pod["metadata"]["name"])
-
-
-def main_container(pod: dict[str, Any]) -> str:
-    annotations = pod["metadata"].get("annotations") or {}
-    return str(
-        annotations.get("kubectl.kubernetes.io/default-container") or pod["spec"]["containers"][0]["name"]
-    )
 
 
 def ranks(pods: list[dict[str, Any]]) -> list[Rank]:
@@ -188,7 +183,8 @@ def job_status(cluster: Cluster, name: str, namespace: str, with_step: bool = Tr
     """The job's state, pods and (with_step) its progress read from the live pods' logs; with_incident also reads
     the logs of restarted containers and replaced pods for the last incident."""
     config_map = cluster.find("ConfigMap", f"{name}-config", namespace)
-    live = job_ranks(cluster, name, namespace)
+    pods = cluster.list("Pod", namespace, pod_selector(name))
+    live = ranks(pods)
     if config_map is None and not live:
         raise ClusterError(f"no kubetrain job '{name}' in namespace {namespace} on {cluster.where}")
     workload = ((config_map or {}).get("metadata", {}).get("labels") or {}).get(WORKLOAD_LABEL, "indexed-job")
@@ -201,13 +197,15 @@ def job_status(cluster: Cluster, name: str, namespace: str, with_step: bool = Tr
     waiting = Waiting(cluster, obj) if obj is not None and finished(obj) is None and held else None
     missing = {n: waiting.why(n) for n in wanted} if waiting is not None else {}
     now = state(obj, live, tails, missing, waiting.queued if waiting is not None else None)
+    failure = failure_of(pods, config_map)
     return {
         "name": name,
         "namespace": namespace,
         "workload": workload,
         "state": now,
         **progress_fields(last_progress(live, tails), now),
-        "last_incident": last_incident({**earlier, **tails}),
+        "last_incident": newest(last_incident({**earlier, **tails}), oom_incident(failure)),
+        "last_failure": failure,
         "pods": [
             {
                 "rank": r.rank,
@@ -223,6 +221,18 @@ def job_status(cluster: Cluster, name: str, namespace: str, with_step: bool = Tr
         ],
         "missing": [{"rank": rank, "reason": why} for rank, why in sorted(missing.items())],
     }
+
+
+def failure_of(pods: list[dict[str, Any]], config_map: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The newest failure of the job's pods (failures.py), an OOM kill with the advice doctor would give."""
+    failure = last_failure(pods)
+    if failure is not None and failure["reason"] == "OOMKilled":
+        failure = last_failure(pods, oom_advice(config_map))
+    return failure
+
+
+def newest(*incidents: dict[str, Any] | None) -> dict[str, Any] | None:
+    return max((i for i in incidents if i is not None), key=lambda i: i["time"], default=None)
 
 
 def progress_text(status: dict[str, Any]) -> str:
@@ -248,6 +258,9 @@ def format_status(status: dict[str, Any]) -> str:
     incident = status.get("last_incident")
     if incident:
         lines.append(f"  last incident: {log_line(incident).removeprefix('incident: ')} [{incident['log']}]")
+    failure = status.get("last_failure")
+    if failure:
+        lines.append(f"  last failure: {failure['message']}")
     for pod in status["pods"]:
         rank = "?" if pod["rank"] is None else pod["rank"]
         line = (f"  rank {rank}: {pod['name']} {pod['phase']} on {pod['node'] or '(not scheduled)'}, "

@@ -90,7 +90,9 @@ class MlflowAuthConfig(_Section):
     )
     admin_username: str = Field(default="admin", min_length=1, description="The admin user MLflow creates.")
     default_permission: Literal["READ", "EDIT", "MANAGE", "NO_PERMISSIONS"] = Field(
-        default="READ", description="What every signed-in user may do with experiments they were not given.",
+        default="READ", description="What every signed-in user may do with experiments they were not given. With "
+        "READ a job's own user needs an EDIT grant on its experiment (`kubetrain k8s platform grant`); EDIT lets "
+        "every signed-in user write to every experiment.",
     )
 
 

@@ -120,7 +120,7 @@ def run_agent(opts: LaunchOptions, train_args: list[str], run_dir: Path, say: Lo
     rank 0 hosted: torch raises RendezvousConnectionError (a traceback and exit 1 before). That pod did nothing
     wrong; its exit code is one the Job's podFailurePolicy ignores, so only the lost host counts as a failure.
     """
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousConnectionError
 
     try:
         return launch(opts, train_args, run_dir)
@@ -128,6 +128,13 @@ def run_agent(opts: LaunchOptions, train_args: list[str], run_dir: Path, say: Lo
         cause = f": {e.__cause__}" if e.__cause__ else ""
         say(f"lost the rendezvous host {opts.rdzv_endpoint} (node rank 0 is gone{cause}); exiting "
             f"{EXIT_PEER_LOST} so this pod is replaced without counting as a failure")
+        return EXIT_PEER_LOST
+    except RendezvousClosedError:
+        # Another node's agent gave up (no restarts left: its own failure is the one the Job counts) and closed the
+        # rendezvous; this agent, restarting its workers, cannot join a new round: ~80 lines of traceback and exit 1
+        # before. The replacement pods start a fresh rendezvous (node rank 0's pod hosts a new store).
+        say(f"the rendezvous {opts.rdzv_id} at {opts.rdzv_endpoint} was closed by another node's agent (it gave "
+            f"up); exiting {EXIT_PEER_LOST} so this pod is replaced without counting as a failure")
         return EXIT_PEER_LOST
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from kubetrain.checkpoint.store import credential_keys
 from kubetrain.config.clocks import PROBE_FAILURES, PROBE_PERIOD
 from kubetrain.config.k8s import DEFAULT_IMAGE, K8sConfig
+from kubetrain.errors import RESUME_HINT_ENV
 from kubetrain.k8s.render.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT, RenderContext
 
 METRICS_PORT_NAME = "metrics"
@@ -75,6 +76,9 @@ def env(ctx: RenderContext, extra: dict[str, str] | None = None) -> list[dict[st
         # lines of frames before its one-line exit-69 message. It is read once, when torch is imported, so it is
         # set here (k8s.env may set WARNING back); errors and the Python-side one-liners still show.
         "TORCH_CPP_LOG_LEVEL": "ERROR",
+        # what a stopped run says about resuming: in a pod, the controller starts it again, not the same command
+        RESUME_HINT_ENV: f"the {ctx.kind.kind} starts the pod again and it resumes from there; after kubetrain k8s "
+                         "stop, kubetrain k8s launch resumes it",
         **flight_recorder_env(ctx),
         **(extra or {}),
         **k.env,
