@@ -40,6 +40,10 @@ class BadCheckpointError(UserInputError):
     """A checkpoint the user named does not verify (torn, corrupt, files missing): bad input, exit 2."""
 
 
+class NoCheckpointVerifies(BadCheckpointError):
+    """A run's checkpoints exist and none verifies: resuming would start from step 0 over them. Exit 2."""
+
+
 class IncompatibleCheckpointError(UserInputError):
     """A checkpoint whose model shape or tokenizer differs from the config."""
 

@@ -127,3 +127,32 @@ def test_a_cuda_run_on_a_torch_without_cuda_is_one_line(run_main: RunMain, tiny_
     assert code == 2
     assert err.strip().startswith("error: run.device is 'cuda' but this torch") and len(err.strip().splitlines()) == 1
     assert not (tmp_cwd / "runs").exists()
+
+
+def _files(run: Path) -> dict[str, bytes]:
+    """Every file of a run by relative path, but the lock and the verification cache (neither is the run's)."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
+            if p.is_file() and p.name != "run.lock" and ".verified" not in p.parts}
+
+
+def test_when_every_checkpoint_is_corrupt_train_refuses_and_changes_nothing(
+    run_main: RunMain, tiny_args: list[str], tmp_cwd: Path
+) -> None:
+    code, _, err = run_main("train", *tiny_args, "--set", "run.name=hurt")
+    assert code == 0, err
+    run = tmp_cwd / "runs" / "hurt"
+    steps = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert steps == ["step-000003", "step-000006"]
+    for name in steps:
+        weights = run / "checkpoints" / name / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 0xFF  # same size, other bytes: only the checksum tells
+        weights.write_bytes(bytes(data))
+    before = _files(run)
+    code, out, err = run_main("train", *tiny_args, "--set", "run.name=hurt", "--set", "train.max_steps=9")
+    assert code == 2
+    assert err == (f"error: none of the 2 checkpoints in {Path('runs/hurt/checkpoints')} verifies: the run would start "
+                   f"again from step 0 and overwrite them; nothing was changed: repair or move them away, or start "
+                   f"afresh under another run.name\n")
+    assert out.count("warning: skipping checkpoint step-0000") == 2
+    assert _files(run) == before

@@ -39,15 +39,18 @@ def read_config(path: Path) -> dict[str, Any]:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl file; a line cut short by a kill is skipped."""
+    """The records of a metrics.jsonl file; a line cut short by a kill, or one that is not a JSON object (not
+    UTF-8, a list, a number), is skipped."""
     if not path.is_file():
         return []
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().splitlines():
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
             continue
+        if isinstance(record, dict):
+            out.append(record)
     return out
 
 

@@ -292,8 +292,11 @@ class Trainer:
         runs.update_meta(path, device=device_name(self.device), peak_flops=self.peak)  # what MFU is measured against
         for change in meta["config_changes"]:
             self.say(f"config changed since the last start: {change}")
-        truncate_after(path / runs.METRICS_FILE, step)
-        truncate_after(path / runs.SAMPLES_FILE, step)
+        def warn(message: str) -> None:
+            self.say(f"warning: {message}")
+
+        truncate_after(path / runs.METRICS_FILE, step, warn)
+        truncate_after(path / runs.SAMPLES_FILE, step, warn)
         self.tokenizer.save(path / "tokenizer")
         self.sinks = build_sinks(cfg, path, self.max_steps, prefix=self.prefix)
         self.uploader = remote.Uploader.from_config(cfg, self.opts.phase, self.ckpt_root, self.say)
