@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -155,4 +156,20 @@ def test_when_every_checkpoint_is_corrupt_train_refuses_and_changes_nothing(
                    f"again from step 0 and overwrite them; nothing was changed: repair or move them away, or start "
                    f"afresh under another run.name\n")
     assert out.count("warning: skipping checkpoint step-0000") == 2
+    assert _files(run) == before
+
+
+def test_a_run_whose_checkpoints_folder_was_emptied_is_not_started_again_from_step_0(
+    run_main: RunMain, tiny_args: list[str], tmp_cwd: Path
+) -> None:
+    code, _, err = run_main("train", *tiny_args, "--set", "run.name=emptied")
+    assert code == 0, err
+    run = tmp_cwd / "runs" / "emptied"
+    shutil.rmtree(run / "checkpoints")  # a volume that is not mounted, a folder cleaned by mistake
+    before = _files(run)
+    code, _, err = run_main("train", *tiny_args, "--set", "run.name=emptied")
+    assert code == 2
+    assert err == (f"error: {Path('runs/emptied')} recorded checkpoint step-000006 but "
+                   f"{Path('runs/emptied/checkpoints')} holds none: the run would start again from step 0 and cut its "
+                   f"metrics; restore the checkpoints, or start afresh on purpose with --resume never\n")
     assert _files(run) == before
