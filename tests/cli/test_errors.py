@@ -84,6 +84,17 @@ def setup_case(case: str, tmp: Path) -> list[str]:
         return ["runs", "list", str(tmp / "nonexistent")]
     if case == "prepare with no processes":
         return ["prepare", "--nproc", "0"]
+    if case == "an infinite learning rate":
+        return ["train", *tiny, "--set", "train.lr=inf"]
+    if case == "NaN in a file":
+        (tmp / "c.yaml").write_text("train:\n  weight_decay: .nan\n")
+        return ["config", "validate", str(tmp / "c.yaml")]
+    if case == "an infinite number in a phase":
+        (tmp / "c.yaml").write_text("phases:\n  - name: a\n    train: {lr: .inf}\n")
+        return ["train", str(tmp / "c.yaml"), *tiny]
+    if case == "two phases with one name":
+        (tmp / "c.yaml").write_text("phases:\n  - name: a\n  - name: b\n  - name: a\n")
+        return ["config", "validate", str(tmp / "c.yaml")]
     raise AssertionError(case)
 
 
@@ -115,6 +126,11 @@ CASES = {
     "duplicate key in a file": "not valid YAML (line 4, column 3): duplicate key 'max_steps' (first on line 2)",
     "runs list of a missing folder": "no such folder: ",
     "prepare with no processes": "--nproc: must be at least 1, got 0",
+    "an infinite learning rate": "train.lr: Input should be a finite number (got 'inf')",
+    "NaN in a file": "train.weight_decay: Input should be a finite number (got nan)",
+    "an infinite number in a phase": "phase 'a': train.lr: Input should be a finite number (got inf)",
+    "two phases with one name": "phases: more than one phase is named 'a'; each trains in phases/<name>, so every "
+                                "name must be unique",
 }
 
 

@@ -14,7 +14,7 @@ from kubetrain.config.track import TrackConfig
 class Section(BaseModel):
     """A config section: unknown keys are errors, assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no NaN, no inf
 
 
 class RunConfig(Section):
@@ -180,6 +180,11 @@ class TrainConfig(Section):
     )
     compile: bool = Field(False, description="torch.compile the model.")
     log_every_steps: int = Field(10, ge=1, description="Steps between metric lines.")
+    max_nonfinite_steps: int = Field(
+        5, ge=1, description="Stop the run (exit 1) once its loss has been NaN or inf for this many steps in a row, "
+        "naming the step and the last checkpoint saved before; read at the steps that log, evaluate or save (no sync "
+        "per step), and while the loss is not finite nothing is evaluated or saved."
+    )
     deterministic: bool | None = Field(
         None, description="Deterministic kernels (null: on for CPU, where runs and resumes are bitwise "
         "repeatable; off on CUDA, where it costs speed: true sets the cuBLAS workspace and names the kernels "
@@ -334,6 +339,16 @@ class Config(Section):
     phases: list[PhaseConfig] = Field(
         default_factory=list, description="Stages run one after another, each from the previous one's weights."
     )
+
+    @model_validator(mode="after")
+    def _unique_phase_names(self) -> Config:
+        names = [p.name for p in self.phases]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # each phase is the folder phases/<name>: two would train into one
+            given = ", ".join(repr(n) for n in twice)
+            raise ValueError(f"phases: more than one phase is named {given}; each trains in phases/<name>, so every "
+                             "name must be unique")
+        return self
 
     @model_validator(mode="after")
     def _quantized_not_sharded(self) -> Config:

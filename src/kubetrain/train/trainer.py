@@ -43,6 +43,7 @@ from kubetrain.train.evaluate import evaluate, lm_loss, perplexity, sample_text
 from kubetrain.train.heartbeat import Heartbeat
 from kubetrain.train.memory_check import check_memory
 from kubetrain.train.model_for_world import build_model_for_world
+from kubetrain.train.nonfinite import NonFiniteLoss
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
 from kubetrain.train.state import (
     TrainResult,
@@ -140,10 +141,13 @@ class Trainer:
                     if state.step % cfg.train.log_every_steps == 0 or final:
                         self.log_train()
                     t_side = time.perf_counter()
-                    improved = self.evaluate() if state.step % cfg.eval.every_steps == 0 or final else False
+                    # a loss that is not finite: no evaluation, no save of these weights; the run stops if it lasts
+                    finite = self.loss_watch.finite(state.step, final)
+                    improved = finite and (state.step % cfg.eval.every_steps == 0 or final) and self.evaluate()
                     stopping = vote.poll(stop.requested)
-                    if (final or stopping or state.step % cfg.checkpoint.every_steps == 0
-                            or (improved and cfg.checkpoint.save_best)):
+                    finite = self.loss_watch.finite(state.step, last=True) if stopping else finite
+                    if finite and (final or stopping or state.step % cfg.checkpoint.every_steps == 0
+                                   or (improved and cfg.checkpoint.save_best)):
                         self.save(background=not (final or stopping))
                     self.side_seconds += time.perf_counter() - t_side
                     if stopping:
@@ -276,6 +280,7 @@ class Trainer:
         self.checkpointer.attach(self.model, self.base, self.optimizer, self.loader, self.scaler, self.sinks,
                                  self.uploader)
         self.memory_peak = MemoryPeak(self.device)
+        self.loss_watch = NonFiniteLoss(cfg, self.device, self.ckpt_root, self.checkpointer.wait_for_saves)
         self.counted_at = (self.state.step, optimizer_steps(self.optimizer))  # (step, optimizer steps) last counted
         self.meter.tokens0 = self.state.tokens
         self.loss_sum = torch.tensor(self.state.window_loss_sum, device=self.device)
@@ -328,6 +333,7 @@ class Trainer:
             self.compute_timer.stop()
             scaler.scale(loss).backward()
             self.loss_sum += loss.detach()
+            self.loss_watch.observe(loss)
         self.checkpointer.wait_for_staging()  # a background save copies the weights until here; the optimizer
         # changes them
         if self.cfg.train.grad_clip > 0:
@@ -343,6 +349,7 @@ class Trainer:
         self.state.step += 1
         self.state.tokens += self.tokens_per_step
         self.loss_count += 1
+        self.loss_watch.step_done()
         if self.sinks:
             self.sinks.heartbeat(self.state.step)
         if self.heartbeat:
