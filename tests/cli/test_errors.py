@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
@@ -95,6 +96,37 @@ def setup_case(case: str, tmp: Path) -> list[str]:
     if case == "two phases with one name":
         (tmp / "c.yaml").write_text("phases:\n  - name: a\n  - name: b\n  - name: a\n")
         return ["config", "validate", str(tmp / "c.yaml")]
+    if case == "a store URL with an unknown scheme":
+        return ["train", *tiny, "--set", "checkpoint.uri=ftp://host/x", "--dry-run"]
+    if case == "a store URL with no bucket":
+        return ["train", *tiny, "--set", "checkpoint.uri=s3://", "--dry-run"]
+    if case == "a store URL that is neither a URL nor a path":
+        return ["config", "validate", "--set", "checkpoint.uri=bogus:/x"]
+    if case == "a prompt that is not UTF-8":
+        return ["generate", str(tmp), "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")]
+    if case == "a --set value that is not UTF-8":
+        return ["config", "validate", "--set", "run.name=" + b"r\xff".decode("utf-8", "surrogateescape")]
+    if case == "dry run resuming from a path that does not exist":
+        return ["train", *tiny, "--dry-run", "--resume", str(tmp / "nope")]
+    if case == "a node rank of a node the job does not have":
+        return ["train", *tiny, "--node-rank", "5", "--dry-run"]
+    if case == "the null device as data":
+        return ["prepare", "--set", "data.sources.0.kind=text", "--set", "data.sources.0.path=/dev/null"]
+    if case == "a FIFO as data":
+        os.mkfifo(tmp / "fifo")
+        return ["prepare", "--set", "data.sources.0.kind=text", "--set", f"data.sources.0.path={tmp / 'fifo'}"]
+    if case == "the null device as config":
+        return ["config", "validate", "/dev/null"]
+    if case == "more processes than memory allows":
+        return ["train", *tiny, "--nproc", "100000", "--dry-run"]
+    if case == "an unknown flag":
+        return ["train", "--bogus"]
+    if case == "an unknown subcommand":
+        return ["trian"]
+    if case == "an extra argument":
+        return ["config", "validate", "a.yaml", "b.yaml"]
+    if case == "a flag without its value":
+        return ["train", "--nproc"]
     raise AssertionError(case)
 
 
@@ -131,6 +163,23 @@ CASES = {
     "an infinite number in a phase": "phase 'a': train.lr: Input should be a finite number (got inf)",
     "two phases with one name": "phases: more than one phase is named 'a'; each trains in phases/<name>, so every "
                                 "name must be unique",
+    "a store URL with an unknown scheme": "checkpoint.uri: 'ftp://host/x' is not a store kubetrain can use (ftp://): "
+                                          "give s3://BUCKET/PREFIX, gs://BUCKET/PREFIX",
+    "a store URL with no bucket": "checkpoint.uri: 's3://' names no bucket: give s3://BUCKET/PREFIX",
+    "a store URL that is neither a URL nor a path": "checkpoint.uri: 'bogus:/x' is not a store kubetrain can use "
+                                                    "(bogus:/)",
+    "a prompt that is not UTF-8": "--prompt is not UTF-8 text (byte 0xe9 at character 3)",
+    "a --set value that is not UTF-8": "--set run.name: the value is not UTF-8 text",
+    "dry run resuming from a path that does not exist": "--resume: no such checkpoint or run directory: ",
+    "a node rank of a node the job does not have": "--node-rank 5: a job of 1 node (--nnodes 1) has node ranks 0 to 0",
+    "the null device as data": "data path is not a regular file or folder: /dev/null (a character device)",
+    "a FIFO as data": "fifo (a FIFO); name a file, a folder or a glob",
+    "the null device as config": "/dev/null is not a regular file (a character device)",
+    "more processes than memory allows": "error: --nproc 100000: this run needs about ",
+    "an unknown flag": "error: no such option: --bogus (see 'kubetrain train -h')",
+    "an unknown subcommand": "error: no such command 'trian'. Did you mean 'train'? (see 'kubetrain -h')",
+    "an extra argument": "error: got unexpected extra argument(s) (b.yaml) (see 'kubetrain config validate -h')",
+    "a flag without its value": "error: option '--nproc' requires an argument",
 }
 
 

@@ -54,7 +54,9 @@ def train(
     """
     cfg = load(config, preset, set_)
     check_torch()
-    if nproc is not None or nnodes != "1" or rdzv_endpoint is not None:
+    if resume not in ("auto", "never") and not Path(resume).exists():  # refused by --dry-run and launchers too
+        raise UserInputError(f"--resume: no such checkpoint or run directory: {resume}")
+    if nproc is not None or nnodes != "1" or rdzv_endpoint is not None or node_rank is not None:
         from kubetrain import runs
         from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
         from kubetrain.runs.lock import hold_for_workers
@@ -71,7 +73,10 @@ def train(
                              shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30,
                              **watch_options(cfg))
         torchrun_args(opts, forwarded)  # bad launch options are refused before the run directory is held
-        check_node_memory(cfg, opts.nproc_per_node, nnodes)  # before any worker starts
+        try:
+            check_node_memory(cfg, opts.nproc_per_node, nnodes)  # before any worker starts
+        except UserInputError as e:  # the count comes first: it is what the user typed and what to change
+            raise UserInputError(f"--nproc {opts.nproc_per_node}: {e}") from None
         one_node = nnodes == "1" and rdzv_endpoint is None  # several nodes: rank 0 holds it, wherever it runs
         held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if one_node and not dry_run:  # the launcher holds it across the agent's restarts of its workers

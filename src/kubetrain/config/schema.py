@@ -247,6 +247,36 @@ class CheckpointConfig(Section):
                              "environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
         return value
 
+    @field_validator("uri")
+    @classmethod
+    def _a_store(cls, value: str | None) -> str | None:
+        problem = store_uri_problem(value) if value else None
+        if problem:
+            raise ValueError(problem)
+        return value
+
+
+# The stores checkpoint.uri names (fsspec's s3fs, gcsfs, adlfs and local filesystem), as docs/object-storage.md lists
+STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "file")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(/*)")
+
+
+def store_uri_problem(uri: str) -> str | None:
+    """Why `uri` names no store kubetrain writes to (an unknown scheme, no bucket), or None for a usable one.
+
+    Refused here, where the config comes in: later a run would only fail on its first upload or restore."""
+    use = "give s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, az://CONTAINER/PREFIX, file:///PATH or a path"
+    found = _SCHEME.match(uri)
+    if found is None or not found.group(2):  # a path ("runs/store", "a:b")
+        return None
+    scheme = found.group(1).lower()
+    if found.group(2) != "//" or scheme not in STORE_SCHEMES:
+        return f"{uri!r} is not a store kubetrain can use ({scheme}:{found.group(2)}): {use}"
+    bucket = uri[found.end():].split("/", 1)[0]
+    if scheme != "file" and not bucket:
+        return f"{uri!r} names no bucket: {use}"
+    return None
+
 
 _FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 

@@ -61,6 +61,10 @@ def torchrun_args(opts: LaunchOptions, train_args: list[str]) -> list[str]:
     if opts.nproc_per_node < 1:
         raise UserInputError("--nproc must be at least 1")
     _, high = parse_nnodes(opts.nnodes)
+    if opts.node_rank is not None and opts.node_rank >= high:
+        nodes = f"{high} node{'s' if high > 1 else ''}"
+        raise UserInputError(f"--node-rank {opts.node_rank}: a job of {nodes} (--nnodes {opts.nnodes}) has node "
+                             f"ranks 0 to {high - 1}")
     args = [f"--nproc-per-node={opts.nproc_per_node}", f"--max-restarts={opts.max_restarts}",
             f"--monitor-interval={opts.monitor_interval}", *torchrun_shutdown_args(opts.shutdown_timeout)]
     if high == 1 and opts.rdzv_endpoint is None:
