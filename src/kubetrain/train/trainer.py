@@ -22,6 +22,7 @@ from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import Prepared, prepare
 from kubetrain.distributed import setup as dist
 from kubetrain.errors import CheckpointError, TrainingFailed, TrainingStopped
+from kubetrain.models.sampling import Progress
 from kubetrain.secrets import redact_text
 from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
@@ -162,7 +163,8 @@ class Trainer:
                 vote.close()
                 self.t_end = time.perf_counter()
                 if (self.main or self.sharded) and cfg.eval.sample_prompt is not None:  # null: off
-                    sample = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens * 3)
+                    sample = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens * 3,
+                                         Progress("end-of-training sample", self.say))
                 status = "finished"
         except (torch.OutOfMemoryError, RuntimeError) as e:  # one line naming what to change; exit 1
             if not is_out_of_memory(e):
@@ -474,10 +476,10 @@ class Trainer:
 
     # --- samples --------------------------------------------------------------------------------------------
 
-    def sample(self, prompt: str, n: int) -> str:
+    def sample(self, prompt: str, n: int, progress: Progress | None = None) -> str:
         """`prompt` continued by `n` tokens: rank 0 alone, or every rank under FSDP/HSDP (evaluate.sample_text)."""
         return sample_text(self.base, self.tokenizer, prompt, n, self.cfg.model.block_size, self.cfg.run.seed,
-                           self.amp, every_rank=self.sharded)
+                           self.amp, every_rank=self.sharded, progress=progress)
 
     def write_sample(self) -> None:
         """A sample into samples.txt at an evaluation (rank 0 writes; under FSDP every rank takes part)."""
