@@ -10,6 +10,9 @@ EXIT_STOPPED_RESUMABLE = 75  # EX_TEMPFAIL from sysexits.h: "try again later"
 # A pod's elastic agent lost its rendezvous host (node rank 0 is gone): resumable once the peer is back, so the
 # Job's podFailurePolicy ignores it (the lost host's own failure is the one counted).
 EXIT_PEER_LOST = 69  # EX_UNAVAILABLE from sysexits.h: "a service is unavailable"
+# A worker's failure that a restart from the last checkpoint would only repeat (a loss that went NaN): its elastic
+# launcher restarts nobody and exits EXIT_FAILURE with the worker's line. Only between a worker and its launcher.
+EXIT_FINAL_FAILURE = 65  # EX_DATAERR from sysexits.h
 
 
 class KubetrainError(Exception):
@@ -52,6 +55,11 @@ class TrainingFailed(KubetrainError):
     """Training started and then failed on something outside the config (a disk gone, permission lost). Exit 1."""
 
     exit_code = EXIT_FAILURE
+
+
+class RepeatableFailure(TrainingFailed):
+    """A failure while running that a restart from the last checkpoint would only repeat (the same data, the same
+    RNG, the same step): exit 1, and under the launcher no restart (EXIT_FINAL_FAILURE)."""
 
 
 class TrainingStopped(KubetrainError):

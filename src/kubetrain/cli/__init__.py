@@ -19,7 +19,7 @@ from kubetrain.errors import (
     TrainingStopped,
     UserInputError,
 )
-from kubetrain.launch.elastic import record_worker_error
+from kubetrain.launch.elastic import record_worker_error, worker_exit_code
 
 app = typer.Typer(
     name="kubetrain",
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
         record_worker_error(e)
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
+        sys.exit(worker_exit_code(e))
     except ModuleNotFoundError as e:
         extra = OPTIONAL_EXTRAS.get((e.name or "").split(".")[0])
         if extra is None:

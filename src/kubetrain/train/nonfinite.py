@@ -15,7 +15,7 @@ import torch.distributed as td
 
 from kubetrain import checkpoint
 from kubetrain.config.schema import Config
-from kubetrain.errors import TrainingFailed
+from kubetrain.errors import RepeatableFailure
 
 
 class NonFiniteLoss:
@@ -39,8 +39,9 @@ class NonFiniteLoss:
 
     def finite(self, step: int, last: bool) -> bool:
         """At a step that logs, evaluates or saves (every rank): False while the loss is not finite, which puts off
-        evaluating and saving; TrainingFailed once it has lasted `train.max_nonfinite_steps` steps, or at the
-        last step (`last`: the end of the run, or a stop), whose weights would be saved. Other steps: True."""
+        evaluating and saving; RepeatableFailure (exit 1, no restart) once it has lasted `train.max_nonfinite_steps`
+        steps, or at the last step (`last`: the end of the run, or a stop), whose weights would be saved. Other
+        steps: True."""
         if not last and all(step % every for every in self.every):
             return True
         streak = self.streak.clone()
@@ -50,7 +51,7 @@ class NonFiniteLoss:
         if n >= self.limit or (last and n > 0):
             first = step - n + 1
             self.settle()  # a background save of a step before `first` is one to name
-            raise TrainingFailed(f"the loss was not finite (NaN or inf) for {n} steps in a row, since step {first}: "
+            raise RepeatableFailure(f"the loss was not finite (NaN or inf) for {n} steps in a row, since step {first}: "
                                  f"stopped at step {step}; {self.last_good(first)}")
         return n == 0
 
