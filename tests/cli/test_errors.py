@@ -119,6 +119,14 @@ def setup_case(case: str, tmp: Path) -> list[str]:
         return ["config", "validate", "/dev/null"]
     if case == "more processes than memory allows":
         return ["train", *tiny, "--nproc", "100000", "--dry-run"]
+    if case == "runs sync to a store with no bucket":
+        (tmp / "r").mkdir()
+        (tmp / "r" / "metrics.jsonl").write_text("{}\n")
+        return ["runs", "sync", str(tmp / "r"), "s3://"]
+    if case == "runs sync to a store URL with one slash":
+        (tmp / "r").mkdir()
+        (tmp / "r" / "metrics.jsonl").write_text("{}\n")
+        return ["runs", "sync", str(tmp / "r"), "bogus:/x"]  # it pushed into a folder named 'bogus:'
     if case == "an unknown flag":
         return ["train", "--bogus"]
     if case == "an unknown subcommand":
@@ -176,6 +184,8 @@ CASES = {
     "a FIFO as data": "fifo (a FIFO); name a file, a folder or a glob",
     "the null device as config": "/dev/null is not a regular file (a character device)",
     "more processes than memory allows": "error: --nproc 100000: this run needs about ",
+    "runs sync to a store with no bucket": "error: 's3://' names no bucket: give s3://BUCKET/PREFIX",
+    "runs sync to a store URL with one slash": "error: 'bogus:/x' is not a store kubetrain can use (bogus:/)",
     "an unknown flag": "error: no such option: --bogus (see 'kubetrain train -h')",
     "an unknown subcommand": "error: no such command 'trian'. Did you mean 'train'? (see 'kubetrain -h')",
     "an extra argument": "error: got unexpected extra argument(s) (b.yaml) (see 'kubetrain config validate -h')",
@@ -197,6 +207,7 @@ def test_bad_input_is_one_line_and_exit_2(case: str, run_main: RunMain, tmp_cwd:
     assert_one_error_line(code, err, CASES[case])
     assert not (tmp_cwd / "runs" / "tiny").exists()  # nothing half-made is left behind
     assert not (tmp_cwd.parent / "evil").exists()
+    assert not (tmp_cwd / "bogus:").exists()
     assert not (tmp_cwd / "out.yaml").exists() or (tmp_cwd / "out.yaml").read_text() == "kept\n"
 
 

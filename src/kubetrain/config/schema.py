@@ -261,19 +261,20 @@ STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "file")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(/*)")
 
 
-def store_uri_problem(uri: str) -> str | None:
+def store_uri_problem(uri: str, schemes: tuple[str, ...] | None = STORE_SCHEMES) -> str | None:
     """Why `uri` names no store kubetrain writes to (an unknown scheme, no bucket), or None for a usable one.
 
-    Refused here, where the config comes in: later a run would only fail on its first upload or restore."""
+    Refused here, where the config comes in: later a run would only fail on its first upload or restore. `schemes`
+    None takes any scheme (`runs sync` hands it to fsspec), but still a bucket and the `//`."""
     use = "give s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, az://CONTAINER/PREFIX, file:///PATH or a path"
     found = _SCHEME.match(uri)
     if found is None or not found.group(2):  # a path ("runs/store", "a:b")
         return None
     scheme = found.group(1).lower()
-    if found.group(2) != "//" or scheme not in STORE_SCHEMES:
+    if found.group(2) != "//" or (schemes is not None and scheme not in schemes):
         return f"{uri!r} is not a store kubetrain can use ({scheme}:{found.group(2)}): {use}"
     bucket = uri[found.end():].split("/", 1)[0]
-    if scheme != "file" and not bucket:
+    if scheme not in ("file", "local") and not bucket:
         return f"{uri!r} names no bucket: {use}"
     return None
 
