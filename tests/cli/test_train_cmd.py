@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from kubetrain.config import Config
+from kubetrain.runs import read_metrics
 from tests.conftest import Cli, RunMain
 
 SECRET = "hf_" + "Zq7" * 8  # shaped like a Hugging Face token
@@ -173,3 +174,22 @@ def test_a_run_whose_checkpoints_folder_was_emptied_is_not_started_again_from_st
                    f"{Path('runs/emptied/checkpoints')} holds none: the run would start again from step 0 and cut its "
                    f"metrics; restore the checkpoints, or start afresh on purpose with --resume never\n")
     assert _files(run) == before
+
+
+def test_a_resume_keeps_metrics_lines_that_are_not_records_with_one_warning(
+    run_main: RunMain, tiny_args: list[str], tmp_cwd: Path
+) -> None:
+    code, _, err = run_main("train", *tiny_args, "--set", "run.name=odd")
+    assert code == 0, err
+    metrics = tmp_cwd / "runs" / "odd" / "metrics.jsonl"
+    first = len(metrics.read_bytes().splitlines()) + 1
+    with open(metrics, "ab") as f:
+        f.write(b"caf\xe9: a note that is not UTF-8\n[1, 2, 3]\n")  # a user's note, another tool's line
+    code, out, err = run_main("train", *tiny_args, "--set", "run.name=odd", "--set", "train.max_steps=9")
+    assert code == 0, err
+    assert [line for line in out.splitlines() if line.startswith("warning:")] == [
+        f"warning: {Path('runs/odd/metrics.jsonl')}: 2 line(s) are not records (not UTF-8, or not a JSON object with "
+        f"a numeric step): kept as they are (line {first}, {first + 1})"]
+    lines = metrics.read_bytes().splitlines()
+    assert b"caf\xe9: a note that is not UTF-8" in lines and b"[1, 2, 3]" in lines
+    assert [r["step"] for r in read_metrics(metrics) if r["kind"] == "train"][-1] == 9
