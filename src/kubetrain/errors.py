@@ -19,6 +19,9 @@ def resume_hint() -> str:
     import os
 
     return os.environ.get(RESUME_HINT_ENV) or "resume with the same command"
+# A worker's failure that a restart from the last checkpoint would only repeat (a loss that went NaN): its elastic
+# launcher restarts nobody and exits EXIT_FAILURE with the worker's line. Only between a worker and its launcher.
+EXIT_FINAL_FAILURE = 65  # EX_DATAERR from sysexits.h
 
 
 class KubetrainError(Exception):
@@ -49,6 +52,10 @@ class BadCheckpointError(UserInputError):
     """A checkpoint the user named does not verify (torn, corrupt, files missing): bad input, exit 2."""
 
 
+class NoCheckpointVerifies(BadCheckpointError):
+    """A run's checkpoints exist and none verifies: resuming would start from step 0 over them. Exit 2."""
+
+
 class IncompatibleCheckpointError(UserInputError):
     """A checkpoint whose model shape or tokenizer differs from the config."""
 
@@ -57,6 +64,11 @@ class TrainingFailed(KubetrainError):
     """Training started and then failed on something outside the config (a disk gone, permission lost). Exit 1."""
 
     exit_code = EXIT_FAILURE
+
+
+class RepeatableFailure(TrainingFailed):
+    """A failure while running that a restart from the last checkpoint would only repeat (the same data, the same
+    RNG, the same step): exit 1, and under the launcher no restart (EXIT_FINAL_FAILURE)."""
 
 
 class TrainingStopped(KubetrainError):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from pathlib import Path
 
 
@@ -56,3 +57,12 @@ def usual_modes(folder: Path) -> None:
         if path.is_file() and not path.is_symlink():
             path.chmod(mode)
 
+
+def special_kind(path: Path) -> str:
+    """What a path that exists but is neither a regular file nor a folder is, in words ("FIFO", ...)."""
+    mode = path.stat().st_mode
+    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"

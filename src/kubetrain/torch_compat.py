@@ -186,7 +186,9 @@ def release_destroyed_groups() -> None:
     mesh_type = getattr(mesh_module, "DeviceMesh", None)
     if isinstance(mesh_type, type):
         for found in gc.get_objects():
-            registry = getattr(found, "_pg_registry", None) if isinstance(found, mesh_type) else None
+            # issubclass of its type, not isinstance: from 2.13 DeviceMesh's metaclass (OpaqueBaseMeta) checks an
+            # instance through its attributes, and `torch.distributed.reduce_op` warns (FutureWarning) when touched
+            registry = getattr(found, "_pg_registry", None) if issubclass(type(found), mesh_type) else None
             if isinstance(registry, dict):
                 registry.clear()
     gc.collect()

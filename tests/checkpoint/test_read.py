@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -12,7 +13,13 @@ import torch
 
 from kubetrain import checkpoint
 from kubetrain.checkpoint import verdict
-from kubetrain.errors import EXIT_BAD_INPUT, CheckpointError, IncompatibleCheckpointError, UserInputError
+from kubetrain.errors import (
+    EXIT_BAD_INPUT,
+    CheckpointError,
+    IncompatibleCheckpointError,
+    NoCheckpointVerifies,
+    UserInputError,
+)
 from kubetrain.models.load import locate
 from tests.checkpoint.conftest import age_files, count_hashing, save_step, tiny_state
 
@@ -39,6 +46,51 @@ def test_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path: Path) -> N
     found = checkpoint.find_resumable(tmp_path, warn=warnings.append)
     assert found is not None and found.step == 1
     assert any("checksum" in w for w in warnings)
+
+
+def test_when_no_checkpoint_verifies_resuming_is_refused_and_nothing_changes(tmp_path: Path) -> None:
+    for step in (1, 2):
+        ck = save_step(tmp_path, step)
+        data = bytearray((ck.path / "model.safetensors").read_bytes())
+        data[-1] ^= 0xFF
+        (ck.path / "model.safetensors").write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and ".verified" not in p.parts}
+    warnings: list[str] = []
+    with pytest.raises(NoCheckpointVerifies, match=r"none of the 2 checkpoints in .* verifies: the run would start "
+                                                   r"again from step 0") as refused:
+        checkpoint.find_resumable(tmp_path, warn=warnings.append)
+    assert refused.value.exit_code == EXIT_BAD_INPUT
+    assert len(warnings) == 2
+    assert {p: p.read_bytes() for p in before} == before
+    assert checkpoint.find_resumable(tmp_path / "empty") is None  # no checkpoint at all: a fresh start
+
+
+def _hostile_trainer_pt(ck: checkpoint.Checkpoint) -> None:
+    """trainer.pt replaced by a pickle of an object that runs code, its size and digest updated to match."""
+
+    class Evil:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, ("true",))
+
+    torch.save({"x": Evil()}, ck.path / "trainer.pt")
+    meta = json.loads((ck.path / "meta.json").read_text())
+    meta["files"]["trainer.pt"] = {checkpoint.CHECKSUM: checkpoint.file_digest(ck.path / "trainer.pt"),
+                                   "bytes": (ck.path / "trainer.pt").stat().st_size}
+    (ck.path / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_trainer_pt_that_weights_only_refuses_is_a_corrupt_checkpoint(tmp_path: Path) -> None:
+    save_step(tmp_path, 1)
+    _hostile_trainer_pt(save_step(tmp_path, 2))
+    warnings: list[str] = []
+    found = checkpoint.find_resumable(tmp_path, warn=warnings.append)
+    assert found is not None and found.step == 1
+    assert len(warnings) == 1 and "step-000002: trainer.pt is not plain data that loads safely" in warnings[0]
+    _hostile_trainer_pt(found)
+    with pytest.raises(NoCheckpointVerifies):
+        checkpoint.find_resumable(tmp_path, warn=lambda m: None)
+    with pytest.raises(UserInputError, match=r"does not verify: trainer.pt is not plain data"):
+        checkpoint.resolve(found.path)  # --resume PATH
 
 
 def test_a_corrupt_checkpoint_named_by_the_user_is_bad_input(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import torch
 from kubetrain import checkpoint
 from kubetrain.checkpoint import remote, restore, verdict
 from kubetrain.config.schema import Config
-from kubetrain.errors import CheckpointError
+from kubetrain.errors import CheckpointError, NoCheckpointVerifies
 from tests.object_store import WRITER, Bucket, use_credentials
 
 HOSTILE = ["../../../../pwned.txt", "/tmp/kt-pwned-absolute", "", ".", "optimizer/../../../pwned.txt", "a//b",
@@ -95,7 +95,8 @@ def test_a_local_checkpoint_naming_a_file_outside_does_not_verify(tmp_path: Path
     (saved.path / checkpoint.META_FILE).write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match=r"step-000003: meta.json names '../../secret', not a file inside"):
         checkpoint.verify(saved.path)
-    assert checkpoint.find_resumable(tmp_path / "c", warn=lambda m: None) is None
+    with pytest.raises(NoCheckpointVerifies):  # nor does the run start from step 0 over it
+        checkpoint.find_resumable(tmp_path / "c", warn=lambda m: None)
 
 
 def _many_files(root: Path, n: int) -> Path:

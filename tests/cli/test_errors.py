@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import subprocess
@@ -84,6 +85,56 @@ def setup_case(case: str, tmp: Path) -> list[str]:
         return ["runs", "list", str(tmp / "nonexistent")]
     if case == "prepare with no processes":
         return ["prepare", "--nproc", "0"]
+    if case == "an infinite learning rate":
+        return ["train", *tiny, "--set", "train.lr=inf"]
+    if case == "NaN in a file":
+        (tmp / "c.yaml").write_text("train:\n  weight_decay: .nan\n")
+        return ["config", "validate", str(tmp / "c.yaml")]
+    if case == "an infinite number in a phase":
+        (tmp / "c.yaml").write_text("phases:\n  - name: a\n    train: {lr: .inf}\n")
+        return ["train", str(tmp / "c.yaml"), *tiny]
+    if case == "two phases with one name":
+        (tmp / "c.yaml").write_text("phases:\n  - name: a\n  - name: b\n  - name: a\n")
+        return ["config", "validate", str(tmp / "c.yaml")]
+    if case == "a store URL with an unknown scheme":
+        return ["train", *tiny, "--set", "checkpoint.uri=ftp://host/x", "--dry-run"]
+    if case == "a store URL with no bucket":
+        return ["train", *tiny, "--set", "checkpoint.uri=s3://", "--dry-run"]
+    if case == "a store URL that is neither a URL nor a path":
+        return ["config", "validate", "--set", "checkpoint.uri=bogus:/x"]
+    if case == "a prompt that is not UTF-8":
+        return ["generate", str(tmp), "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")]
+    if case == "a --set value that is not UTF-8":
+        return ["config", "validate", "--set", "run.name=" + b"r\xff".decode("utf-8", "surrogateescape")]
+    if case == "dry run resuming from a path that does not exist":
+        return ["train", *tiny, "--dry-run", "--resume", str(tmp / "nope")]
+    if case == "a node rank of a node the job does not have":
+        return ["train", *tiny, "--node-rank", "5", "--dry-run"]
+    if case == "the null device as data":
+        return ["prepare", "--set", "data.sources.0.kind=text", "--set", "data.sources.0.path=/dev/null"]
+    if case == "a FIFO as data":
+        os.mkfifo(tmp / "fifo")
+        return ["prepare", "--set", "data.sources.0.kind=text", "--set", f"data.sources.0.path={tmp / 'fifo'}"]
+    if case == "the null device as config":
+        return ["config", "validate", "/dev/null"]
+    if case == "more processes than memory allows":
+        return ["train", *tiny, "--nproc", "100000", "--dry-run"]
+    if case == "runs sync to a store with no bucket":
+        (tmp / "r").mkdir()
+        (tmp / "r" / "metrics.jsonl").write_text("{}\n")
+        return ["runs", "sync", str(tmp / "r"), "s3://"]
+    if case == "runs sync to a store URL with one slash":
+        (tmp / "r").mkdir()
+        (tmp / "r" / "metrics.jsonl").write_text("{}\n")
+        return ["runs", "sync", str(tmp / "r"), "bogus:/x"]  # it pushed into a folder named 'bogus:'
+    if case == "an unknown flag":
+        return ["train", "--bogus"]
+    if case == "an unknown subcommand":
+        return ["trian"]
+    if case == "an extra argument":
+        return ["config", "validate", "a.yaml", "b.yaml"]
+    if case == "a flag without its value":
+        return ["train", "--nproc"]
     raise AssertionError(case)
 
 
@@ -115,6 +166,30 @@ CASES = {
     "duplicate key in a file": "not valid YAML (line 4, column 3): duplicate key 'max_steps' (first on line 2)",
     "runs list of a missing folder": "no such folder: ",
     "prepare with no processes": "--nproc: must be at least 1, got 0",
+    "an infinite learning rate": "train.lr: Input should be a finite number (got 'inf')",
+    "NaN in a file": "train.weight_decay: Input should be a finite number (got nan)",
+    "an infinite number in a phase": "phase 'a': train.lr: Input should be a finite number (got inf)",
+    "two phases with one name": "phases: more than one phase is named 'a'; each trains in phases/<name>, so every "
+                                "name must be unique",
+    "a store URL with an unknown scheme": "checkpoint.uri: 'ftp://host/x' is not a store kubetrain can use (ftp://): "
+                                          "give s3://BUCKET/PREFIX, gs://BUCKET/PREFIX",
+    "a store URL with no bucket": "checkpoint.uri: 's3://' names no bucket: give s3://BUCKET/PREFIX",
+    "a store URL that is neither a URL nor a path": "checkpoint.uri: 'bogus:/x' is not a store kubetrain can use "
+                                                    "(bogus:/)",
+    "a prompt that is not UTF-8": "--prompt is not UTF-8 text (byte 0xe9 at character 3)",
+    "a --set value that is not UTF-8": "--set run.name: the value is not UTF-8 text",
+    "dry run resuming from a path that does not exist": "--resume: no such checkpoint or run directory: ",
+    "a node rank of a node the job does not have": "--node-rank 5: a job of 1 node (--nnodes 1) has node ranks 0 to 0",
+    "the null device as data": "data path is not a regular file or folder: /dev/null (a character device)",
+    "a FIFO as data": "fifo (a FIFO); name a file, a folder or a glob",
+    "the null device as config": "/dev/null is not a regular file (a character device)",
+    "more processes than memory allows": "error: --nproc 100000: this run needs about ",
+    "runs sync to a store with no bucket": "error: 's3://' names no bucket: give s3://BUCKET/PREFIX",
+    "runs sync to a store URL with one slash": "error: 'bogus:/x' is not a store kubetrain can use (bogus:/)",
+    "an unknown flag": "error: no such option: --bogus (see 'kubetrain train -h')",
+    "an unknown subcommand": "error: no such command 'trian'. Did you mean 'train'? (see 'kubetrain -h')",
+    "an extra argument": "error: got unexpected extra argument(s) (b.yaml) (see 'kubetrain config validate -h')",
+    "a flag without its value": "error: option '--nproc' requires an argument",
 }
 
 
@@ -132,6 +207,7 @@ def test_bad_input_is_one_line_and_exit_2(case: str, run_main: RunMain, tmp_cwd:
     assert_one_error_line(code, err, CASES[case])
     assert not (tmp_cwd / "runs" / "tiny").exists()  # nothing half-made is left behind
     assert not (tmp_cwd.parent / "evil").exists()
+    assert not (tmp_cwd / "bogus:").exists()
     assert not (tmp_cwd / "out.yaml").exists() or (tmp_cwd / "out.yaml").read_text() == "kept\n"
 
 

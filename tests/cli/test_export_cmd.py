@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,7 @@ from gguf import GGUFReader
 
 from kubetrain.cli import main
 from kubetrain.files import umask
+from tests.conftest import cli_env
 
 
 def run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -83,3 +88,22 @@ def test_a_run_that_is_not_there_or_not_lora(
     assert run(["export", lora_run, "-o", merged, "--merge"], capsys)[0] == 0
     code, _, err = run(["export", merged, "-o", tmp_path / "y"], capsys)
     assert code == 2 and "is not a run directory" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_an_export_to_a_full_disk_is_one_line_and_leaves_nothing(gpt_lora_run: Path, tmp_path: Path, fmt: str) -> None:
+    # A full disk for real: a 16 KiB tmpfs, mounted in a user and mount namespace of its own (unshare)
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "-rm", "true"], capture_output=True, check=False) if unshare else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("unshare -rm (user and mount namespaces) is not available here")
+    (tmp_path / "small").mkdir()
+    out = tmp_path / "small" / ("m.gguf" if fmt == "gguf" else "hf")
+    export = [sys.executable, "-m", "kubetrain", "export", str(gpt_lora_run), "-f", fmt, "-o", str(out), "--merge"]
+    small = tmp_path / "small"
+    script = f"mount -t tmpfs -o size=16k tmpfs {small} && {shlex.join(export)}; echo $?; ls -A {small}"
+    done = subprocess.run([unshare or "unshare", "-rm", "sh", "-c", script], env=cli_env(), capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.stderr == (f"error: no space left on the device of {out.parent}: nothing was exported; free some "
+                           f"space there or choose another -o\n")
+    assert done.stdout.splitlines() == ["2"]  # the exit code, and nothing left in the folder

@@ -96,3 +96,22 @@ def test_generate_feeds_the_prompt_like_transformers(run_main: RunMain, hf_full_
     if hf_tok.eos_token_id in new:
         new = new[: new.index(hf_tok.eos_token_id)]
     assert out == prompt + hf_tok.decode(new) + "\n"
+
+
+def test_generate_takes_the_runs_threads_as_train_does(run_dir: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import cli_env
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: torch's default is one thread already")
+    env = cli_env()
+    env.pop("OMP_NUM_THREADS")  # torch's default then: a thread per core, however loaded the machine is
+    probe = ("import atexit, sys, torch; atexit.register(lambda: print('threads', torch.get_num_threads(), "
+             "file=sys.stderr)); from kubetrain.cli import main; main(sys.argv[1:])")
+    done = subprocess.run([sys.executable, "-c", probe, "generate", str(run_dir), "--prompt", "In",
+                           "--max-new-tokens", "4"], env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[-1] == "threads 1"  # the run's run.threads=1 (TINY)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
 from kubetrain.config import Config
+from kubetrain.runs import read_metrics
 from tests.conftest import Cli, RunMain
 
 SECRET = "hf_" + "Zq7" * 8  # shaped like a Hugging Face token
@@ -127,3 +129,67 @@ def test_a_cuda_run_on_a_torch_without_cuda_is_one_line(run_main: RunMain, tiny_
     assert code == 2
     assert err.strip().startswith("error: run.device is 'cuda' but this torch") and len(err.strip().splitlines()) == 1
     assert not (tmp_cwd / "runs").exists()
+
+
+def _files(run: Path) -> dict[str, bytes]:
+    """Every file of a run by relative path, but the lock and the verification cache (neither is the run's)."""
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*"))
+            if p.is_file() and p.name != "run.lock" and ".verified" not in p.parts}
+
+
+def test_when_every_checkpoint_is_corrupt_train_refuses_and_changes_nothing(
+    run_main: RunMain, tiny_args: list[str], tmp_cwd: Path
+) -> None:
+    code, _, err = run_main("train", *tiny_args, "--set", "run.name=hurt")
+    assert code == 0, err
+    run = tmp_cwd / "runs" / "hurt"
+    steps = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert steps == ["step-000003", "step-000006"]
+    for name in steps:
+        weights = run / "checkpoints" / name / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 0xFF  # same size, other bytes: only the checksum tells
+        weights.write_bytes(bytes(data))
+    before = _files(run)
+    code, out, err = run_main("train", *tiny_args, "--set", "run.name=hurt", "--set", "train.max_steps=9")
+    assert code == 2
+    assert err == (f"error: none of the 2 checkpoints in {Path('runs/hurt/checkpoints')} verifies: the run would start "
+                   f"again from step 0 and overwrite them; nothing was changed: repair or move them away, or start "
+                   f"afresh under another run.name\n")
+    assert out.count("warning: skipping checkpoint step-0000") == 2
+    assert _files(run) == before
+
+
+def test_a_run_whose_checkpoints_folder_was_emptied_is_not_started_again_from_step_0(
+    run_main: RunMain, tiny_args: list[str], tmp_cwd: Path
+) -> None:
+    code, _, err = run_main("train", *tiny_args, "--set", "run.name=emptied")
+    assert code == 0, err
+    run = tmp_cwd / "runs" / "emptied"
+    shutil.rmtree(run / "checkpoints")  # a volume that is not mounted, a folder cleaned by mistake
+    before = _files(run)
+    code, _, err = run_main("train", *tiny_args, "--set", "run.name=emptied")
+    assert code == 2
+    assert err == (f"error: {Path('runs/emptied')} recorded checkpoint step-000006 but "
+                   f"{Path('runs/emptied/checkpoints')} holds none: the run would start again from step 0 and cut its "
+                   f"metrics; restore the checkpoints, or start afresh on purpose with --resume never\n")
+    assert _files(run) == before
+
+
+def test_a_resume_keeps_metrics_lines_that_are_not_records_with_one_warning(
+    run_main: RunMain, tiny_args: list[str], tmp_cwd: Path
+) -> None:
+    code, _, err = run_main("train", *tiny_args, "--set", "run.name=odd")
+    assert code == 0, err
+    metrics = tmp_cwd / "runs" / "odd" / "metrics.jsonl"
+    first = len(metrics.read_bytes().splitlines()) + 1
+    with open(metrics, "ab") as f:
+        f.write(b"caf\xe9: a note that is not UTF-8\n[1, 2, 3]\n")  # a user's note, another tool's line
+    code, out, err = run_main("train", *tiny_args, "--set", "run.name=odd", "--set", "train.max_steps=9")
+    assert code == 0, err
+    assert [line for line in out.splitlines() if line.startswith("warning:")] == [
+        f"warning: {Path('runs/odd/metrics.jsonl')}: 2 line(s) are not records (not UTF-8, or not a JSON object with "
+        f"a numeric step): kept as they are (line {first}, {first + 1})"]
+    lines = metrics.read_bytes().splitlines()
+    assert b"caf\xe9: a note that is not UTF-8" in lines and b"[1, 2, 3]" in lines
+    assert [r["step"] for r in read_metrics(metrics) if r["kind"] == "train"][-1] == 9

@@ -245,14 +245,16 @@ def test_the_launchers_flight_recorder_names_draw_no_deprecation_warning(tmp_pat
 
 @pytest.mark.slow
 def test_a_worker_with_bad_input_ends_the_group_at_once_with_its_line(tmp_path: Path) -> None:
-    # found only inside the workers (the launcher checked the config): the checkpoint to resume does not exist
-    done = kubetrain("train", *sets("run.name=bad"), "--nproc", "2", "--resume", "nope/step-000001",
+    # found only inside the workers (the launcher checked the config and that the path exists): the folder to resume
+    # holds no checkpoint
+    (tmp_path / "nope").mkdir()
+    done = kubetrain("train", *sets("run.name=bad"), "--nproc", "2", "--resume", "nope",
                      cwd=tmp_path, check=False)  # --max-restarts left at its default (3)
     assert done.returncode == 2, done.stderr[-3000:]
     starts = sum("process 0/2" in line for line in done.stdout.splitlines())
     assert starts == 1, done.stdout[-3000:]  # rank 0 started once: the group was not restarted
     assert done.stderr.rstrip().splitlines()[-1] == (
-        "error: --resume: no such checkpoint or run directory: nope/step-000001"), done.stderr[-3000:]
+        "error: no usable checkpoint at nope"), done.stderr[-3000:]
     assert "Traceback" not in done.stderr
 
 

@@ -30,6 +30,7 @@ from kubetrain.runs import read_meta
 from kubetrain.train.device import autocast
 from kubetrain.train.evaluate import evaluate
 from kubetrain.train.trainer import train
+from tests.conftest import cli_env
 
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -155,3 +156,12 @@ def test_lora_on_an_hf_model_under_ddp(
     saved = checkpoint.resolve(run).model_state()
     assert saved and all(".lora_A." in n or ".lora_B." in n for n in saved)
     assert sorted(losses(run)) == [1, 2, 3, 4]
+
+
+def test_importing_peft_with_bitsandbytes_installed_says_nothing() -> None:
+    # bitsandbytes logs "Failed to load CPU gemm_4bit_forward ..." at import on CPUs with AVX512-BF16 when the optional
+    # `kernels` package is missing; a healthy command prints only our own lines
+    pytest.importorskip("bitsandbytes")
+    done = subprocess.run([sys.executable, "-c", "import kubetrain.models, peft, bitsandbytes"], env=cli_env(),
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert (done.returncode, done.stderr) == (0, "")

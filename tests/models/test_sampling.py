@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kubetrain.models.gpt import GPT, GPTConfig
-from kubetrain.models.sampling import generate
+from kubetrain.models.sampling import Progress, generate
 
 torch.set_num_threads(1)
 VOCAB = 64
@@ -165,3 +165,15 @@ def test_a_hugging_face_model_samples_with_its_cache(llama_dir: object) -> None:
     lm = load_hf_model(ModelConfig(kind="hf", name_or_path=str(llama_dir), block_size=32))
     with_cache = generate(lm, [5, 6, 7], 8, 32, temperature=0)
     assert with_cache == generate(NoCache(lm), [5, 6, 7], 8, 32, temperature=0)
+
+
+def test_a_long_generation_says_how_far_it_is(model: GPT) -> None:
+    said: list[str] = []
+    out = generate(model, [1, 2], 6, 8, temperature=0, progress=Progress("sample", said.append, every=0))
+    assert len(out) == 6
+    # a line per token once `every` seconds have passed (here: at once), none after the last token
+    assert [line.split(",")[0] for line in said] == [f"sample: {n}/6 tokens" for n in range(1, 6)]
+    assert all(line.endswith(" tokens/s") for line in said)
+    quiet: list[str] = []
+    generate(model, [1, 2], 6, 8, temperature=0, progress=Progress("sample", quiet.append))  # the usual case
+    assert quiet == []

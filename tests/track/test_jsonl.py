@@ -26,3 +26,15 @@ def test_records_are_written_redacted_and_truncated_on_resume(tmp_path: Path) ->
     truncate_after(path, 2)
     assert [r["step"] for r in read_metrics(path)] == [1, 2]
     assert all(json.loads(line) for line in path.read_text().splitlines())
+
+
+def test_lines_that_are_not_records_are_kept_with_one_warning(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    lines = [b'{"kind": "train", "step": 1}\n', b"caf\xe9 not UTF-8\n", b"[1, 2]\n", b'"text"\n',
+             b'{"kind": "note", "step": "x"}\n', b'{"kind": "train", "step": 2}\n', b'{"kind": "train", "step": 3}\n']
+    path.write_bytes(b"".join(lines))
+    warnings: list[str] = []
+    truncate_after(path, 2, warnings.append)
+    assert path.read_bytes() == b"".join(lines[:6])  # record 3 dropped; the others kept as they were, in order
+    assert len(warnings) == 1 and "4 line(s) are not records" in warnings[0] and "line 2, 3, 4, 5" in warnings[0]
+    assert [r["step"] for r in read_metrics(path)] == [1, "x", 2]  # readers skip them too

@@ -226,3 +226,22 @@ def test_live_scrape_and_health_during_training(train_tiny: TrainTiny, tmp_path:
     assert seen["healthz_after"] == 200  # steps finish again: healthy again
     with pytest.raises(OSError):  # the exporter shuts down with the run and frees its port
         socket.create_connection(("127.0.0.1", seen["port"]), timeout=5).close()
+
+
+def test_a_scraper_that_goes_away_mid_request_prints_nothing(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    # a scrape that timed out closes its connection while the exporter still reads or writes it: socketserver printed
+    # a BrokenPipeError or ConnectionResetError traceback for each
+    import struct
+
+    sink = PrometheusSink(0, "127.0.0.1", stream=io.StringIO())
+    sink.start({"run": "unit", "run_dir": str(tmp_path)})
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", sink.port)) as gone:
+            gone.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # the headers never end
+            time.sleep(0.1)  # the handler is reading them
+            gone.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+    with urllib.request.urlopen(f"http://127.0.0.1:{sink.port}/metrics", timeout=10) as reply:
+        assert reply.status == 200  # the exporter still answers
+    time.sleep(0.2)
+    sink.finish("finished")
+    assert capfd.readouterr().err == ""

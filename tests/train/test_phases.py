@@ -9,6 +9,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from tests.conftest import RunMain
 from tests.train.conftest import kubetrain, sets
 
 pytestmark = pytest.mark.slow
@@ -93,3 +94,18 @@ def test_phase_with_a_bad_override_is_refused_before_training(tmp_path: Path) ->
     assert "phase 'b'" in bad.stderr and "did you mean 'max_steps'" in bad.stderr
     assert "Traceback" not in bad.stderr
     assert not (tmp_path / "runs" / "default").exists()
+
+
+def test_a_run_whose_third_phase_failed_is_failed_in_runs_list_and_show(run_main: RunMain, tmp_path: Path) -> None:
+    path = tmp_path / "phased.yaml"
+    phases = [{"name": "pretrain", "train": {"max_steps": 2}}, {"name": "code", "train": {"max_steps": 2}},
+              {"name": "instruct", "data": {"sources": [{"kind": "text", "path": str(tmp_path / "missing.txt")}]}}]
+    path.write_text(yaml.safe_dump({"run": {"name": "staged"}, "phases": phases}))
+    code, _, err = run_main("train", str(path), *sets("eval.every_steps=2", "checkpoint.every_steps=2"))
+    assert code == 2 and "data path not found" in err  # phase 3 failed before it wrote anything
+    code, out, _ = run_main("runs", "list", "runs", "--json")
+    assert code == 0
+    [row] = json.loads(out)
+    assert (row["name"], row["status"], row["phase"]) == ("staged", "failed", "instruct")
+    code, out, _ = run_main("runs", "show", "runs/staged", "--json")
+    assert json.loads(out)["status"] == "failed"

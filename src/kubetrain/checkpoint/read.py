@@ -10,6 +10,7 @@ Nothing here unpickles anything but plain data: weights come from safetensors, t
 from __future__ import annotations
 
 import json
+import pickle
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from kubetrain.checkpoint.layout import (
     complete_checkpoints,
     is_checkpoint_dir,
 )
-from kubetrain.errors import BadCheckpointError, CheckpointError, IncompatibleCheckpointError
+from kubetrain.errors import BadCheckpointError, CheckpointError, IncompatibleCheckpointError, NoCheckpointVerifies
 from kubetrain.outside_names import OutsideName, join_inside
 
 
@@ -56,16 +57,30 @@ class Checkpoint:
         return (self.path / SHARDS_DIR).is_dir()
 
     def trainer_state(self) -> dict[str, Any]:
-        # weights_only: a checkpoint from elsewhere cannot run code when it is loaded.
-        # mmap: tensors are paged in from the file (already in the page cache after verify) instead of copied.
-        skeleton = torch.load(self.path / TRAINER_FILE, map_location="cpu", weights_only=True)
+        skeleton = load_trainer_skeleton(self.path)
         tensors = load_file(self.path / TRAINER_TENSORS) if (self.path / TRAINER_TENSORS).exists() else {}
         state: dict[str, Any] = tensorfile.join(skeleton, tensors)
         return state
 
 
+def load_trainer_skeleton(path: Path) -> Any:
+    """trainer.pt of the checkpoint in `path`: plain data only, or CheckpointError.
+
+    weights_only: a checkpoint from elsewhere cannot run code when it is loaded. A file whose checksum matches but
+    which holds more than plain data (a pickle of objects, its digest updated to match) is a corrupt checkpoint.
+    """
+    try:
+        return torch.load(path / TRAINER_FILE, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path.name}: {TRAINER_FILE} is not plain data that loads safely ({why})") from None
+
+
 def verify(path: Path, deep: bool = True) -> Checkpoint:
-    """The checkpoint in `path` if its meta and files are whole and match their checksums."""
+    """The checkpoint in `path` if its meta and files are whole and match their checksums.
+
+    `deep` also hashes every file and loads trainer.pt the safe way (it is small: its tensors are elsewhere).
+    """
     try:
         meta = json.loads((path / META_FILE).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -83,6 +98,8 @@ def verify(path: Path, deep: bool = True) -> Checkpoint:
         problem = verdict.hashed(path, files)
         if problem:
             raise CheckpointError(f"{path.name}: {problem}")
+        if TRAINER_FILE in files:
+            load_trainer_skeleton(path)
     return Checkpoint(path, meta)
 
 
@@ -108,14 +125,21 @@ def find_resumable(root: Path, warn: Callable[[str], None] | None = None) -> Che
     """The newest checkpoint that verifies; broken or half-written ones are skipped with a warning.
 
     Newest by step, not by the `latest` pointer: a kill between the rename and the pointer update leaves
-    a complete checkpoint that `latest` does not name yet.
+    a complete checkpoint that `latest` does not name yet. None when there is no checkpoint at all; when there
+    are some and none verifies, NoCheckpointVerifies: starting from step 0 would overwrite them.
     """
     warn = warn or (lambda m: warnings.warn(m, stacklevel=2))
-    for path in reversed(complete_checkpoints(root)):
+    found = complete_checkpoints(root)
+    for path in reversed(found):
         try:
             return verify(path)
         except CheckpointError as e:
             warn(f"skipping checkpoint {e}")
+    if found:
+        raise NoCheckpointVerifies(
+            f"none of the {len(found)} checkpoints in {root} verifies: the run would start again from step 0 and "
+            f"overwrite them; nothing was changed: repair or move them away, or start afresh under another run.name"
+        )
     return None
 
 
@@ -125,7 +149,10 @@ def resolve(path: Path) -> Checkpoint:
         return verify_named(path)
     for root in (path / "checkpoints", path):
         if root.is_dir() and complete_checkpoints(root):
-            found = find_resumable(root)
+            try:
+                found = find_resumable(root)
+            except NoCheckpointVerifies:
+                continue
             if found:
                 return found
     raise IncompatibleCheckpointError(f"no usable checkpoint at {path}")

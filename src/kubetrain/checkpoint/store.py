@@ -14,6 +14,7 @@ import posixpath
 from pathlib import Path
 from typing import Any
 
+from kubetrain.config.schema import store_uri_problem
 from kubetrain.errors import UserInputError
 
 LOCAL_PROTOCOLS = (None, "file", "local")
@@ -157,6 +158,9 @@ class Store:
 
 def open_store(uri: str, endpoint_url: str | None = None) -> Store:
     """The store at `uri`; a missing fsspec implementation or an unknown scheme is a user error."""
+    problem = store_uri_problem(uri, schemes=None)
+    if problem:
+        raise UserInputError(problem)
     try:
         import fsspec
     except ModuleNotFoundError:

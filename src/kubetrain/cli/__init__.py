@@ -6,7 +6,7 @@ import errno
 import os
 import sys
 import traceback
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 
@@ -19,7 +19,7 @@ from kubetrain.errors import (
     TrainingStopped,
     UserInputError,
 )
-from kubetrain.launch.elastic import record_worker_error
+from kubetrain.launch.elastic import record_worker_error, worker_exit_code
 
 app = typer.Typer(
     name="kubetrain",
@@ -95,6 +95,25 @@ def _register() -> None:
     app.add_typer(k8s_cmd.app, name="k8s")
 
 
+def _click_class(name: str) -> Any:
+    """click's exception class `name`, wherever this typer takes click from: typer 0.12-0.2x import click, later ones
+    carry their own copy (typer._click); typer.BadParameter is a UsageError of whichever it is."""
+    module = sys.modules[typer.BadParameter.__module__]
+    found = getattr(module, name, None)
+    if found is None:  # NoArgsIsHelpError is click 8.2's: before it a group's help was an Exit
+        return next((c for c in typer.BadParameter.__mro__ if c.__name__ == name), _NeverRaised)
+    return found
+
+
+class _NeverRaised(Exception):
+    pass
+
+
+USAGE_ERROR = _click_class("UsageError")
+CLICK_EXCEPTION = _click_class("ClickException")
+NO_ARGS_IS_HELP = _click_class("NoArgsIsHelpError")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors become one line on stderr and an exit code; --debug shows the traceback."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -103,7 +122,23 @@ def main(argv: list[str] | None = None) -> None:
     if not app.registered_commands:  # main() may run more than once in one process (tests, notebooks)
         _register()
     try:
-        app(args=args, prog_name="kubetrain", standalone_mode=True)
+        # not standalone: click's three-line usage form for a mistyped flag or command becomes our one line
+        code = app(args=args, prog_name="kubetrain", standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)
+    except NO_ARGS_IS_HELP as e:  # a group with no subcommand: its help, as before
+        e.show()
+        sys.exit(e.exit_code)
+    except USAGE_ERROR as e:
+        ctx = getattr(e, "ctx", None)
+        where = f" (see '{ctx.command_path} -h')" if ctx is not None else ""
+        message = e.format_message().rstrip(".")
+        _bad_input(message[:1].lower() + message[1:] + where)
+    except CLICK_EXCEPTION as e:
+        print(f"error: {e.format_message()}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+    except typer.Abort:  # Ctrl-C at a prompt
+        print("Aborted!", file=sys.stderr, flush=True)
+        sys.exit(1)
     except TrainingStopped as e:  # asked for, and resumable: not an error; global rank 0 says it for the job
         if debug:
             traceback.print_exc()
@@ -115,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
         record_worker_error(e)
         print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(e.exit_code)
+        sys.exit(worker_exit_code(e))
     except ModuleNotFoundError as e:
         extra = OPTIONAL_EXTRAS.get((e.name or "").split(".")[0])
         if extra is None:

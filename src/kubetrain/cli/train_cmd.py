@@ -54,7 +54,8 @@ def train(
     """
     cfg = load(config, preset, set_)
     check_torch()
-    if nproc is not None or nnodes != "1" or rdzv_endpoint is not None:
+    check_resume_path(resume)
+    if nproc is not None or nnodes != "1" or rdzv_endpoint is not None or node_rank is not None:
         from kubetrain import runs
         from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
         from kubetrain.runs.lock import hold_for_workers
@@ -68,8 +69,7 @@ def train(
                       *(["--dry-run"] if dry_run else [])]
         opts = LaunchOptions(nproc_per_node=nproc or 1, nnodes=nnodes, node_rank=node_rank,
                              rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
-                             shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30,
-                             **watch_options(cfg))
+                             shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30, **watch_options(cfg))
         torchrun_args(opts, forwarded)  # bad launch options are refused before the run directory is held
         check_node_memory(cfg, opts.nproc_per_node, nnodes)  # before any worker starts
         one_node = nnodes == "1" and rdzv_endpoint is None  # several nodes: rank 0 holds it, wherever it runs
@@ -113,7 +113,16 @@ def check_node_memory(cfg: Config, nproc: int, nnodes: str) -> None:
     from kubetrain.memory import Layout
     from kubetrain.train.memory_check import check_memory
 
-    check_memory(cfg, Layout.of(cfg, nproc * parse_nnodes(nnodes)[0], nproc), launcher=True)
+    try:
+        check_memory(cfg, Layout.of(cfg, nproc * parse_nnodes(nnodes)[0], nproc), launcher=True)
+    except UserInputError as e:  # the count comes first: it is what the user typed, and one thing to change
+        raise UserInputError(f"--nproc {nproc}: {e}") from None
+
+
+def check_resume_path(resume: str) -> None:
+    """A --resume PATH that does not exist is one line before anything is built: --dry-run and launchers too."""
+    if resume not in ("auto", "never") and not Path(resume).exists():
+        raise UserInputError(f"--resume: no such checkpoint or run directory: {resume}")
 
 
 def register(app: typer.Typer) -> None:

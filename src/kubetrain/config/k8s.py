@@ -31,7 +31,7 @@ RESERVED_ENV = re.compile(
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no NaN, no inf
 
 
 class ResourcesConfig(_Section):

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from kubetrain.config import clocks
 from kubetrain.config.schema import Config
 from kubetrain.errors import ConfigError
+from kubetrain.files import special_kind
 
 DEFAULT_PRESET = "tiny"
 
@@ -60,6 +61,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
                 else "")
         raise ConfigError(f"{p} is a directory, not a config file{hint}")
     if not p.is_file():
+        if p.exists():  # /dev/null, a FIFO: not a config that can be read (and written into the run) as a file
+            raise ConfigError(f"{p} is not a regular file (a {special_kind(p)}); name a YAML config file")
         raise ConfigError(f"config file not found: {p}")
     try:
         data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # a SafeLoader
@@ -168,6 +171,10 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     """Apply one `a.b.c=VALUE` to the raw mapping; VALUE is parsed as YAML, then typed by the model."""
     if "=" not in item:
         raise ConfigError(f"--set needs KEY=VALUE, got '{item}'")
+    try:
+        item.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 reach Python as lone surrogates
+        raise ConfigError(f"--set {item.split('=', 1)[0]}: the value is not UTF-8 text") from None
     key, text = item.split("=", 1)
     parts = [p for p in key.strip().split(".") if p]
     if not parts:

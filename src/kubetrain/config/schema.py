@@ -14,7 +14,7 @@ from kubetrain.config.track import TrackConfig
 class Section(BaseModel):
     """A config section: unknown keys are errors, assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no NaN, no inf
 
 
 class RunConfig(Section):
@@ -220,6 +220,11 @@ class TrainConfig(Section):
         "first lines say which and why); false: never."
     )
     log_every_steps: int = Field(10, ge=1, description="Steps between metric lines.")
+    max_nonfinite_steps: int = Field(
+        5, ge=1, description="Stop the run (exit 1) once its loss has been NaN or inf for this many steps in a row, "
+        "naming the step and the last checkpoint saved before; read at the steps that log, evaluate or save (no sync "
+        "per step), and while the loss is not finite nothing is evaluated or saved."
+    )
     deterministic: bool | None = Field(
         None, description="Deterministic kernels (null: on for CPU, where runs and resumes are bitwise "
         "repeatable; off on CUDA, where it costs speed: true sets the cuBLAS workspace and names the kernels "
@@ -302,6 +307,37 @@ class CheckpointConfig(Section):
             raise ValueError("holds credentials; name a Secret in checkpoint.secret_name, or set them in the "
                              "environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)")
         return value
+
+    @field_validator("uri")
+    @classmethod
+    def _a_store(cls, value: str | None) -> str | None:
+        problem = store_uri_problem(value) if value else None
+        if problem:
+            raise ValueError(problem)
+        return value
+
+
+# The stores checkpoint.uri names (fsspec's s3fs, gcsfs, adlfs and local filesystem), as docs/object-storage.md lists
+STORE_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "file")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(/*)")
+
+
+def store_uri_problem(uri: str, schemes: tuple[str, ...] | None = STORE_SCHEMES) -> str | None:
+    """Why `uri` names no store kubetrain writes to (an unknown scheme, no bucket), or None for a usable one.
+
+    Refused here, where the config comes in: later a run would only fail on its first upload or restore. `schemes`
+    None takes any scheme (`runs sync` hands it to fsspec), but still a bucket and the `//`."""
+    use = "give s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, az://CONTAINER/PREFIX, file:///PATH or a path"
+    found = _SCHEME.match(uri)
+    if found is None or not found.group(2):  # a path ("runs/store", "a:b")
+        return None
+    scheme = found.group(1).lower()
+    if found.group(2) != "//" or (schemes is not None and scheme not in schemes):
+        return f"{uri!r} is not a store kubetrain can use ({scheme}:{found.group(2)}): {use}"
+    bucket = uri[found.end():].split("/", 1)[0]
+    if scheme not in ("file", "local") and not bucket:
+        return f"{uri!r} names no bucket: {use}"
+    return None
 
 
 _FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -395,6 +431,16 @@ class Config(Section):
     phases: list[PhaseConfig] = Field(
         default_factory=list, description="Stages run one after another, each from the previous one's weights."
     )
+
+    @model_validator(mode="after")
+    def _unique_phase_names(self) -> Config:
+        names = [p.name for p in self.phases]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:  # each phase is the folder phases/<name>: two would train into one
+            given = ", ".join(repr(n) for n in twice)
+            raise ValueError(f"phases: more than one phase is named {given}; each trains in phases/<name>, so every "
+                             "name must be unique")
+        return self
 
     @model_validator(mode="after")
     def _quantized_not_sharded(self) -> Config:

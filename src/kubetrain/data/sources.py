@@ -13,6 +13,7 @@ from typing import Any
 from kubetrain.config.schema import SourceConfig
 from kubetrain.data.fingerprints import DigestCache
 from kubetrain.errors import DataError
+from kubetrain.files import special_kind
 
 BUILTIN_CORPUS = "kjv.txt"
 
@@ -47,6 +48,9 @@ def source_files(src: SourceConfig) -> list[Path]:
             raise DataError(f"data folder is empty: {src.path}")
         return files
     if not p.is_file():
+        if p.exists():  # a FIFO, a device (/dev/null), a socket: nothing that can be read twice and hashed
+            raise DataError(f"data path is not a regular file or folder: {src.path} (a "
+                            f"{special_kind(p)}); name a file, a folder or a glob")
         raise DataError(f"data path not found: {src.path}")
     return [p]
 
@@ -201,3 +205,4 @@ def load_hf_dataset(src: SourceConfig) -> Any:
         raise
     except Exception as e:
         raise DataError(f"dataset '{src.path}' could not be loaded: {str(e).splitlines()[0]}") from None
+

@@ -5,6 +5,7 @@ Each output is written beside its final path and renamed into place: a failed ex
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -63,11 +64,27 @@ def export(
         model = merge_lora(model)
     kind = "merged" if merge else "adapter" if lora else "model"
     modelfile = None
-    if fmt == "gguf":
-        modelfile = str(_write_gguf(model, tokenizer, out, dtype, cfg))
-    else:
-        _write_hf_folder(model, tokenizer, out, _hf_dtype(dtype, model, cfg), adapter=kind == "adapter")
+    try:
+        if fmt == "gguf":
+            modelfile = str(_write_gguf(model, tokenizer, out, dtype, cfg))
+        else:
+            _write_hf_folder(model, tokenizer, out, _hf_dtype(dtype, model, cfg), adapter=kind == "adapter")
+    except Exception as e:
+        if not _out_of_space(e):
+            raise
+        raise UserInputError(f"no space left on the device of {out.parent.resolve()}: nothing was exported; free "
+                             f"some space there or choose another -o") from None
     return Exported(str(out), fmt, kind, ckpt.step, str(ckpt.path), modelfile)
+
+
+def _out_of_space(e: BaseException) -> bool:
+    """A full disk or quota, as an OSError, as numpy's short write (the GGUF writer's tensors: an OSError with no errno,
+    "N requested and M written") or as the safetensors writer's own error (a Rust io::Error's text)."""
+    if isinstance(e, OSError) and (e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+                                   or (e.errno is None and " requested and " in str(e))):
+        return True
+    return type(e).__name__ == "SafetensorError" and any(
+        s in str(e) for s in ("No space left", "StorageFull", "QuotaExceeded", "FileTooLarge"))
 
 
 def _write_gguf(model: nn.Module, tokenizer: Any, out: Path, dtype: str, cfg: Config) -> Path:
@@ -84,7 +101,11 @@ def _write_gguf(model: nn.Module, tokenizer: Any, out: Path, dtype: str, cfg: Co
     write_gguf(model, tokenizer, out, "f32" if dtype == "float32" else "f16", name=cfg.run.name,
                chat_template=NAMED_TEMPLATES.get(template, template) if template else None)
     usual_modes(out)
-    return _write_modelfile(out, tokenizer, cfg)
+    try:
+        return _write_modelfile(out, tokenizer, cfg)
+    except BaseException:  # a GGUF without its Modelfile is half an export
+        out.unlink(missing_ok=True)
+        raise
 
 
 def _write_modelfile(gguf: Path, tokenizer: Any, cfg: Config) -> Path:
@@ -105,7 +126,11 @@ def _write_modelfile(gguf: Path, tokenizer: Any, cfg: Config) -> Path:
                           context_length=cfg.model.block_size,
                           tokenizer_adds_bos=bool(added_special_ids(tokenizer)[0]))
     path = modelfile_path(gguf)
-    path.write_text(text, encoding="utf-8")
+    try:
+        path.write_text(text, encoding="utf-8")
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -23,7 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from kubetrain.distributed.peers import PEER_LOST as _PEER_LOST  # a peer went away: an effect, not a cause
-from kubetrain.errors import EXIT_BAD_INPUT, EXIT_FAILURE, EXIT_STOPPED_RESUMABLE, UserInputError, resume_hint
+from kubetrain.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILURE,
+    EXIT_FINAL_FAILURE,
+    EXIT_STOPPED_RESUMABLE,
+    KubetrainError,
+    RepeatableFailure,
+    UserInputError,
+    resume_hint,
+)
 from kubetrain.torch_compat import FLIGHT_RECORDER_NAMES, elastic_agent, flight_recorder_names, torchrun_shutdown_args
 
 
@@ -61,6 +70,10 @@ def torchrun_args(opts: LaunchOptions, train_args: list[str]) -> list[str]:
     if opts.nproc_per_node < 1:
         raise UserInputError("--nproc must be at least 1")
     _, high = parse_nnodes(opts.nnodes)
+    if opts.node_rank is not None and opts.node_rank >= high:
+        nodes = f"{high} node{'s' if high > 1 else ''}"
+        raise UserInputError(f"--node-rank {opts.node_rank}: a job of {nodes} (--nnodes {opts.nnodes}) has node "
+                             f"ranks 0 to {high - 1}")
     args = [f"--nproc-per-node={opts.nproc_per_node}", f"--max-restarts={opts.max_restarts}",
             f"--monitor-interval={opts.monitor_interval}", *torchrun_shutdown_args(opts.shutdown_timeout)]
     if high == 1 and opts.rdzv_endpoint is None:
@@ -144,6 +157,9 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         if failure.exitcode == EXIT_BAD_INPUT:  # the worker's own line, as one process would end
             _say(f"error: {message}")
             return EXIT_BAD_INPUT
+        if failure.exitcode == EXIT_FINAL_FAILURE:  # failed for good (a NaN loss): its line, exit 1
+            _say(f"error: {message}")
+            return EXIT_FAILURE
         _say(f"error: rank {rank} failed with exit code {failure.exitcode}: {message}")
         return EXIT_FAILURE
     except RendezvousConnectionError as e:  # an incident here; the caller decides the exit (pods: 69)
@@ -161,9 +177,20 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     return 0
 
 
-# A worker's exit that a restart cannot change: bad input (the same config fails the same way again) and a stop it
-# was asked for (a restart would resume and train on). Any other failure restarts the group, up to --max-restarts.
-FINAL_EXIT_CODES = frozenset({EXIT_BAD_INPUT, EXIT_STOPPED_RESUMABLE})
+# A worker's exit that a restart cannot change: bad input (the same config fails the same way again), a stop it
+# was asked for (a restart would resume and train on) and a failure a resume would repeat (EXIT_FINAL_FAILURE). Any
+# other failure restarts the group, up to --max-restarts.
+FINAL_EXIT_CODES = frozenset({EXIT_BAD_INPUT, EXIT_STOPPED_RESUMABLE, EXIT_FINAL_FAILURE})
+
+
+def worker_exit_code(e: KubetrainError) -> int:
+    """The exit code of a process that ends on `e`: its own, but EXIT_FINAL_FAILURE for a failure a restart would
+    repeat, when this process is a worker of our launcher (which then exits 1 without restarting anyone)."""
+    from kubetrain.train.heartbeat import LAUNCHER_PID_ENV
+
+    if isinstance(e, RepeatableFailure) and os.environ.get(LAUNCHER_PID_ENV):
+        return EXIT_FINAL_FAILURE
+    return e.exit_code
 
 
 FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"  # one file per rank in <run>/incidents/

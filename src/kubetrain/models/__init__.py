@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -10,6 +11,12 @@ from torch import nn
 
 from kubetrain.config.schema import ModelConfig
 from kubetrain.models.gpt import GPT, GPTConfig
+
+# bitsandbytes (which PEFT imports whenever it is installed) logs on every import, on CPUs with AVX512-BF16, that the
+# optional `kernels` package of a faster 4-bit CPU kernel is missing; its own kernel is used instead and nothing is
+# wrong, so that one line is kept out of a healthy run's output (the logger's other records still pass).
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward"))
 
 
 def gpt_config(cfg: ModelConfig, tokenizer_vocab: int) -> GPTConfig:

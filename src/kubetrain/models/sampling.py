@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,7 @@ def generate(
     eos_id: int | None = None,
     seed: int | None = None,
     autocast_ctx: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[int]:
     """Continue `ids` by up to `max_new_tokens` tokens; temperature 0 is greedy.
 
@@ -29,7 +32,7 @@ def generate(
     forward when everything fits in the block; past it the context is cropped to the block, a full forward each.
 
     `autocast_ctx` is the training loop's autocast factory: samples on a GPU run in the training dtype
-    (bf16/fp16 tensor cores), not in fp32.
+    (bf16/fp16 tensor cores), not in fp32. `progress(done, total)` hears of every token (see `Progress`).
     """
     if not ids:
         raise ValueError("generate needs a prompt of at least one token")
@@ -62,5 +65,23 @@ def generate(
             break
         out.append(token)
         x = torch.cat([x, nxt], dim=1)
+        if progress is not None:
+            progress(len(out), max_new_tokens)
     model.train(was_training)
     return out
+
+
+class Progress:
+    """A line every `every` seconds while tokens are generated ("sample: 40/192 tokens, 3.1 tokens/s"), so a long
+    sample on a slow CPU is not silent; nothing for one that ends sooner (the usual case)."""
+
+    def __init__(self, what: str, say: Callable[[str], None] | None = None, every: float = 10.0) -> None:
+        self.what, self.every = what, every
+        self.say = say or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.t0 = self.last = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every and done < total:
+            self.last = now
+            self.say(f"{self.what}: {done}/{total} tokens, {done / (now - self.t0):.1f} tokens/s")

@@ -25,7 +25,7 @@ from kubetrain.runs.reader import (
     read_meta,
     read_metrics,
 )
-from kubetrain.runs.rundir import config_changes, git_sha, start, update_meta
+from kubetrain.runs.rundir import config_changes, git_sha, record_phases, start, update_meta
 
 __all__ = [
     "CHECKPOINTS",
@@ -46,6 +46,7 @@ __all__ = [
     "read_config",
     "read_meta",
     "read_metrics",
+    "record_phases",
     "run_dir",
     "start",
     "update_meta",

@@ -1,6 +1,7 @@
 """Where a run directory is and what its files are called.
 
 runs/<run-id>/  config.yaml  meta.json  metrics.jsonl  samples.txt  tokenizer/  checkpoints/  phases/<phase>/
+                phases.json (a run of phases)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.txt"
 CHECKPOINTS = "checkpoints"
 PHASES = "phases"
+PHASES_FILE = "phases.json"  # a run of phases: their names in order, and how the whole run stands
 
 STATUSES = ("running", "stopped", "finished", "failed")
 

@@ -17,13 +17,13 @@ import yaml
 from kubetrain import checkpoint
 from kubetrain.errors import UserInputError
 from kubetrain.runs.incidents import read_all as read_incidents
-from kubetrain.runs.layout import CHECKPOINTS, CONFIG_FILE, META_FILE, METRICS_FILE, PHASES
+from kubetrain.runs.layout import CHECKPOINTS, CONFIG_FILE, META_FILE, METRICS_FILE, PHASES, PHASES_FILE
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    """The run's meta.json, or {} when it is missing or unreadable."""
+def read_meta(path: Path, name: str = META_FILE) -> dict[str, Any]:
+    """The run's meta.json (or another JSON object of the run, `name`), or {} when it is missing or unreadable."""
     try:
-        data = json.loads((path / META_FILE).read_text())
+        data = json.loads((path / name).read_text())
         return data if isinstance(data, dict) else {}
     except (OSError, json.JSONDecodeError):
         return {}
@@ -39,15 +39,18 @@ def read_config(path: Path) -> dict[str, Any]:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl file; a line cut short by a kill is skipped."""
+    """The records of a metrics.jsonl file; a line cut short by a kill, or one that is not a JSON object (not
+    UTF-8, a list, a number), is skipped."""
     if not path.is_file():
         return []
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().splitlines():
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
             continue
+        if isinstance(record, dict):
+            out.append(record)
     return out
 
 
@@ -121,16 +124,23 @@ def describe_run(path: Path) -> dict[str, Any]:
     """One run's summary for `runs show`; a multi-phase run reports its newest phase."""
     meta = read_meta(path)
     phases = phase_dirs(path)
+    status = _status(meta)
     if phases and not meta:
         current = phases[-1]
         meta = read_meta(current)
         root = current / CHECKPOINTS
+        status = _status(meta)
+        whole = read_meta(path, PHASES_FILE)  # the run as a whole: phase 3 failing after 2 finished is a failure
+        if whole:
+            status = _status(whole)
+            if whole.get("phase") and whole.get("phase") != meta.get("phase"):  # it failed before its meta.json
+                meta = {**meta, "phase": whole["phase"]}
     else:
         root = path / CHECKPOINTS
     return {
         "name": path.name,
         "path": str(path),
-        "status": _status(meta),
+        "status": status,
         "phase": meta.get("phase"),
         "phases": [p.name for p in phases],
         "step": int(meta.get("step", 0)),

@@ -22,7 +22,7 @@ from kubetrain.config.loading import config_hash, flatten
 from kubetrain.config.schema import Config
 from kubetrain.files import write_atomic
 from kubetrain.runs.incidents import read_all as read_incidents
-from kubetrain.runs.layout import CONFIG_FILE, META_FILE
+from kubetrain.runs.layout import CONFIG_FILE, META_FILE, PHASES_FILE
 from kubetrain.runs.reader import read_meta
 from kubetrain.secrets import redact
 
@@ -103,3 +103,12 @@ def update_meta(path: Path, **fields: Any) -> None:
     meta.update(fields)
     meta["updated_at"] = time.time()
     write_atomic(path / META_FILE, json.dumps(redact(meta), indent=2))
+
+
+def record_phases(path: Path, names: list[str], status: str, phase: str) -> None:
+    """How a run of phases stands as a whole (phases.json): a phase that failed fails the run, whatever the phases
+    before it say."""
+    record = {"phases": names, "status": status, "phase": phase, "host": socket.gethostname(), "pid": os.getpid(),
+              "updated_at": time.time()}
+    path.mkdir(parents=True, exist_ok=True)
+    write_atomic(path / PHASES_FILE, json.dumps(record, indent=2))

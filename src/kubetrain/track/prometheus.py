@@ -108,7 +108,7 @@ class PrometheusSink(Sink):
         self.last_beat = self.clock()
         self._set("kubetrain_heartbeat_timestamp_seconds", time.time())
         try:
-            self.server = ThreadingHTTPServer((self.host, self.requested_port), _handler(self))
+            self.server = QuietServer((self.host, self.requested_port), _handler(self))
         except OSError as e:
             raise TrackerUnavailable(
                 f"cannot listen on {self.host}:{self.requested_port} ({e.strerror or e}); "
@@ -170,6 +170,19 @@ class PrometheusSink(Sink):
     def _set(self, name: str, value: Any) -> None:
         if value is not None:
             self.gauges[name].labels(**self.labels).set(float(value))
+
+
+class QuietServer(ThreadingHTTPServer):
+    """A threading HTTP server that says nothing when a client goes away mid-request: a scrape that timed out
+    closes its connection, and socketserver printed a BrokenPipeError (or ConnectionResetError) traceback for each.
+    Any other error in a handler is still printed."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
 
 class QuietHandler(BaseHTTPRequestHandler):

@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from kubetrain.track.failures import TrackerUnavailable
-from kubetrain.track.prometheus import QuietHandler
+from kubetrain.track.prometheus import QuietHandler, QuietServer
 
 WORKER_FETCH_SECONDS = 0.5  # how long a scrape waits for rank 0's exporter on this node
 LINGER_MAX_SECONDS = 65.0  # the longest a failed launcher waits for its last scrape (2 x the default 30 s + slack)
@@ -69,7 +69,7 @@ class LauncherExporter:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # a collector: anything with collect()
         try:
-            self.server = ThreadingHTTPServer((self.host, self.requested_port), _handler(self))
+            self.server = QuietServer((self.host, self.requested_port), _handler(self))
         except OSError as e:
             raise TrackerUnavailable(f"launcher metrics: cannot listen on {self.host}:{self.requested_port} "
                                      f"({e.strerror or e}); the job runs without them") from None

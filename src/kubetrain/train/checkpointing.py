@@ -207,6 +207,13 @@ class Checkpointer:
             # per folder downloads, the others wait on the folder (no collective)
             restore.restore_once(self.cfg, self.phase, self.root, self.say)
             self.resumed = checkpoint.find_resumable(self.root, warn=lambda m: self.say(f"warning: {m}"))
+            recorded = runs.read_meta(self.run_dir).get("last_checkpoint")
+            if self.resumed is None and recorded:  # the folder was emptied, or is not the one mounted
+                raise UserInputError(
+                    f"{self.run_dir} recorded checkpoint {recorded} but {self.root} holds none: the run would start "
+                    f"again from step 0 and cut its metrics; restore the checkpoints, or start afresh on purpose "
+                    f"with --resume never"
+                )
         elif resume != "never":
             if not Path(resume).exists():
                 raise UserInputError(f"--resume: no such checkpoint or run directory: {resume}")

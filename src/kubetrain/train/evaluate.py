@@ -83,7 +83,8 @@ def perplexity(loss: float) -> float:
 
 
 def sample_text(model: nn.Module, tokenizer: Any, prompt: str, n: int, block_size: int, seed: int,
-                autocast_ctx: Callable[[], AbstractContextManager[Any]], every_rank: bool = False) -> str:
+                autocast_ctx: Callable[[], AbstractContextManager[Any]], every_rank: bool = False,
+                progress: Callable[[int, int], None] | None = None) -> str:
     """`prompt` continued by `n` tokens of `model` (temperature 0.8, top-k 50, `seed`).
 
     `every_rank` (FSDP/HSDP, where each forward all-gathers the weights): every rank runs all `n` forwards, with no
@@ -94,7 +95,7 @@ def sample_text(model: nn.Module, tokenizer: Any, prompt: str, n: int, block_siz
 
     eos = tokenizer.eos_id
     out = generate(model, prompt_ids(tokenizer, prompt), n, block_size, temperature=0.8, top_k=50,
-                   eos_id=None if every_rank else eos, seed=seed, autocast_ctx=autocast_ctx)
+                   eos_id=None if every_rank else eos, seed=seed, autocast_ctx=autocast_ctx, progress=progress)
     if eos is not None and eos in out:
         out = out[:out.index(eos)]
     return prompt + tokenizer.decode(out)

@@ -59,29 +59,48 @@ def _train_phases(
     root = runs.run_dir(cfg)
     result: TrainResult | None = None
     previous: Path | None = None
-    say = (log or console_log()) if process_env().is_main else (lambda m: None)
-    for i, ph in enumerate(cfg.phases):
-        sub = phase_config(cfg, i)
-        path = root / "phases" / ph.name
-        where = f"phase {ph.name} ({i + 1} of {len(names)})"
-        if only_phase and ph.name != only_phase:
+    main = process_env().is_main
+    say = (log or console_log()) if main else (lambda m: None)
+
+    def record(status: str, phase: str) -> None:  # rank 0: how the whole run stands (runs list/show read it)
+        if main and not dry_run:
+            with contextlib.suppress(OSError):  # the error that ends the run matters more than this record of it
+                runs.record_phases(root, names, status, phase)
+
+    current = names[0]
+    try:
+        for i, ph in enumerate(cfg.phases):
+            sub = phase_config(cfg, i)
+            path = root / "phases" / ph.name
+            where = f"phase {ph.name} ({i + 1} of {len(names)})"
+            if only_phase and ph.name != only_phase:
+                previous = path
+                continue
+            if runs.read_meta(path).get("status") == "finished" and not only_phase:
+                say(f"{where}: finished before, skipped")
+                previous = path
+                continue
+            say(f"{where}: {path}")
+            current = ph.name
+            record("running", current)
+            init = None
+            if previous is not None and not checkpoint.complete_checkpoints(path / runs.CHECKPOINTS):
+                init = _phase_weights(previous, ph.init_from)
+            if sub.train.compile is not False:
+                reset_compiled()  # the previous phase's graphs and guards would otherwise stay for the whole run
+            result = train(sub, argv=argv, resume=resume, dry_run=dry_run, log=log, run_path=path,
+                           init_weights=init, init_optimizer=not ph.reset_optimizer, phase=ph.name)
             previous = path
-            continue
-        if runs.read_meta(path).get("status") == "finished" and not only_phase:
-            say(f"{where}: finished before, skipped")
-            previous = path
-            continue
-        say(f"{where}: {path}")
-        init = None
-        if previous is not None and not checkpoint.complete_checkpoints(path / runs.CHECKPOINTS):
-            init = _phase_weights(previous, ph.init_from)
-        if sub.train.compile is not False:
-            reset_compiled()  # the previous phase's graphs and guards would otherwise stay for the whole run
-        result = train(sub, argv=argv, resume=resume, dry_run=dry_run, log=log, run_path=path,
-                       init_weights=init, init_optimizer=not ph.reset_optimizer, phase=ph.name)
-        previous = path
-        if dry_run:
-            break
+            if dry_run:
+                break
+    except TrainingStopped:
+        record("stopped", current)
+        raise
+    except BaseException:
+        record("failed", current)
+        raise
+    done = all(runs.read_meta(root / "phases" / n).get("status") == "finished" for n in names)
+    record("finished" if done else "stopped", names[-1] if done else current)  # --phase: the rest is still to run
     if result is None:
         last = root / "phases" / names[-1]
         meta = runs.read_meta(last)

@@ -23,6 +23,7 @@ from kubetrain.data.shards import Prepared, prepare
 from kubetrain.distributed import setup as dist
 from kubetrain.errors import CheckpointError, TrainingFailed, TrainingStopped, resume_hint
 from kubetrain.models.loss import counted_tokens, lm_loss
+from kubetrain.models.sampling import Progress
 from kubetrain.secrets import redact_text
 from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
@@ -46,6 +47,7 @@ from kubetrain.train.loss import loss_step
 from kubetrain.train.memory_check import check_memory, estimate_for_this_process, peak_against_estimate
 from kubetrain.train.micro_batch import MicroBatchChoice, confirm_on_model, resolve_here
 from kubetrain.train.model_for_world import build_model_for_world
+from kubetrain.train.nonfinite import NonFiniteLoss
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
 from kubetrain.train.profile import StepProfiler
 from kubetrain.train.state import (
@@ -153,10 +155,13 @@ class Trainer:
                     if state.step % cfg.train.log_every_steps == 0 or final:
                         self.log_train()
                     t_side = time.perf_counter()
-                    improved = self.evaluate() if state.step % cfg.eval.every_steps == 0 or final else False
+                    # a loss that is not finite: no evaluation, no save of these weights; the run stops if it lasts
+                    finite = self.loss_watch.finite(state.step, final)
+                    improved = finite and (state.step % cfg.eval.every_steps == 0 or final) and self.evaluate()
                     stopping = vote.poll(stop.requested)
-                    if (final or stopping or state.step % cfg.checkpoint.every_steps == 0
-                            or (improved and cfg.checkpoint.save_best)):
+                    finite = self.loss_watch.finite(state.step, last=True) if stopping else finite
+                    if finite and (final or stopping or state.step % cfg.checkpoint.every_steps == 0
+                                   or (improved and cfg.checkpoint.save_best)):
                         self.save(background=not (final or stopping))
                     self.side_seconds += time.perf_counter() - t_side
                     if stopping:
@@ -171,7 +176,8 @@ class Trainer:
                 vote.close()
                 self.t_end = time.perf_counter()
                 if (self.main or self.sharded) and cfg.eval.sample_prompt is not None:  # null: off
-                    sample = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens * 3)
+                    sample = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens * 3,
+                                         Progress("end-of-training sample", self.say))
                 status = "finished"
         except (torch.OutOfMemoryError, RuntimeError) as e:  # one line naming what to change; exit 1
             if not is_out_of_memory(e):
@@ -325,6 +331,7 @@ class Trainer:
         self.checkpointer.attach(self.model, self.base, self.optimizer, self.loader, self.scaler, self.sinks,
                                  self.uploader)
         self.memory_peak = MemoryPeak(self.device)
+        self.loss_watch = NonFiniteLoss(cfg, self.device, self.ckpt_root, self.checkpointer.wait_for_saves)
         self.counted_at = (self.state.step, optimizer_steps(self.optimizer))  # (step, optimizer steps) last counted
         self.meter.tokens0 = self.state.tokens
         self.loss_sum = torch.tensor(self.state.window_loss_sum, device=self.device)
@@ -341,8 +348,11 @@ class Trainer:
         runs.update_meta(path, device=device_name(self.device), peak_flops=self.peak)  # what MFU is measured against
         for change in meta["config_changes"]:
             self.say(f"config changed since the last start: {change}")
-        truncate_after(path / runs.METRICS_FILE, step)
-        truncate_after(path / runs.SAMPLES_FILE, step)
+        def warn(message: str) -> None:
+            self.say(f"warning: {message}")
+
+        truncate_after(path / runs.METRICS_FILE, step, warn)
+        truncate_after(path / runs.SAMPLES_FILE, step, warn)
         self.tokenizer.save(path / "tokenizer")
         self.sinks = build_sinks(cfg, path, self.max_steps, prefix=self.prefix)
         self.uploader = remote.Uploader.from_config(cfg, self.opts.phase, self.ckpt_root, self.say)
@@ -374,6 +384,7 @@ class Trainer:
             self.compute_timer.stop()
             scaler.scale(loss).backward()
             self.loss_sum += loss.detach()
+            self.loss_watch.observe(loss)
         self.checkpointer.wait_for_staging()  # a background save copies the weights until here; the optimizer
         # changes them
         if self.cfg.train.grad_clip > 0:
@@ -389,6 +400,7 @@ class Trainer:
         self.state.step += 1
         self.state.tokens += self.tokens_per_step
         self.loss_count += 1
+        self.loss_watch.step_done()
         if self.sinks:
             self.sinks.heartbeat(self.state.step)
         if self.heartbeat:
@@ -515,10 +527,10 @@ class Trainer:
 
     # --- samples --------------------------------------------------------------------------------------------
 
-    def sample(self, prompt: str, n: int) -> str:
+    def sample(self, prompt: str, n: int, progress: Progress | None = None) -> str:
         """`prompt` continued by `n` tokens: rank 0 alone, or every rank under FSDP/HSDP (evaluate.sample_text)."""
         return sample_text(self.base, self.tokenizer, prompt, n, self.cfg.model.block_size, self.cfg.run.seed,
-                           self.amp, every_rank=self.sharded)
+                           self.amp, every_rank=self.sharded, progress=progress)
 
     def write_sample(self) -> None:
         """A sample into samples.txt at an evaluation (rank 0 writes; under FSDP every rank takes part)."""

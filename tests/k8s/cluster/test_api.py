@@ -130,3 +130,20 @@ def test_a_kubeconfig_that_is_not_yaml_is_one_line(tmp_path: Path, cli: Cli) -> 
     assert code == 2 and out == ""
     assert err == f"error: kubeconfig {kubeconfig} is not valid YAML at line 4, column 4: expected <block end>, " \
         "but found '<block mapping start>'\n"
+
+
+MAPPING = "must be a mapping (apiVersion, clusters, contexts, users)"
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    (b"\x89PNG\r\n\x1a\n\x00\x00\xff", "is not UTF-8 text (invalid byte at offset 0)"),
+    (b"- apiVersion: v1\n- clusters: []\n", f"{MAPPING}, not a YAML list"),
+    (b"just a string\n", f"{MAPPING}, not a YAML str"),
+])
+def test_a_kubeconfig_that_is_binary_or_not_a_mapping_is_one_line(tmp_path: Path, cli: Cli, content: bytes,
+                                                                  why: str) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_bytes(content)
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert (code, out) == (2, "")
+    assert err == f"error: kubeconfig {kubeconfig} {why}\n"

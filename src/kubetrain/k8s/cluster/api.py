@@ -416,6 +416,23 @@ def _short(error: object) -> str:
     return text.splitlines()[0][:200] if text else type(error).__name__
 
 
+def _check_kubeconfig(path: Path) -> None:
+    """One line for a kubeconfig file the client would die on: not UTF-8 text, or YAML that is not a mapping."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError:
+        return  # a path of KUBECONFIG that is not there: the client skips it
+    except UnicodeDecodeError as e:
+        raise ClusterError(f"kubeconfig {path} is not UTF-8 text (invalid byte at offset {e.start})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return  # reported by the client's own parse, with its line and column
+    if data is not None and not isinstance(data, dict):
+        raise ClusterError(f"kubeconfig {path} must be a mapping (apiVersion, clusters, contexts, users), "
+                           f"not a YAML {type(data).__name__}")
+
+
 def connect(kubeconfig: Path | None = None, context: str | None = None) -> Cluster:
     """The cluster of a kubeconfig (--kubeconfig, $KUBECONFIG, ~/.kube/config) or, in a pod, its own."""
     try:
@@ -442,6 +459,8 @@ def connect(kubeconfig: Path | None = None, context: str | None = None) -> Clust
         return Cluster(ApiClient(configuration), f"{configuration.host} (in-cluster service account)", ns)
     if not any(p.is_file() for p in paths):
         raise ClusterError(f"no kubeconfig at {source} (give --kubeconfig, or set KUBECONFIG)")
+    for path in paths:
+        _check_kubeconfig(path)
     try:
         contexts, active = kconfig.list_kube_config_contexts(config_file=source)
         chosen = next((c for c in contexts if c["name"] == context), None) if context else active
