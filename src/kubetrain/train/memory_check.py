@@ -7,6 +7,8 @@ and the processes on this node.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kubetrain.config.schema import Config
@@ -80,10 +82,17 @@ def peak_against_estimate(measured: int, estimated: int, tolerance: float = ESTI
     return line, abs(estimated - measured) > tolerance * measured
 
 
-def estimate_for_this_process(cfg: Config, device: torch.device) -> int | None:
-    """This worker's estimate (bytes), as check_memory makes it; None when the model's size is not known here."""
+def report_peak(cfg: Config, device: torch.device, out: Callable[[str], None]) -> None:
+    """CUDA, after the first steps: the allocator's peak beside this worker's estimate (as check_memory makes it),
+    and one warning when they differ by more than ESTIMATE_TOLERANCE. Nothing when the model's size is unknown."""
     from kubetrain.distributed.env import process_env
 
     penv = process_env()
     est = estimate_on(cfg, Layout.of(cfg, penv.world_size, penv.local_world_size), device)
-    return None if isinstance(est, str) else est.per_process
+    if isinstance(est, str):
+        return
+    line, off = peak_against_estimate(torch.cuda.max_memory_allocated(device), est.per_process)
+    out(line)
+    if off:
+        out(f"warning: the memory estimate is off by more than {ESTIMATE_TOLERANCE:.0%} for this run: `kubetrain "
+            "doctor` and the memory check may misjudge what fits; please report it with this line")

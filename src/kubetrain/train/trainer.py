@@ -27,9 +27,10 @@ from kubetrain.models.sampling import Progress
 from kubetrain.secrets import redact_text
 from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
-from kubetrain.track.console import Throughput, console_log, count
+from kubetrain.track.console import console_log, count
 from kubetrain.track.jsonl import truncate_after
 from kubetrain.train.checkpointing import Checkpointer, tokenizer_fingerprint
+from kubetrain.train.clock import RunClock
 from kubetrain.train.device import (
     MemoryPeak,
     apply_torch_settings,
@@ -44,7 +45,7 @@ from kubetrain.train.device import (
 from kubetrain.train.evaluate import evaluate, perplexity, sample_text
 from kubetrain.train.heartbeat import Heartbeat
 from kubetrain.train.loss import loss_step
-from kubetrain.train.memory_check import check_memory, estimate_for_this_process, peak_against_estimate
+from kubetrain.train.memory_check import check_memory, report_peak
 from kubetrain.train.micro_batch import MicroBatchChoice, confirm_on_model, resolve_here
 from kubetrain.train.model_for_world import build_model_for_world
 from kubetrain.train.nonfinite import NonFiniteLoss
@@ -149,21 +150,20 @@ class Trainer:
                         dist.use_step_timeout(cfg.dist, self.device)
                         self.first_step_done()
                     if state.step == self.start_step + 2 and self.device.type == "cuda":
-                        self.compare_peak_with_estimate()
+                        report_peak(cfg, self.device, self.out)  # the optimizer's state exists from step 1's end
                     self.checkpointer.collect_saves()  # a background save that finished: its record, or its error
                     final = state.step >= self.max_steps
                     if state.step % cfg.train.log_every_steps == 0 or final:
                         self.log_train()
-                    t_side = time.perf_counter()
-                    # a loss that is not finite: no evaluation, no save of these weights; the run stops if it lasts
-                    finite = self.loss_watch.finite(state.step, final)
-                    improved = finite and (state.step % cfg.eval.every_steps == 0 or final) and self.evaluate()
-                    stopping = vote.poll(stop.requested)
-                    finite = self.loss_watch.finite(state.step, last=True) if stopping else finite
-                    if finite and (final or stopping or state.step % cfg.checkpoint.every_steps == 0
-                                   or (improved and cfg.checkpoint.save_best)):
-                        self.save(background=not (final or stopping))
-                    self.side_seconds += time.perf_counter() - t_side
+                    with self.clock.side_work():
+                        # a loss that is not finite: no evaluation, no save of these weights; the run stops if it lasts
+                        finite = self.loss_watch.finite(state.step, final)
+                        improved = finite and (state.step % cfg.eval.every_steps == 0 or final) and self.evaluate()
+                        stopping = vote.poll(stop.requested)
+                        finite = self.loss_watch.finite(state.step, last=True) if stopping else finite
+                        if finite and (final or stopping or state.step % cfg.checkpoint.every_steps == 0
+                                       or (improved and cfg.checkpoint.save_best)):
+                            self.save(background=not (final or stopping))
                     if stopping:
                         vote.close()
                         stop.done()
@@ -174,7 +174,7 @@ class Trainer:
                             f"checkpoint {saved}; {resume_hint()}"
                         )
                 vote.close()
-                self.t_end = time.perf_counter()
+                self.clock.stop()
                 if (self.main or self.sharded) and cfg.eval.sample_prompt is not None:  # null: off
                     sample = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens * 3,
                                          Progress("end-of-training sample", self.say))
@@ -199,26 +199,13 @@ class Trainer:
         return self.result(status, sample)
 
     def first_step_done(self) -> None:
-        """The first step compiled and warmed up: its time counts in the run's, not in tokens/s nor the ETA's rate.
-
-        The first logging window's clock starts after it (unless that step is the whole window)."""
-        self.first_step_seconds = time.perf_counter() - self.t_start
-        if self.state.step % self.cfg.train.log_every_steps and self.state.step < self.max_steps:
-            self.meter.restart(self.state.tokens)
+        """The first step compiled and warmed up: its time counts in the run's, not in tokens/s nor the ETA's rate
+        (train/clock.py); the first logging window's clock starts after it, unless that step is the whole window."""
+        step = self.state.step
+        seconds = self.clock.first_step_done(self.state.tokens, bool(step % self.cfg.train.log_every_steps)
+                                             and step < self.max_steps)
         if self.compile.enabled:
-            self.say(f"first step (compiling) took {self.first_step_seconds:.1f} s")
-
-    def compare_peak_with_estimate(self) -> None:
-        """CUDA, after two steps (the optimizer's state exists from the first step's end): the allocator's peak beside
-        the estimate that decided the run fits, and one warning when they differ by more than 15%."""
-        estimated = estimate_for_this_process(self.cfg, self.device)
-        if estimated is None:
-            return
-        line, off = peak_against_estimate(torch.cuda.max_memory_allocated(self.device), estimated)
-        self.out(line)
-        if off:
-            self.out("warning: the memory estimate is off by more than 15% for this run: `kubetrain doctor` and the "
-                     "memory check may misjudge what fits; please report it with this line")
+            self.say(f"first step (compiling) took {seconds:.1f} s")
 
     @contextlib.contextmanager
     def out_of_memory_is_one_line(self, where: str) -> Iterator[None]:
@@ -323,17 +310,14 @@ class Trainer:
                      f"of {source.path}")
         self.start_run_files()
         self.model.train()
-        self.t_start, self.side_seconds = time.perf_counter(), 0.0  # side: evaluation and checkpoints
-        self.first_step_seconds = 0.0
         self.start_step = self.state.step
-        self.meter = Throughput()
         self.compute_timer = ComputeTimer(self.device, self.base)  # stragglers: data wait + forward per rank
         self.checkpointer.attach(self.model, self.base, self.optimizer, self.loader, self.scaler, self.sinks,
                                  self.uploader)
         self.memory_peak = MemoryPeak(self.device)
         self.loss_watch = NonFiniteLoss(cfg, self.device, self.ckpt_root, self.checkpointer.wait_for_saves)
         self.counted_at = (self.state.step, optimizer_steps(self.optimizer))  # (step, optimizer steps) last counted
-        self.meter.tokens0 = self.state.tokens
+        self.clock = RunClock(self.start_step, self.state.tokens)  # tokens/s, the ETA, the result's training time
         self.loss_sum = torch.tensor(self.state.window_loss_sum, device=self.device)
         self.loss_count = self.state.window_steps
 
@@ -454,20 +438,16 @@ class Trainer:
         state.last_train_loss = float(dist.all_reduce_mean(self.loss_sum / self.loss_count))
         self.loss_sum.zero_()
         self.loss_count = 0
-        rate, _ = self.meter.window(state.tokens)
+        rate = self.clock.window(state.tokens)
         stragglers = self.compute_timer.gather()  # one all_gather, at log steps only
         if not self.sinks:
             return
-        done = state.step - self.start_step
-        elapsed = time.perf_counter() - self.t_start
-        if done > 1:  # the rate of the steps after the first (compile, warm-up): the time left at that rate
-            elapsed, done = elapsed - self.first_step_seconds, done - 1
         self.sinks.log({
             "kind": "train", "step": state.step, "loss": state.last_train_loss,
             "lr": self.optimizer.param_groups[0]["lr"], "tokens": state.tokens, "tokens_per_second": rate,
             "mfu": rate * self.flops_per_token / (self.peak * self.penv.world_size) if self.peak else None,
             "memory_gib": self.memory_peak.read_and_reset(),  # the peak since the previous log line
-            "eta_seconds": elapsed / done * (self.max_steps - state.step) if done else None,
+            "eta_seconds": self.clock.eta(state.step, self.max_steps),
             "epoch": self.loader.epoch, "phase": self.opts.phase, "time": time.time(),
             **({"skipped_steps": state.skipped_steps, "loss_scale": self.scaler.get_scale()}
                if self.scaler.is_enabled() else {}),
@@ -509,7 +489,7 @@ class Trainer:
 
     def result(self, status: str, sample: str | None = None) -> TrainResult:
         state = self.state
-        elapsed = self.t_end - self.t_start - self.side_seconds
+        elapsed = self.clock.training_seconds()
         trained = (state.step - self.start_step) * self.tokens_per_step
         return TrainResult(
             run_dir=str(self.path.resolve()),
