@@ -2,8 +2,10 @@
 claims bound with --volume to folders holding tiny stand-ins for its data and models (slow: real processes).
 
 Only what cannot run here is overridden: the device (CPU), the size (a tiny model, two steps, one process per pod,
-at most two pods), the vocabulary a BPE tokenizer trains, and torch.compile. The workload, the volumes and where
-each input lives on them, the phases, LoRA, FSDP are the example's own.
+one pod; two for the c10d example the issue found broken, whose pods once fought over a port), the vocabulary a BPE
+tokenizer trains, and torch.compile. The workload, the volumes and where each input lives on them, the phases,
+LoRA, FSDP are the example's own. Marked `ci` as well: `.ci/run` runs it, `scripts/test` leaves it out (about
+four minutes on a loaded 2-core machine).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def _text(path: Path, chars: int = 20_000) -> None:
 
 def _chat(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in chat_rows()), encoding="utf-8")
+    path.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(400)), encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +63,23 @@ def claims(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> Path:
 def _overrides(example: Path) -> list[str]:
     raw = yaml.safe_load(example.read_text())
     k8s = raw.get("k8s", {})
-    out = [*TINY, *(HF if raw["model"]["kind"] == "hf" else GPT), f"k8s.nnodes={min(int(k8s.get('nnodes', 1)), 2)}"]
+    pods = 2 if example.stem == "c10d-4x1gpu" else 1
+    out = [*TINY, *(HF if raw["model"]["kind"] == "hf" else GPT), f"k8s.nnodes={min(int(k8s.get('nnodes', 1)), pods)}"]
     out += [f"phases.{i}.train.max_steps=2" for i, phase in enumerate(raw.get("phases", []))
             if "max_steps" in phase.get("train", {})]
     return out
 
 
+# Found by this test, not fixed here: each phase with a BPE tokenizer trains its own on the phase's data, so the
+# second phase refuses the first one's checkpoint ("was trained with tokenizer bpe:..., the config gives bpe:...").
+BROKEN = {"homelab-3090": "phase 'code' trains a new BPE tokenizer and refuses the pretrain phase's checkpoint"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.ci
+@pytest.mark.parametrize("example", [
+    pytest.param(p, marks=pytest.mark.xfail(reason=BROKEN[p.stem], strict=True)) if p.stem in BROKEN else p
+    for p in sorted(EXAMPLES.glob("*.yaml"))], ids=lambda p: p.stem)
 def test_each_shipped_example_simulates_to_the_end(example: Path, claims: Path, tmp_path: Path) -> None:
     raw = yaml.safe_load(example.read_text())
     volumes = [v for v in ("data", "models") if v in raw["k8s"].get("volumes", {})]
