@@ -94,10 +94,12 @@ def rule_groups(alerts: AlertsConfig) -> list[dict[str, Any]]:
                "replaced pod resumes from the newest checkpoint (KubetrainRestarted).", sev),
         # the geometric mean over the window: a steady straggler's ratio wanders (1.2x to 2.4x window to window),
         # so the raw gauge crossed the threshold back and forth and `for:` restarted; with two ranks each window's
-        # ratios are inverses, and so are their geometric means: only the rank slower over the window can cross
+        # ratios are inverses, and so are their geometric means: only the rank slower over the window can cross.
+        # Three samples at least: a mean of one is that window alone (a first window where the straggler was fast)
         _alert("KubetrainStraggler",
                f"exp(avg_over_time(ln(kubetrain_rank_straggler_ratio)[{a.straggler_minutes}m:])) "
-               f">= {a.straggler_ratio:g}",
+               f">= {a.straggler_ratio:g} and count_over_time(kubetrain_rank_straggler_ratio"
+               f"[{a.straggler_minutes}m]) >= 3",
                f"{a.straggler_minutes * 30}s",
                f"A rank is {a.straggler_ratio:g}x slower than the others or more",
                f"Rank {{{{ $labels.rank }}}} of {run} spends {{{{ $value | humanize }}}}x the data wait + forward "
