@@ -192,3 +192,38 @@ def test_a_simulated_job_is_fetched_and_works_here(tmp_path: Path) -> None:
         in resumed.stdout + resumed.stderr
     meta = json.loads((local / "meta.json").read_text())
     assert meta["status"] == "finished" and meta["step"] == 12
+
+
+# A container whose /healthz answers 200 twice, then 503 (a launcher whose ranks stopped finishing steps).
+STALE_AFTER_TWO = """
+import http.server, sys
+answered = []
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        answered.append(self.path)
+        self.send_response(200 if len(answered) <= 2 else 503)
+        self.end_headers()
+        self.wfile.write(b"{}")
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_the_kubelet_ends_a_container_whose_liveness_probe_fails(tmp_path: Path) -> None:
+    """The simulated kubelet probes as rendered (periods shortened here): the startup probe passes, then three
+    liveness failures in a row end the container with SIGTERM, as the kubelet does."""
+    import signal
+
+    said: list[str] = []
+    s = Simulation(load_config(None, "tiny", [*TINY, "k8s.nnodes=1"]), tmp_path / "sim", "indexed-job",
+                   log=said.append, echo=False)
+    pod = s.pods[0]
+    assert pod.probes["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "launcher"}
+    pod.argv = [sys.executable, "-c", STALE_AFTER_TWO, str(pod.ports["launcher"])]
+    pod.probes = {kind: {**spec, "periodSeconds": 0.2} for kind, spec in pod.probes.items()}
+    s.start_pod(0)
+    assert pod.process is not None
+    assert pod.process.wait(timeout=120) == -signal.SIGTERM
+    [ended] = [line for line in said if "the kubelet ends the container" in line]
+    assert "livenessProbe failed 3 times" in ended and "statuscode: 503" in ended, said

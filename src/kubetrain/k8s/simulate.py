@@ -6,8 +6,9 @@ cluster provides is mapped onto this machine: the job's DNS names to 127.0.0.1, 
 local port, each volume to a local folder (a claim shared by the pods, a folder of the user's with
 `--volume NAME=PATH`; emptyDirs per pod), and the controller's restart of failed pods (backoffLimit,
 podFailurePolicy) is done here. The pods share one host where a cluster gives each its own network namespace,
-so each pod gets its own metrics and launcher ports (its copy of the ConfigMap names them), and `probe` sends
-a pod the request the kubelet's HTTP prober sends for the rendered probe.
+so each pod gets its own metrics and launcher ports (its copy of the ConfigMap names them). Each pod is probed as
+its kubelet would (`probe`: the HTTP prober's request for the rendered startup and liveness probes), and a
+container whose probe failed failureThreshold times in a row is ended as the kubelet ends it.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class SimPod:
     # the container's ports, by name and by number -> this host's port
     ports: dict[str | int, int] = field(default_factory=dict)
     probes: dict[str, dict[str, Any]] = field(default_factory=dict)  # livenessProbe, startupProbe as rendered
+    grace_seconds: float = 30.0  # the pod's terminationGracePeriodSeconds
     process: subprocess.Popen[bytes] | None = None
     exit_codes: list[int] = field(default_factory=list)
 
@@ -323,7 +325,8 @@ class Simulation:
             args = [_map_path(a, mounts) for a in main["args"] if a != "--idle-after-finish"]
             argv = [sys.executable, "-m", "kubetrain", *main["command"][1:], *args]
             probes: dict[str, dict[str, Any]] = {k: main[k] for k in ("startupProbe", "livenessProbe") if k in main}
-            pods.append(SimPod(pod_name, env, argv, folder, ports, probes))
+            grace = float(template["spec"].get("terminationGracePeriodSeconds", 30))
+            pods.append(SimPod(pod_name, env, argv, folder, ports, probes, grace))
         return pods
 
     def _ports(self, container: dict[str, Any], taken: set[int]) -> dict[str | int, int]:
@@ -363,7 +366,37 @@ class Simulation:
         thread = threading.Thread(target=self._pump, args=(pod, pod.process, log), daemon=True)
         thread.start()
         self._threads.append(thread)
+        threading.Thread(target=self._kubelet, args=(pod, pod.process), daemon=True).start()
         return pod
+
+    def _kubelet(self, pod: SimPod, process: subprocess.Popen[bytes]) -> None:
+        """The kubelet's prober for one container (pkg/kubelet/prober): the startup probe every periodSeconds until
+        it succeeds, then the liveness probe; failureThreshold failures in a row (of either) end the container as
+        the kubelet does, SIGTERM and SIGKILL after terminationGracePeriodSeconds, and its controller sees it exit."""
+        for kind in ("startupProbe", "livenessProbe"):
+            spec = pod.probes.get(kind)
+            if spec is None:
+                continue
+            period, threshold = float(spec.get("periodSeconds", 10)), int(spec.get("failureThreshold", 3))
+            failures = 0
+            time.sleep(float(spec.get("initialDelaySeconds", 0)))
+            while process.poll() is None:
+                alive, detail = self.probe(pod.name, kind)
+                if process.poll() is not None:
+                    return
+                failures = 0 if alive else failures + 1
+                if alive and kind == "startupProbe":
+                    break
+                if failures >= threshold:
+                    self.log(f"[simulate] {pod.name}: {kind} failed {failures} times ({detail}); the kubelet ends "
+                             "the container")
+                    process.send_signal(signal.SIGTERM)
+                    try:
+                        process.wait(timeout=pod.grace_seconds)
+                    except subprocess.TimeoutExpired:
+                        self.kill(pod.name, signal.SIGKILL)
+                    return
+                time.sleep(period)
 
     def _pump(self, pod: SimPod, process: subprocess.Popen[bytes], log: Any) -> None:
         assert process.stdout is not None
