@@ -52,6 +52,20 @@ def _alert(name: str, expr: str, for_: str, summary: str, description: str, seve
             "annotations": {"summary": summary, "description": description}}
 
 
+def _restarted(window: str) -> str:
+    """A run that restarted its workers or was resumed by a new launcher within `window`.
+
+    changes() over the run's series (pods come and go) sees a restart between two samples of it; a run first
+    scraped within the window already restarted (or resumed) has no earlier sample to change from.
+    """
+    changed = [f"changes((max by (namespace, run, phase) ({m}))[{window}:1m]) > 0"
+               for m in ("kubetrain_restarts", "kubetrain_starts")]
+    first_seen = [f"(max by (namespace, run, phase) ({m}) > {first} unless on (namespace, run, phase) "
+                  f"max by (namespace, run, phase) ({m} offset {window}))"
+                  for m, first in (("kubetrain_restarts", 0), ("kubetrain_starts", 1))]
+    return " or ".join(changed + first_seen)
+
+
 def rule_groups(alerts: AlertsConfig) -> list[dict[str, Any]]:
     """The alert rules, as Prometheus rule groups (the PrometheusRule's spec and a plain rules file alike)."""
     a, sev = alerts, alerts.severity
@@ -106,16 +120,7 @@ def rule_groups(alerts: AlertsConfig) -> list[dict[str, Any]]:
                f"time of the median of the other ranks (with two ranks: of the other one), the geometric mean over "
                f"{a.straggler_minutes} minutes, at least {a.straggler_ratio:g}x: a slow node, a throttled GPU or a "
                "noisy neighbour holds every rank back.", sev),
-        # changes() over the run's series (pods come and go) sees a restart between two samples of it; a run first
-        # scraped within the window already restarted (or resumed) has no earlier sample to change from
-        _alert("KubetrainRestarted",
-               " or ".join(
-                   [f"changes((max by (namespace, run, phase) ({m}))[{restart_window}:1m]) > 0"
-                    for m in ("kubetrain_restarts", "kubetrain_starts")]
-                   + [f"(max by (namespace, run, phase) ({m}) > {first} unless on (namespace, run, phase) "
-                      f"max by (namespace, run, phase) ({m} offset {restart_window}))"
-                      for m, first in (("kubetrain_restarts", 0), ("kubetrain_starts", 1))]),
-               "0m",
+        _alert("KubetrainRestarted", _restarted(restart_window), "0m",
                f"Training restarted within {a.restart_window_minutes} minutes",
                f"{run} restarted its workers or was resumed by a new pod (a failure, preemption or relaunch); it "
                "continued from its newest checkpoint.", sev),
