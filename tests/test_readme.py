@@ -37,7 +37,11 @@ def test_readme_starts_with_the_run_and_the_test_command() -> None:
     assert shlex.split(test)[0] == "scripts/test"
     for script in ("scripts/setup", "scripts/test", ".ci/run"):
         assert os.access(ROOT / script, os.X_OK), f"{script} is not executable"
-    assert "scripts/test" in (ROOT / ".ci" / "run").read_text()  # CI runs the README's test command
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if not line.startswith("#")]
+    assert "scripts/test" in ci  # CI runs the README's test command
+    # ... and then the compat stage (older torches, GBs of downloads), which the newcomer's command leaves out
+    assert ci.index("scripts/test") < ci.index("scripts/test-compat")
+    assert "test-compat" not in (ROOT / "scripts" / "test").read_text()
 
 
 @pytest.mark.slow

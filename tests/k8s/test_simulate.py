@@ -42,7 +42,12 @@ def test_each_pod_reads_its_node_rank_from_its_controllers_env(tmp_path: Path, w
         assert pod.env["KUBETRAIN_POD_IP"] == "127.0.0.1"
         assert pod.env["HOME"] == str(pod.folder / "tmp")  # emptyDirs are the pod's own folders
         config = pod.argv[pod.argv.index("--config") + 1]
-        assert config == str(s.root / "configmap" / "config.yaml")
+        assert config == str(pod.folder / "configmap" / "config.yaml")  # its copy: its own ports
+        prometheus = yaml.safe_load(Path(config).read_text())["track"]["prometheus"]
+        assert prometheus["port"] == pod.ports["metrics"] and pod.ports["launcher"] == pod.ports["metrics"] + 1
+    # one host for all pods: no two pods listen on one port (the second launcher's was "Address already in use")
+    ports = [port for pod in s.pods for name, port in pod.ports.items() if name in ("metrics", "launcher")]
+    assert len(ports) == len(set(ports)) == 2 * len(s.pods)
     names = [p.name for p in s.pods]
     expected = {"pytorchjob": ["tiny-master-0", "tiny-worker-0", "tiny-worker-1"],
                 "jobset": ["tiny-node-0-0", "tiny-node-0-1", "tiny-node-0-2"],
@@ -52,9 +57,39 @@ def test_each_pod_reads_its_node_rank_from_its_controllers_env(tmp_path: Path, w
 
 def test_volumes_map_to_shared_local_folders(tmp_path: Path) -> None:
     s = sim(tmp_path, "indexed-job", 'k8s.volumes.data={"claim": "corpus"}', "data.cache_dir=/data/shards")
-    config = yaml.safe_load((s.root / "configmap" / "config.yaml").read_text())
-    assert config["run"]["output_dir"] == str(s.root / "volumes" / "checkpoints")
-    assert config["data"]["cache_dir"] == str(s.root / "volumes" / "data" / "shards")
+    for pod in s.pods:
+        config = yaml.safe_load((pod.folder / "configmap" / "config.yaml").read_text())
+        assert config["run"]["output_dir"] == str(s.root / "volumes" / "checkpoints")
+        assert config["data"]["cache_dir"] == str(s.root / "volumes" / "data" / "shards")
+
+
+def test_a_claim_bound_to_a_local_folder_and_an_input_on_an_unbound_claim(tmp_path: Path) -> None:
+    """--volume NAME=PATH binds a folder of this machine to a claim (by its volume or claim name); an input of the
+    config on a claim with nothing there is refused before any pod starts, naming the claim and the flag."""
+    from kubetrain.errors import UserInputError
+
+    corpus = tmp_path / "corpora"
+    (corpus / "corpus").mkdir(parents=True)
+    (corpus / "corpus" / "a.txt").write_text("In the beginning " * 200)
+    data = ['k8s.volumes.data={"claim": "corpora", "read_only": true}',
+            'data.sources=[{"kind": "text", "path": "/data/corpus/*.txt"}]']
+    with pytest.raises(UserInputError) as refused:
+        sim(tmp_path, "indexed-job", *data)
+    message = str(refused.value)
+    assert "data.sources.0.path (/data/corpus/*.txt)" in message and "claim 'corpora'" in message
+    assert "--volume data=PATH" in message
+    cfg = load_config(None, "tiny", [*TINY, *data])
+    for name in ("data", "corpora"):
+        s = Simulation(cfg, tmp_path / f"sim-{name}", "indexed-job", echo=False, volumes={name: corpus})
+        config = yaml.safe_load((s.pods[1].folder / "configmap" / "config.yaml").read_text())
+        assert config["data"]["sources"][0]["path"] == f"{corpus}/corpus/*.txt"
+    with pytest.raises(UserInputError, match="no claim or volume of that name"):
+        Simulation(cfg, tmp_path / "sim-x", "indexed-job", echo=False, volumes={"dataa": corpus})
+    done = subprocess.run([sys.executable, "-m", "kubetrain", "k8s", "simulate", "--root", str(tmp_path / "cli"),
+                           *[a for item in [*TINY, *data] for a in ("--set", item)]],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "--volume data=PATH" in done.stderr
 
 
 def finished_meta(s: Simulation) -> dict[str, Any]:
@@ -73,6 +108,7 @@ def test_indexed_job_of_two_pods_trains_to_the_end(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "ok: all 2 pods succeeded" in done.stdout
     assert "[tiny-1] [entrypoint] node 1/2 (indexed-job)" in done.stdout
+    assert "Address already in use" not in done.stdout  # each simulated pod's launcher has its own port
     meta = json.loads((tmp_path / "sim" / "volumes" / "checkpoints" / "tiny" / "meta.json").read_text())
     assert meta["status"] == "finished" and meta["step"] == 12 and meta["world_size"] == 2
 
@@ -156,3 +192,38 @@ def test_a_simulated_job_is_fetched_and_works_here(tmp_path: Path) -> None:
         in resumed.stdout + resumed.stderr
     meta = json.loads((local / "meta.json").read_text())
     assert meta["status"] == "finished" and meta["step"] == 12
+
+
+# A container whose /healthz answers 200 twice, then 503 (a launcher whose ranks stopped finishing steps).
+STALE_AFTER_TWO = """
+import http.server, sys
+answered = []
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        answered.append(self.path)
+        self.send_response(200 if len(answered) <= 2 else 503)
+        self.end_headers()
+        self.wfile.write(b"{}")
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_the_kubelet_ends_a_container_whose_liveness_probe_fails(tmp_path: Path) -> None:
+    """The simulated kubelet probes as rendered (periods shortened here): the startup probe passes, then three
+    liveness failures in a row end the container with SIGTERM, as the kubelet does."""
+    import signal
+
+    said: list[str] = []
+    s = Simulation(load_config(None, "tiny", [*TINY, "k8s.nnodes=1"]), tmp_path / "sim", "indexed-job",
+                   log=said.append, echo=False)
+    pod = s.pods[0]
+    assert pod.probes["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "launcher"}
+    pod.argv = [sys.executable, "-c", STALE_AFTER_TWO, str(pod.ports["launcher"])]
+    pod.probes = {kind: {**spec, "periodSeconds": 0.2} for kind, spec in pod.probes.items()}
+    s.start_pod(0)
+    assert pod.process is not None
+    assert pod.process.wait(timeout=120) == -signal.SIGTERM
+    [ended] = [line for line in said if "the kubelet ends the container" in line]
+    assert "livenessProbe failed 3 times" in ended and "statuscode: 503" in ended, said

@@ -4,6 +4,8 @@ from whichever node holds global rank 0."""
 from __future__ import annotations
 
 import io
+import json
+import os
 import socket
 import threading
 import time
@@ -97,3 +99,46 @@ def test_rank_0s_gauges_come_from_the_launcher_of_the_node_that_holds_it(tmp_pat
         for proc in nodes.values():
             proc.kill()
             proc.communicate()
+
+
+def _beat(folder: Path, rank: int, step: int, at: float, restart: int = 0, done: bool = False) -> None:
+    """A heartbeat file as a worker leaves it (train/heartbeat.py's record)."""
+    record = {"rank": rank, "pid": os.getpid(), "step": step, "time": at, "restart": restart, "done": done}
+    (folder / f"rank-{rank:05d}.json").write_text(json.dumps(record))
+
+
+def test_healthz_judges_the_workers_heartbeats_by_the_liveness_clock(tmp_path: Path) -> None:
+    """The launcher answers the probe for its workers, over HTTP as the kubelet asks: 200 until no rank finished a
+    step for the liveness clock, 503 after; while a round has no step yet (starting, restarting) only the start-up
+    collective timeout applies."""
+    from kubetrain.config import load_config
+    from kubetrain.config.clocks import derive
+    from kubetrain.k8s.simulate import http_probe
+    from kubetrain.launch.watch import HangWatch, launcher_metrics
+
+    liveness = derive(load_config(None, "tiny", ["dist.hang_timeout_seconds=8"])).liveness
+    watch = HangWatch(tmp_path, tmp_path / "run", hang_timeout=8.0)
+    said: list[str] = []
+    exporter = launcher_metrics(watch, 0, "127.0.0.1", 4.0, said.append, liveness)
+    assert exporter is not None
+    try:
+        assert http_probe("127.0.0.1", exporter.port, "/healthz", 1)[0]  # starting: no heartbeat yet
+        now = time.time()
+        _beat(tmp_path, 0, 7, now - liveness + 5)  # rank 0 frozen a while ago, rank 1 still within the clock
+        _beat(tmp_path, 1, 8, now - liveness + 5)
+        ok, detail = http_probe("127.0.0.1", exporter.port, "/healthz", 1)
+        assert ok and "200" in detail and '"status": "ok"' in detail
+        _beat(tmp_path, 1, 8, now - liveness - 1)
+        _beat(tmp_path, 0, 7, now - liveness - 2)
+        ok, detail = http_probe("127.0.0.1", exporter.port, "/healthz", 1)
+        assert not ok and "statuscode: 503" in detail and '"status": "stale"' in detail
+        assert json.loads(detail.split(": ", 2)[2])["ranks"]["0"]["step"] == 7
+        watch.handled_round = 0  # the watch ended that round (a hang): restarting, no step yet in round 1
+        assert http_probe("127.0.0.1", exporter.port, "/healthz", 1)[0]
+        _beat(tmp_path, 0, 9, time.time(), restart=1)
+        assert http_probe("127.0.0.1", exporter.port, "/healthz", 1)[0]
+        _beat(tmp_path, 0, 20, now - liveness - 10, restart=1, done=True)  # finished ranks are not judged
+        _beat(tmp_path, 1, 20, now - liveness - 10, restart=1, done=True)
+        assert http_probe("127.0.0.1", exporter.port, "/healthz", 1)[0]
+    finally:
+        exporter.close(failed=False)

@@ -355,11 +355,20 @@ def simulate(
     timeout: Annotated[float | None, typer.Option("--timeout", help="Give up after this many seconds.")] = (
         None
     ),
+    volume: Annotated[list[str] | None, typer.Option(
+        "--volume", help="NAME=PATH: bind a local folder to a claim the pods mount (NAME: the claim or its volume "
+        "name, e.g. data); an unbound claim is an empty folder under --root.")] = None,
 ) -> None:
     """Run each pod of the job as a local process, with the environment its controller would set."""
     from kubetrain.k8s.simulate import Simulation
 
-    sim = Simulation(load(config, preset, set_), root, _workload(workload))
+    bound: dict[str, Path] = {}
+    for item in volume or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UserInputError(f"--volume must be NAME=PATH, got '{item}'")
+        bound[name] = Path(path).expanduser()
+    sim = Simulation(load(config, preset, set_), root, _workload(workload), volumes=bound)
     typer.echo(f"simulating {sim.kind} '{sim.name}': {len(sim.pods)} pods under {sim.root}")
     try:
         result = sim.run(timeout)

@@ -2,9 +2,13 @@
 
 Each pod runs the container's own command and arguments with the environment its controller would give it
 (JOB_COMPLETION_INDEX and hostname for an Indexed Job, RANK/WORLD_SIZE/PET_* for a PyTorchJob, ...). What a
-cluster provides is mapped onto this machine: the job's DNS names to 127.0.0.1, the rendezvous and metrics
-ports to free local ports, each volume to a local folder (shared claims shared, emptyDirs per pod), and the
-controller's restart of failed pods (backoffLimit, podFailurePolicy) is done here.
+cluster provides is mapped onto this machine: the job's DNS names to 127.0.0.1, the rendezvous port to a free
+local port, each volume to a local folder (a claim shared by the pods, a folder of the user's with
+`--volume NAME=PATH`; emptyDirs per pod), and the controller's restart of failed pods (backoffLimit,
+podFailurePolicy) is done here. The pods share one host where a cluster gives each its own network namespace,
+so each pod gets its own metrics and launcher ports (its copy of the ConfigMap names them). Each pod is probed as
+its kubelet would (`probe`: the HTTP prober's request for the rendered startup and liveness probes), and a
+container whose probe failed failureThreshold times in a row is ended as the kubelet ends it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +35,10 @@ import kubetrain
 from kubetrain.config.k8s import RESERVED_ENV
 from kubetrain.config.loading import validate as validate_config
 from kubetrain.config.schema import Config
-from kubetrain.errors import EXIT_BAD_INPUT, EXIT_STOPPED_RESUMABLE
+from kubetrain.errors import EXIT_BAD_INPUT, EXIT_STOPPED_RESUMABLE, UserInputError
 from kubetrain.k8s.render.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT
 from kubetrain.k8s.render.manifest import pod_templates, render
+from kubetrain.k8s.render.podspec import LAUNCHER_PORT_NAME, METRICS_PORT_NAME
 from kubetrain.k8s.render.trainjob import RUNTIME_PORT
 
 Log = Callable[[str], None]
@@ -47,6 +54,10 @@ class SimPod:
     env: dict[str, str]
     argv: list[str]
     folder: Path
+    # the container's ports, by name and by number -> this host's port
+    ports: dict[str | int, int] = field(default_factory=dict)
+    probes: dict[str, dict[str, Any]] = field(default_factory=dict)  # livenessProbe, startupProbe as rendered
+    grace_seconds: float = 30.0  # the pod's terminationGracePeriodSeconds
     process: subprocess.Popen[bytes] | None = None
     exit_codes: list[int] = field(default_factory=list)
 
@@ -88,6 +99,42 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_pair(taken: set[int]) -> int:
+    """A free port P with P + 1 free too (rank 0's exporter and its launcher's), neither in `taken`."""
+    for _ in range(100):
+        port = free_port()
+        if port >= 65535 or {port, port + 1} & taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two adjacent free ports on this machine")
+
+
+KUBELET_USER_AGENT = "kube-probe/1.33"
+
+
+def http_probe(host: str, port: int, path: str, timeout: float) -> tuple[bool, str]:
+    """(success, detail) of one HTTP probe as the kubelet's prober does it (pkg/probe/http): a GET with
+    `User-Agent: kube-probe/<version>` and `Accept: */*`, success for a status from 200 to 399, failure for any
+    other status, a refused connection or no answer within timeoutSeconds."""
+    request = urllib.request.Request(f"http://{host}:{port}{path}",
+                                     headers={"User-Agent": KUBELET_USER_AGENT, "Accept": "*/*"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # redirects are followed, as there
+            code, body = response.status, response.read(10 * 1024)
+    except urllib.error.HTTPError as e:
+        code, body = e.code, e.read(10 * 1024)
+    except (OSError, ValueError) as e:  # refused, reset, timed out
+        return False, f"Get \"http://{host}:{port}{path}\": {getattr(e, 'reason', e)}"
+    detail = f"HTTP probe {'succeeded' if 200 <= code < 400 else 'failed'} with statuscode: {code}: " + \
+        body.decode(errors="replace").strip()
+    return 200 <= code < 400, detail
+
+
 def _map_path(value: str, mounts: dict[str, Path]) -> str:
     for mount in sorted(mounts, key=len, reverse=True):
         if value == mount or value.startswith(mount + "/"):
@@ -103,15 +150,28 @@ def _map_tree(value: Any, mounts: dict[str, Path]) -> Any:
     return _map_path(value, mounts) if isinstance(value, str) else value
 
 
+_INPUT_KEYS = ("path", "name_or_path")  # config keys whose value the training reads (data, tokenizer, model)
+
+
+def _inputs(value: Any, key: str = "") -> list[tuple[str, str]]:
+    """(dotted key, value) of every input path in a config (data.sources.0.path, model.name_or_path, ...)."""
+    if isinstance(value, dict):
+        return [found for k, v in value.items() for found in _inputs(v, f"{key}.{k}" if key else str(k))]
+    if isinstance(value, list):
+        return [found for i, v in enumerate(value) for found in _inputs(v, f"{key}.{i}")]
+    if isinstance(value, str) and key.rsplit(".", 1)[-1] in _INPUT_KEYS and value.startswith("/"):
+        return [(key, value)]
+    return []
+
+
 class Simulation:
     """The pods of one rendered job, as local processes under `root`."""
 
     def __init__(self, cfg: Config, root: Path, workload: str | None = None, log: Log | None = None,
-                 echo: bool = True) -> None:
+                 echo: bool = True, volumes: dict[str, Path] | None = None) -> None:
         raw = cfg.model_dump(mode="json")
         self.port = free_port()
         raw["k8s"]["rdzv_port"] = self.port
-        raw["k8s"]["metrics"]["port"] = free_port()
         self.cfg = validate_config(raw, source="simulated config")
         self.root = root.resolve()
         self.log: Log = log or (lambda m: print(m, flush=True))
@@ -120,30 +180,71 @@ class Simulation:
         self.workload_obj = self.objects[-1]
         self.kind = self.workload_obj["kind"]
         self.name = self.workload_obj["metadata"]["name"]
+        self.bound = {name: Path(path).resolve() for name, path in (volumes or {}).items()}
         self.shared = self._shared_mounts()
-        self._write_config()
+        self._check_inputs()
         self.pods = self._pods()
         self._threads: list[threading.Thread] = []
 
     # -- what the cluster would provide -----------------------------------------------------------
 
-    def _shared_mounts(self) -> dict[str, Path]:
-        """The ConfigMap and the claims, one local folder each, shared by all pods."""
+    def _claims(self) -> list[tuple[str, str, str]]:
+        """(volume name, claim name, mount path) of each claim the pods mount."""
         template = pod_templates(self.workload_obj)[0][1]
-        claims = {v["name"] for v in template["spec"]["volumes"] if "persistentVolumeClaim" in v}
-        mounts = {CONFIG_MOUNT: self.root / "configmap"}
-        for m in template["spec"]["containers"][0]["volumeMounts"]:
-            if m["name"] in claims:
-                mounts[m["mountPath"]] = self.root / "volumes" / m["name"]
-        for folder in mounts.values():
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in template["spec"]["volumes"]
+                  if "persistentVolumeClaim" in v}
+        return [(m["name"], claims[m["name"]], m["mountPath"])
+                for m in template["spec"]["containers"][0]["volumeMounts"] if m["name"] in claims]
+
+    def _shared_mounts(self) -> dict[str, Path]:
+        """The claims, one local folder each, shared by all pods: the folder bound with --volume, else an empty
+        one of the simulation (one per claim: a claim mounted twice is one folder)."""
+        claims = self._claims()
+        known = {n for volume, claim, _ in claims for n in (volume, claim)}
+        unknown = sorted(set(self.bound) - known)
+        if unknown:
+            raise UserInputError(f"--volume {unknown[0]}=...: the pods mount no claim or volume of that name "
+                                 f"(they mount: {', '.join(sorted(known)) or 'none'})")
+        mounts: dict[str, Path] = {}
+        folders: dict[str, Path] = {}
+        for volume, claim, mount_path in claims:
+            bound = self.bound.get(volume) or self.bound.get(claim)
+            if bound is not None and not bound.is_dir():
+                raise UserInputError(f"--volume {volume}={bound}: not a folder")
+            folder = folders.setdefault(claim, bound or self.root / "volumes" / volume)
             folder.mkdir(parents=True, exist_ok=True)
+            mounts[mount_path] = folder
         return mounts
 
-    def _write_config(self) -> None:
+    def _check_inputs(self) -> None:
+        """Refuse, naming the claim and the flag, an input of the config that lies on a claim where nothing is
+        (an unbound claim is an empty folder): the pods would fail one by one with "not found"."""
         config_map = next(o for o in self.objects if o["kind"] == "ConfigMap")
-        raw = _map_tree(yaml.safe_load(config_map["data"][CONFIG_FILE]), self.shared)
-        path = self.root / "configmap" / CONFIG_FILE
+        raw = yaml.safe_load(config_map["data"][CONFIG_FILE])
+        for key, value in _inputs(raw):
+            for volume, claim, mount_path in self._claims():
+                if not (value == mount_path or value.startswith(mount_path + "/")):
+                    continue
+                local = _map_path(value, self.shared)
+                if not any(Path("/").glob(local.lstrip("/"))) and not Path(local).exists():
+                    where = ("the folder bound to it" if volume in self.bound or claim in self.bound
+                             else "an empty folder of the simulation")
+                    raise UserInputError(
+                        f"{key} ({value}) is on the claim '{claim}' (volume {volume}, mounted at {mount_path}), "
+                        f"which the simulation maps to {where} ({self.shared[mount_path]}), where it is not found: "
+                        f"bind a local folder holding it with --volume {volume}=PATH")
+
+    def _write_config(self, folder: Path, mounts: dict[str, Path], ports: dict[str | int, int]) -> Path:
+        """This pod's copy of the ConfigMap: paths mapped to the pod's folders, its own metrics port."""
+        config_map = next(o for o in self.objects if o["kind"] == "ConfigMap")
+        raw = _map_tree(yaml.safe_load(config_map["data"][CONFIG_FILE]), mounts)
+        prometheus = (raw.get("track") or {}).get("prometheus")
+        if prometheus and self.cfg.k8s.metrics.port in ports:
+            prometheus["port"] = ports[self.cfg.k8s.metrics.port]
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / CONFIG_FILE
         path.write_text(yaml.safe_dump(raw, sort_keys=False), encoding="utf-8")
+        return path
 
     def _container(self, template: dict[str, Any]) -> dict[str, Any]:
         main = dict(template["spec"]["containers"][0])
@@ -201,13 +302,16 @@ class Simulation:
         src = str(Path(kubetrain.__file__).resolve().parents[1])  # this kubetrain, also in the pods
         base["PYTHONPATH"] = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
         pods = []
+        taken = {self.port}
         for rank, (pod_name, _, template) in enumerate(names):
             folder = self.root / "pods" / pod_name
             own = {"/tmp": folder / "tmp", CACHE_MOUNT: folder / "cache", "/dev/shm": folder / "shm"}
             for path in own.values():
                 path.mkdir(parents=True, exist_ok=True)
-            mounts = {**self.shared, **own}
             main = self._container(template)
+            ports = self._ports(main, taken)
+            mounts = {**self.shared, **own, CONFIG_MOUNT: folder / "configmap"}
+            self._write_config(folder / "configmap", mounts, ports)
             env = dict(base)
             for item in main["env"]:
                 value = self._env_value(item)
@@ -220,8 +324,34 @@ class Simulation:
             env = {k: v if k == "HOSTNAME" else dns.get(v, _map_path(v, mounts)) for k, v in env.items()}
             args = [_map_path(a, mounts) for a in main["args"] if a != "--idle-after-finish"]
             argv = [sys.executable, "-m", "kubetrain", *main["command"][1:], *args]
-            pods.append(SimPod(pod_name, env, argv, folder))
+            probes: dict[str, dict[str, Any]] = {k: main[k] for k in ("startupProbe", "livenessProbe") if k in main}
+            grace = float(template["spec"].get("terminationGracePeriodSeconds", 30))
+            pods.append(SimPod(pod_name, env, argv, folder, ports, probes, grace))
         return pods
+
+    def _ports(self, container: dict[str, Any], taken: set[int]) -> dict[str | int, int]:
+        """The container's ports on this host: the rendezvous port is the job's; the metrics port and the
+        launcher's (the next one) are the pod's own, since the pods share one network namespace here (also where
+        the template declares none: a TrainJob's runtime owns its pod template)."""
+        k = self.cfg.k8s
+        ports: dict[str | int, int] = {k.rdzv_port: self.port}
+        names = {int(p["containerPort"]): str(p["name"]) for p in container.get("ports", []) if p.get("name")}
+        if k.metrics.enabled:
+            base = free_port_pair(taken)
+            taken.update({base, base + 1})
+            ports.update({k.metrics.port: base, k.metrics.port + 1: base + 1})
+            names.setdefault(k.metrics.port, METRICS_PORT_NAME)
+            names.setdefault(k.metrics.port + 1, LAUNCHER_PORT_NAME)
+        ports.update({name: ports[number] for number, name in names.items() if number in ports})
+        return ports
+
+    def probe(self, which: int | str, kind: str = "livenessProbe") -> tuple[bool, str]:
+        """The kubelet's HTTP probe of a pod (its rendered `kind` probe, named port mapped to this host's)."""
+        pod = self.pod(which)
+        spec = pod.probes[kind]
+        get = spec["httpGet"]
+        port = pod.ports.get(get["port"], get["port"])  # a named port is the container's port of that name
+        return http_probe(LOOPBACK, port, get.get("path", "/"), float(spec.get("timeoutSeconds", 1)))
 
     # -- the pods' lifecycle ---------------------------------------------------------------------
 
@@ -236,7 +366,37 @@ class Simulation:
         thread = threading.Thread(target=self._pump, args=(pod, pod.process, log), daemon=True)
         thread.start()
         self._threads.append(thread)
+        threading.Thread(target=self._kubelet, args=(pod, pod.process), daemon=True).start()
         return pod
+
+    def _kubelet(self, pod: SimPod, process: subprocess.Popen[bytes]) -> None:
+        """The kubelet's prober for one container (pkg/kubelet/prober): the startup probe every periodSeconds until
+        it succeeds, then the liveness probe; failureThreshold failures in a row (of either) end the container as
+        the kubelet does, SIGTERM and SIGKILL after terminationGracePeriodSeconds, and its controller sees it exit."""
+        for kind in ("startupProbe", "livenessProbe"):
+            spec = pod.probes.get(kind)
+            if spec is None:
+                continue
+            period, threshold = float(spec.get("periodSeconds", 10)), int(spec.get("failureThreshold", 3))
+            failures = 0
+            time.sleep(float(spec.get("initialDelaySeconds", 0)))
+            while process.poll() is None:
+                alive, detail = self.probe(pod.name, kind)
+                if process.poll() is not None:
+                    return
+                failures = 0 if alive else failures + 1
+                if alive and kind == "startupProbe":
+                    break
+                if failures >= threshold:
+                    self.log(f"[simulate] {pod.name}: {kind} failed {failures} times ({detail}); the kubelet ends "
+                             "the container")
+                    process.send_signal(signal.SIGTERM)
+                    try:
+                        process.wait(timeout=pod.grace_seconds)
+                    except subprocess.TimeoutExpired:
+                        self.kill(pod.name, signal.SIGKILL)
+                    return
+                time.sleep(period)
 
     def _pump(self, pod: SimPod, process: subprocess.Popen[bytes], log: Any) -> None:
         assert process.stdout is not None

@@ -50,6 +50,7 @@ class LaunchOptions:
     local_addr: str | None = None  # the address this node advertises to the others (a pod's IP)
     hang_timeout: float | None = None  # dist.hang_timeout_seconds: no rank advancing this long is a hang
     hang_alert: float | None = None  # config/clocks.py: the hang alert's threshold, on the launcher's /metrics
+    health_timeout: float | None = None  # config/clocks.py: the liveness clock of the launcher's /healthz
     metrics_port: int | None = None  # the launcher's /metrics (launch/watch.py watch_options); None: off
     metrics_host: str = "0.0.0.0"
 
@@ -116,13 +117,15 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     beats = Path(tempfile.mkdtemp(prefix="kubetrain-heartbeat-"))  # node-local: never the shared run folder
     os.environ[HEARTBEAT_DIR_ENV], os.environ[LAUNCHER_PID_ENV] = str(beats), str(os.getpid())
     watch = HangWatch(beats, run_dir, opts.hang_timeout, say=_say).start()
-    exporter = launcher_metrics(watch, opts.metrics_port, opts.metrics_host, opts.hang_alert, _say)
+    exporter = launcher_metrics(watch, opts.metrics_port, opts.metrics_host, opts.hang_alert, _say,
+                                opts.health_timeout)
     if opts.rdzv_endpoint and parse_nnodes(opts.nnodes)[1] > 1:  # the nodes' watches agree on the stuck rank
         watch.agree = hang_agreement(opts.rdzv_endpoint, opts.rdzv_id, parse_nnodes(opts.nnodes)[0])
-    gave_up = False  # no restarts left: the launcher's /metrics says so to its last scrape
+    gave_up = finished = False  # the launcher's /metrics says either to its last scrape
     try:
         with elastic_agent(FINAL_EXIT_CODES, opts.shutdown_timeout, watch.agent_reaped):
             run(args)
+        finished = True
     except SignalException as e:
         watch.stop()
         status, latest = _run_status(run_dir)
@@ -171,7 +174,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     finally:
         watch.stop()
         if exporter is not None:
-            exporter.close(failed=gave_up)
+            exporter.close(failed=gave_up, finished=finished)
         shutil.rmtree(beats, ignore_errors=True)
         _sync_incidents(run_dir)
     return 0

@@ -304,6 +304,27 @@ class HangWatch:
         """The newest round's beats of workers still running (what the launcher's /metrics shows per rank)."""
         return [b for b in self.beats() if not b.done and process_state(b.pid)[0] not in ("Z", "X")]
 
+    def health(self, liveness: float, now: float | None = None) -> tuple[bool, dict[str, Any]]:
+        """(alive, details) of this node's workers by the liveness clock (config/clocks.py): the launcher's /healthz.
+
+        Judged like the hang: no rank of the node finished a step for `liveness` seconds. It is a later clock than
+        the watch's, so the watch names the stuck rank and saves the stacks before a probe can end the pod, and it
+        is read here, in the launcher, because a stopped worker cannot answer for itself. Until the current round's
+        first step (starting, or restarting after an incident) only the start-up collective timeout applies.
+        """
+        now = time.time() if now is None else now
+        current = [b for b in self.beats() if b.restart > self.handled_round]
+        if not current:
+            return True, {"status": "starting", "timeout_seconds": liveness}
+        if all(b.done for b in current):
+            return True, {"status": "finished", "step": max(b.step for b in current), "timeout_seconds": liveness}
+        age = now - max(b.time for b in current)
+        alive = age <= liveness
+        return alive, {"status": "ok" if alive else "stale", "step": max(b.step for b in current),
+                       "seconds_since_step": round(age, 3), "timeout_seconds": liveness,
+                       "ranks": {str(b.rank): {"step": b.step, "seconds_since_step": round(now - b.time, 3)}
+                                 for b in sorted(current, key=lambda b: b.rank)}}
+
     def restart_round(self) -> int:
         return max((b.restart for b in self.beats()), default=0)
 
@@ -316,13 +337,14 @@ def watch_options(cfg: Config) -> dict[str, Any]:
     clocks = derive(cfg)
     prom = cfg.track.prometheus
     port = (prom.port + 1 if prom.port else 0) if prom.enabled else None  # beside rank 0's exporter
-    return {"hang_timeout": clocks.hang_watch, "hang_alert": clocks.alert, "metrics_port": port,
-            "metrics_host": prom.host}
+    return {"hang_timeout": clocks.hang_watch, "hang_alert": clocks.alert, "health_timeout": clocks.liveness,
+            "metrics_port": port, "metrics_host": prom.host}
 
 
 def launcher_metrics(watch: HangWatch, port: int | None, host: str, alert_seconds: float | None,
-                     say: Callable[[str], None]) -> LauncherExporter | None:
-    """Serve the launcher's /metrics (track/prometheus_launcher.py) when asked to; a warning when it cannot."""
+                     say: Callable[[str], None], health_timeout: float | None = None) -> LauncherExporter | None:
+    """Serve the launcher's /metrics and /healthz (track/prometheus_launcher.py) when asked to; a warning when it
+    cannot. /healthz judges the workers by `health_timeout` (the liveness clock); None: it always answers 200."""
     if port is None:
         return None
     from kubetrain.track.failures import TrackerUnavailable
@@ -332,8 +354,11 @@ def launcher_metrics(watch: HangWatch, port: int | None, host: str, alert_second
         return [RankBeat(b.rank, b.step, b.time) for b in watch.live_beats()]
 
     worker_port = port - 1 if port else None  # rank 0's exporter: track.prometheus.port (watch_options)
+    def health() -> tuple[bool, dict[str, Any]]:
+        return watch.health(health_timeout) if health_timeout is not None else (True, {"status": "unjudged"})
+
     exporter = LauncherExporter(port, host, watch.run_dir.name, alert_seconds or 0.0, beats, watch.restart_round,
-                                worker_port)
+                                worker_port, health)
     try:
         exporter.start()
     except (TrackerUnavailable, ImportError) as e:

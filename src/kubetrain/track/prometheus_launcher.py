@@ -1,4 +1,4 @@
-"""The launcher's own /metrics: its workers' heartbeats, its incidents, and whether it gave up.
+"""The launcher's own /metrics and /healthz: its workers' heartbeats, its incidents, and whether it gave up.
 
 Rank 0's exporter (track/prometheus.py) lives in a worker: when that worker is frozen its scrapes fail, and when
 the workers are killed for a restart or the job dies its series vanish, so an alert on them goes quiet exactly
@@ -9,8 +9,15 @@ when it matters. The launcher outlives its workers. It serves, on `track.prometh
 - `kubetrain_hang_alert_seconds`: after how long without a step the hang alert fires (config/clocks.py);
 - `kubetrain_worker_restarts`: the elastic restart round (a resume by a new launcher is `kubetrain_starts`);
 - `kubetrain_incidents_total{kind, rank}`: the incidents this launcher recorded;
-- `kubetrain_job_failed`: 1 once the launcher gave up (no restarts left). Before it exits it waits for one more
-  scrape (if it was ever scraped), so the failure is stored and the rule can remember it.
+- `kubetrain_job_failed`: 1 once the launcher gave up (no restarts left); `kubetrain_job_finished`: 1 once its
+  workers finished the run. Before it exits it waits for one more scrape (if it was ever scraped), so the
+  outcome is stored and the rules can tell a launcher that ended on its own from one that vanished (killed from
+  outside, its node lost: KubetrainLauncherGone).
+
+`/healthz` is the pod's liveness probe: 200 while a rank of this node finished a step within the liveness clock
+(config/clocks.py, judged by the watch: launch/watch.py HangWatch.health), 503 after; JSON details either way.
+A worker cannot answer for itself: stopped (SIGSTOP, a frozen node) its port accepts and never replies, so a
+probe of rank 0's own /healthz ended the pod within a minute, before the watch could name the rank or save stacks.
 
 It also passes on rank 0's own /metrics when rank 0 runs on this node: c10d gives global rank 0 to whichever
 node's agent the rendezvous sorts first, not to node rank 0, so the PodMonitor scrapes the launcher of every
@@ -20,6 +27,7 @@ of the scrape (WORKER_FETCH_SECONDS), never the launcher's own series.
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -48,13 +56,16 @@ class LauncherExporter:
 
     def __init__(self, port: int, host: str, run: str, alert_seconds: float,
                  beats: Callable[[], list[RankBeat]], restart_round: Callable[[], int],
-                 worker_port: int | None = None) -> None:
+                 worker_port: int | None = None,
+                 health: Callable[[], tuple[bool, dict[str, Any]]] = lambda: (True, {"status": "unjudged"})
+                 ) -> None:
         self.requested_port, self.host, self.run = port, host, run
         self.worker_port = worker_port  # rank 0's exporter, if rank 0 runs here (track/prometheus.py)
         self.alert_seconds = alert_seconds
-        self.beats, self.restart_round = beats, restart_round
+        self.beats, self.restart_round, self.health = beats, restart_round, health
         self.incidents: dict[tuple[str, str], int] = {}
         self.failed_at: float | None = None
+        self.finished_at: float | None = None
         self.scrapes: list[float] = []  # monotonic times the last scrapes of /metrics began
         self._scraped = threading.Condition()
         self.server: ThreadingHTTPServer | None = None
@@ -75,23 +86,29 @@ class LauncherExporter:
                                      f"({e.strerror or e}); the job runs without them") from None
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, name="kubetrain-launcher-metrics", daemon=True).start()
-        print(f"launcher: /metrics on http://{self.host}:{self.port}", file=stream or sys.stderr, flush=True)
+        print(f"launcher: /metrics and /healthz on http://{self.host}:{self.port}", file=stream or sys.stderr,
+              flush=True)
         return self
 
     def incident(self, entry: dict[str, Any]) -> None:
         key = (str(entry["kind"]), "" if entry.get("rank") is None else str(entry["rank"]))
         self.incidents[key] = self.incidents.get(key, 0) + 1
 
-    def close(self, failed: bool) -> None:
-        """Stop serving; a launcher that gave up first lets its scraper read `kubetrain_job_failed 1`."""
+    def close(self, failed: bool, finished: bool = False) -> None:
+        """Stop serving; a launcher that gave up (or whose workers finished) first lets its scraper read
+        `kubetrain_job_failed 1` (`kubetrain_job_finished 1`)."""
         if self.server is None:
             return
-        if failed:
+        if failed or finished:
             with self._scraped:
-                failed_at = self.failed_at = time.monotonic()
+                ended_at = time.monotonic()
+                if failed:
+                    self.failed_at = ended_at
+                else:
+                    self.finished_at = ended_at
                 if self.scrapes:
                     gap = self.scrapes[-1] - self.scrapes[-2] if len(self.scrapes) > 1 else LINGER_MAX_SECONDS / 2
-                    self._scraped.wait_for(lambda: self.scrapes[-1] > failed_at, min(2 * gap + 1, LINGER_MAX_SECONDS))
+                    self._scraped.wait_for(lambda: self.scrapes[-1] > ended_at, min(2 * gap + 1, LINGER_MAX_SECONDS))
         self.server.shutdown()
         self.server.server_close()
         self.server = None
@@ -132,6 +149,8 @@ class LauncherExporter:
             ("kubetrain_worker_restarts", "Elastic restarts of the workers by this launcher.", self.restart_round()),
             ("kubetrain_job_failed", "1 once the launcher gave up (no restarts left).",
              float(self.failed_at is not None)),
+            ("kubetrain_job_finished", "1 once the launcher's workers finished the run.",
+             float(self.finished_at is not None)),
         ):
             g = GaugeMetricFamily(name, doc, labels=list(run))
             g.add_metric([self.run], value)
@@ -148,7 +167,12 @@ def _handler(exporter: LauncherExporter) -> type[BaseHTTPRequestHandler]:
 
     class Handler(QuietHandler):
         def do_GET(self) -> None:
-            if self.path.split("?", 1)[0] != "/metrics":
+            path = self.path.split("?", 1)[0]
+            if path == "/healthz":
+                alive, details = exporter.health()
+                self._reply(200 if alive else 503, "application/json", json.dumps(details).encode())
+                return
+            if path != "/metrics":
                 self._reply(404, "text/plain; charset=utf-8", b"not found\n")
                 return
             began = time.monotonic()

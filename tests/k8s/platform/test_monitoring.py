@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -46,10 +47,22 @@ def hung(rank: str, age: str, run: str = "gpt") -> tuple[str, str]:
 
 
 HUNG = hung("0", "17m 0s", "solo")
-STRAGGLER = ("A rank is 1.5x slower than the others or more",
-             "Rank 1 of ml/gpt (phase none) spends 1.6x the data wait + forward time of the median of the other "
-             "ranks (with two ranks: of the other one), at least 1.5x: a slow node, a throttled GPU or a noisy "
-             "neighbour holds every rank back.")
+def straggler(value: str, run: str = "gpt") -> tuple[str, str]:
+    return ("A rank is 1.5x slower than the others or more",
+            f"Rank 1 of ml/{run} (phase none) spends {value}x the data wait + forward time of the median of the "
+            "other ranks (with two ranks: of the other one), the geometric mean over 10 minutes, at least 1.5x: a "
+            "slow node, a throttled GPU or a noisy neighbour holds every rank back.")
+
+
+STRAGGLER = straggler("1.6")
+FLAP = [0.6, 2.2, 2.4, 2.0, 2.2] * 8  # a steady straggler's ratio, one log window a minute
+
+
+def flap_mean(minute: int) -> float:
+    """The rule's value at `minute`: the geometric mean of the samples in [t - 10m, t] (a subquery at the 1m
+    evaluation interval; both ends included up to Prometheus 2, the one Debian ships)."""
+    window = FLAP[max(0, minute - 10):minute + 1]
+    return math.exp(sum(math.log(v) for v in window) / len(window))
 FAILED = ("A training job failed with no restarts left",
           "ml/gpt's launcher gave up within the last 60 minutes (no restarts left): the job is not training. Its "
           "last incident is in `kubetrain k8s status` and <run>/incidents/.")
@@ -59,6 +72,14 @@ def restarted(run: str) -> tuple[str, str]:
     return ("Training restarted within 60 minutes",
             f"ml/{run} (phase none) restarted its workers or was resumed by a new pod (a failure, preemption or "
             "relaunch); it continued from its newest checkpoint.")
+
+
+def gone(run: str, pod: str) -> tuple[str, str]:
+    return ("A training pod's launcher vanished without ending its job",
+            f"The launcher of ml/{run} in pod {pod} stopped answering scrapes without saying it finished or gave up: "
+            "killed from outside (OOM killer, kill -9), its node lost, or stopped (SIGTERM: `kubetrain k8s stop`, "
+            f"preemption). Runbook: `kubectl describe pod {pod}` (OOMKilled, node NotReady), `kubetrain k8s status "
+            f"{run}`; a replaced pod resumes from the newest checkpoint (KubetrainRestarted).")
 
 
 STALE = ("Newest checkpoint is more than 2000 steps old",
@@ -85,7 +106,7 @@ def test_rules_pass_promtool_check(promtool: str, tmp_path: Path) -> None:
     rules.write_text(yaml.safe_dump({"groups": rule_groups(AlertsConfig())}, sort_keys=False))
     out = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "SUCCESS: 6 rules found" in out.stdout
+    assert "SUCCESS: 7 rules found" in out.stdout
 
 
 def test_a_broken_rule_fails_promtool(promtool: str, tmp_path: Path) -> None:
@@ -130,23 +151,39 @@ ALERT_TESTS: dict[str, dict[str, Any]] = {
                              "exp_alerts": [alert(*FAILED, **RUN)]},
                             {"eval_time": "80m", "alertname": "KubetrainJobFailed", "exp_alerts": []}],
     },
-    # two ranks: rank 1 at 1.6x the other for 30m (the old rule, over the median of both, needed 3x)
+    # two ranks: rank 1 at 1.6x the other for 30m (the old rule, over the median of both, needed 3x); run flap: a
+    # steady straggler whose log windows wander (0.6x, 2.2x, 2.4x, 2.0x, 2.2x, ...: the raw gauge dips below 1.5x
+    # every 5 minutes, so a `for:` on it never held, and the healthy rank 0, at the inverse, touched 1.67x): its
+    # geometric mean over 10 minutes stays above 1.5x, it fires 5 minutes on and stays firing
     "KubetrainStraggler": {
         "input_series": [series("kubetrain_rank_straggler_ratio", "0.625x30", rank="0"),
                          series("kubetrain_rank_straggler_ratio", "1.6x30", rank="1"),
-                         series("kubetrain_rank_straggler_ratio", "1.4x30", run="ok", rank="1")],
-        "alert_rule_test": [{"eval_time": "5m", "alertname": "KubetrainStraggler", "exp_alerts": []},
-                            {"eval_time": "15m", "alertname": "KubetrainStraggler",
-                             "exp_alerts": [alert(*STRAGGLER, **RUN, rank="1")]}],
+                         series("kubetrain_rank_straggler_ratio", "1.4x30", run="ok", rank="1"),
+                         series("kubetrain_rank_straggler_ratio", " ".join(f"{v:g}" for v in FLAP), run="flap",
+                                rank="1"),
+                         series("kubetrain_rank_straggler_ratio", " ".join(f"{1 / v:.6g}" for v in FLAP), run="flap",
+                                rank="0")],
+        "alert_rule_test": [{"eval_time": "4m", "alertname": "KubetrainStraggler", "exp_alerts": []},
+                            *({"eval_time": f"{t}m", "alertname": "KubetrainStraggler",
+                               "exp_alerts": [alert(*STRAGGLER, **RUN, rank="1"),
+                                              alert(*straggler(f"{flap_mean(t):.4g}", "flap"),
+                                                    **{**RUN, "run": "flap"}, rank="1")]}
+                              for t in range(15, 30))],
     },
     # run gpt: its pod is replaced at 21m, the new one resumes (starts 1 -> 2); run el: an elastic restart of
-    # the workers in the same pod (restarts 0 -> 1 at 31m). Both resolve once the window has passed.
+    # the workers in the same pod (restarts 0 -> 1 at 31m). Both resolve once the window has passed. Run new: first
+    # scraped at 61m already restarted (the restart came before the first scrape); run re: first scraped at 71m as
+    # a resumed run (starts 2).
     "KubetrainRestarted": {
         "input_series": [series("kubetrain_starts", "1x20"), series("kubetrain_restarts", "0x20"),
                          series("kubetrain_starts", "_x21 2x80", pod="gpt-0-fghij"),
                          series("kubetrain_restarts", "_x21 0x80", pod="gpt-0-fghij"),
                          series("kubetrain_starts", "1x100", run="el", pod="el-0-abcde"),
-                         series("kubetrain_restarts", "0x30 1x70", run="el", pod="el-0-abcde")],
+                         series("kubetrain_restarts", "0x30 1x70", run="el", pod="el-0-abcde"),
+                         series("kubetrain_starts", "_x60 1x140", run="new", pod="new-0-abcde"),
+                         series("kubetrain_restarts", "_x60 1x140", run="new", pod="new-0-abcde"),
+                         series("kubetrain_starts", "_x70 2x130", run="re", pod="re-0-abcde"),
+                         series("kubetrain_restarts", "_x70 0x130", run="re", pod="re-0-abcde")],
         "alert_rule_test": [
             {"eval_time": "15m", "alertname": "KubetrainRestarted", "exp_alerts": []},
             {"eval_time": "25m", "alertname": "KubetrainRestarted",
@@ -154,7 +191,27 @@ ALERT_TESTS: dict[str, dict[str, Any]] = {
             {"eval_time": "40m", "alertname": "KubetrainRestarted",
              "exp_alerts": [alert(*restarted("gpt"), namespace="ml", run="gpt", phase="none"),
                             alert(*restarted("el"), namespace="ml", run="el", phase="none")]},
-            {"eval_time": "100m", "alertname": "KubetrainRestarted", "exp_alerts": []},
+            {"eval_time": "100m", "alertname": "KubetrainRestarted",
+             "exp_alerts": [alert(*restarted("new"), namespace="ml", run="new", phase="none"),
+                            alert(*restarted("re"), namespace="ml", run="re", phase="none")]},
+            {"eval_time": "140m", "alertname": "KubetrainRestarted", "exp_alerts": []},
+        ],
+    },
+    # each pod's launcher is scraped from 0m; at 11m the launcher of run gpt vanishes (its series go stale: killed,
+    # or its scrape fails); run done's launcher said its workers finished, run failed's that it gave up, before
+    # they exited; run ok's stays. Firing for the window (60m), not after.
+    "KubetrainLauncherGone": {
+        "input_series": [series("kubetrain_worker_restarts", "0x10 stale"),
+                         series("kubetrain_worker_restarts", "0x10 stale", run="done", pod="done-0"),
+                         series("kubetrain_job_finished", "0x9 1 stale", run="done", pod="done-0"),
+                         series("kubetrain_worker_restarts", "0x10 stale", run="failed", pod="failed-0"),
+                         series("kubetrain_job_failed", "0x9 1 stale", run="failed", pod="failed-0"),
+                         series("kubetrain_worker_restarts", "0x100", run="ok", pod="ok-0")],
+        "alert_rule_test": [
+            {"eval_time": "5m", "alertname": "KubetrainLauncherGone", "exp_alerts": []},
+            {"eval_time": "12m", "alertname": "KubetrainLauncherGone",
+             "exp_alerts": [alert(*gone("gpt", RUN["pod"]), namespace="ml", run="gpt", pod=RUN["pod"])]},
+            {"eval_time": "80m", "alertname": "KubetrainLauncherGone", "exp_alerts": []},
         ],
     },
     # 100 steps a minute, no checkpoint since step 0: past 2000 steps at 21m, + for: 5m; run ok saves each 1000
@@ -183,6 +240,34 @@ ALERT_TESTS: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("name", list(ALERT_TESTS))
 def test_each_alert_fires_on_its_series(name: str, promtool: str, tmp_path: Path) -> None:
     result = promtool_test(promtool, tmp_path, [{"interval": "1m", **ALERT_TESTS[name]}])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_healthy_rank_of_two_is_never_pending(promtool: str, tmp_path: Path) -> None:
+    """Pending is the expression being true: at every minute only the straggler's median crosses (run flap above)."""
+    [rule] = [r for g in rule_groups(AlertsConfig()) for r in g["rules"] if r["alert"] == "KubetrainStraggler"]
+    straggler_labels = "{" + ",".join(f'{k}="{v}"' for k, v in {**RUN, "run": "flap", "rank": "1"}.items()) + "}"
+    test = {"interval": "1m", "input_series": [s for s in ALERT_TESTS["KubetrainStraggler"]["input_series"]
+                                               if 'run="flap"' in s["series"]],
+            # rounded as PromQL's round() does: the mean of logs may differ in its last bit from Go's
+            "promql_expr_test": [{"expr": f"round({rule['expr']}, 0.001)", "eval_time": f"{t}m",
+                                  "exp_samples": [{"labels": straggler_labels,
+                                                   "value": math.floor(flap_mean(t) * 1000 + 0.5) / 1000}]
+                                  if flap_mean(t) >= 1.5 and t >= 2 else []}
+                                 for t in range(40)]}
+    result = promtool_test(promtool, tmp_path, [test])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_restart_in_the_first_minute_of_scraping_alerts(promtool: str, tmp_path: Path) -> None:
+    """Scraped every 15 s: the first scrape at 0:30 says 0 restarts, the workers restart at 0:45, all within the
+    minute the 1m subquery sees as one point (the old rule saw no change)."""
+    test = {"interval": "15s",
+            "input_series": [series("kubetrain_restarts", "_ _ 0 1x200"), series("kubetrain_starts", "_ _ 1x200")],
+            "alert_rule_test": [{"eval_time": "3m", "alertname": "KubetrainRestarted",
+                                 "exp_alerts": [alert(*restarted("gpt"), namespace="ml", run="gpt",
+                                                      phase="none")]}]}
+    result = promtool_test(promtool, tmp_path, [test])
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -194,3 +194,40 @@ def test_a_straggler_among_two_and_among_four_ranks_fires_and_is_named(
     finally:
         for sink in sinks.values():
             sink.finish("finished")
+
+
+@pytest.mark.slow
+def test_a_launcher_killed_from_outside_alerts_and_one_that_finished_does_not(
+        prometheus: Callable[[list[str]], Prometheus], tmp_path: Path) -> None:
+    """kill -9 of a launcher (what the OOM killer and a lost node do to it): its scrape fails, its series vanish, and
+    KubetrainLauncherGone names it; a launcher whose workers finished said so to its last scrape and stays quiet."""
+    done_port, killed_port = two_free_ports(), two_free_ports()
+    while killed_port in (done_port, done_port + 1) or killed_port + 1 == done_port:
+        killed_port = two_free_ports()
+    server = prometheus([f"127.0.0.1:{done_port + 1}", f"127.0.0.1:{killed_port + 1}"])
+
+    def train(name: str, port: int, steps: int) -> subprocess.Popen[str]:
+        return start("train", *sets(f"run.name={name}", f"train.max_steps={steps}", "checkpoint.every_steps=100000",
+                                    "eval.every_steps=100000", "track.prometheus.enabled=true",
+                                    f"track.prometheus.port={port}", "track.prometheus.host=127.0.0.1"),
+                     "--nproc", "2", cwd=tmp_path)
+
+    def scraped(name: str) -> bool:
+        return bool(server.query(f'kubetrain_worker_restarts{{run="{name}"}}'))
+
+    done = train("done", done_port, 12)
+    wait_until(lambda: scraped("done"), done, poll=0.2)
+    _, err = done.communicate(timeout=SAFETY)
+    assert done.returncode == 0, err[-3000:]
+    assert server.query('max_over_time(kubetrain_job_finished{run="done"}[1m]) == 1'), "its last scrape"
+    killed = train("killed", killed_port, 100000)
+    wait_until(lambda: scraped("killed"), killed, poll=0.2)
+    killed_at = time.time()
+    killed.kill()  # SIGKILL: no goodbye; its workers die with it (PR_SET_PDEATHSIG)
+    killed.wait(timeout=SAFETY)
+    [gone] = server.wait_firing("KubetrainLauncherGone")
+    assert gone["labels"]["run"] == "killed", gone
+    time.sleep(2.5)  # two more evaluations: the finished run would have joined by now
+    assert [a["labels"]["run"] for a in server.firing("KubetrainLauncherGone")] == ["killed"]
+    assert not server.firing("KubetrainJobFailed")
+    print(f"launcher SIGKILLed: KubetrainLauncherGone firing after {_when(gone) - killed_at:.1f}s (activeAt)")

@@ -118,7 +118,12 @@ def test_pod_shape_security_shm_and_probe() -> None:
     assert shm["emptyDir"]["medium"] == "Memory"
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert env_of(c)["HOME"] == "/tmp"
-    assert c["livenessProbe"]["exec"]["command"][-2:] == ["--port", "9400"]
+    # the kubelet GETs the launcher's /healthz (it answers for a stopped worker), after the rendezvous wait
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "launcher"}
+    assert {"name": "launcher", "containerPort": 9401, "protocol": "TCP"} in c["ports"]
+    startup = c["startupProbe"]
+    assert startup["httpGet"] == c["livenessProbe"]["httpGet"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 900 + 60  # k8s.wait_timeout_seconds
     assert "livenessProbe" not in main_container(
         pod_templates(by_kind(render(tiny("k8s.metrics.liveness=false")), "Job"))[0][1])
 
@@ -241,12 +246,13 @@ def test_pods_serve_metrics_on_the_port_the_probe_and_policy_use() -> None:
         assert "prometheus" not in pod_cfg["track"]
     c = main_container(pod_templates(by_kind(objects, "Job"))[0][1])
     assert {"name": "metrics", "containerPort": 9555, "protocol": "TCP"} in c["ports"]
-    assert c["livenessProbe"]["exec"]["command"][-1] == "9555"
+    assert {"name": "launcher", "containerPort": 9556, "protocol": "TCP"} in c["ports"]
+    assert c["livenessProbe"]["httpGet"]["port"] == "launcher"
 
     off = render(tiny("k8s.metrics.enabled=false"))
     template = pod_templates(by_kind(off, "Job"))[0][1]
     c = main_container(template)
-    assert "livenessProbe" not in c and [p["name"] for p in c["ports"]] == ["rdzv"]
+    assert "livenessProbe" not in c and "startupProbe" not in c and [p["name"] for p in c["ports"]] == ["rdzv"]
     assert "prometheus.io/scrape" not in template["metadata"]["annotations"]
     assert len(by_kind(off, "NetworkPolicy")["spec"]["ingress"]) == 1
 

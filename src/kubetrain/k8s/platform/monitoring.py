@@ -52,6 +52,20 @@ def _alert(name: str, expr: str, for_: str, summary: str, description: str, seve
             "annotations": {"summary": summary, "description": description}}
 
 
+def _restarted(window: str) -> str:
+    """A run that restarted its workers or was resumed by a new launcher within `window`.
+
+    changes() over the run's series (pods come and go) sees a restart between two samples of it; a run first
+    scraped within the window already restarted (or resumed) has no earlier sample to change from.
+    """
+    changed = [f"changes((max by (namespace, run, phase) ({m}))[{window}:1m]) > 0"
+               for m in ("kubetrain_restarts", "kubetrain_starts")]
+    first_seen = [f"(max by (namespace, run, phase) ({m}) > {first} unless on (namespace, run, phase) "
+                  f"max by (namespace, run, phase) ({m} offset {window}))"
+                  for m, first in (("kubetrain_restarts", 0), ("kubetrain_starts", 1))]
+    return " or ".join(changed + first_seen)
+
+
 def rule_groups(alerts: AlertsConfig) -> list[dict[str, Any]]:
     """The alert rules, as Prometheus rule groups (the PrometheusRule's spec and a plain rules file alike)."""
     a, sev = alerts, alerts.severity
@@ -78,18 +92,35 @@ def rule_groups(alerts: AlertsConfig) -> list[dict[str, Any]]:
                f"{{{{ $labels.namespace }}}}/{{{{ $labels.run }}}}'s launcher gave up within the last "
                f"{a.restart_window_minutes} minutes (no restarts left): the job is not training. Its last incident "
                "is in `kubetrain k8s status` and <run>/incidents/.", sev),
+        # a launcher that ended on its own said so to its last scrape (job_failed, job_finished); one whose series
+        # vanished without that was killed from outside (the OOM killer, kill -9) or lost with its node: a failed
+        # scrape marks its series stale, and so does a pod gone from the PodMonitor's targets
+        _alert("KubetrainLauncherGone",
+               f"max by (namespace, run, pod) (max_over_time(kubetrain_worker_restarts[{restart_window}])) "
+               "unless on (namespace, run, pod) kubetrain_worker_restarts "
+               f"unless on (namespace, run, pod) (max_over_time(kubetrain_job_failed[{restart_window}]) > 0 or "
+               f"max_over_time(kubetrain_job_finished[{restart_window}]) > 0)", "0m",
+               "A training pod's launcher vanished without ending its job",
+               "The launcher of {{ $labels.namespace }}/{{ $labels.run }} in pod {{ $labels.pod }} stopped answering "
+               "scrapes without saying it finished or gave up: killed from outside (OOM killer, kill -9), its node "
+               "lost, or stopped (SIGTERM: `kubetrain k8s stop`, preemption). Runbook: `kubectl describe pod "
+               "{{ $labels.pod }}` (OOMKilled, node NotReady), `kubetrain k8s status {{ $labels.run }}`; a "
+               "replaced pod resumes from the newest checkpoint (KubetrainRestarted).", sev),
+        # the geometric mean over the window: a steady straggler's ratio wanders (1.2x to 2.4x window to window),
+        # so the raw gauge crossed the threshold back and forth and `for:` restarted; with two ranks each window's
+        # ratios are inverses, and so are their geometric means: only the rank slower over the window can cross.
+        # Three samples at least: a mean of one is that window alone (a first window where the straggler was fast)
         _alert("KubetrainStraggler",
-               f"kubetrain_rank_straggler_ratio >= {a.straggler_ratio:g}",
-               f"{a.straggler_minutes}m",
+               f"exp(avg_over_time(ln(kubetrain_rank_straggler_ratio)[{a.straggler_minutes}m:])) "
+               f">= {a.straggler_ratio:g} and count_over_time(kubetrain_rank_straggler_ratio"
+               f"[{a.straggler_minutes}m]) >= 3",
+               f"{a.straggler_minutes * 30}s",
                f"A rank is {a.straggler_ratio:g}x slower than the others or more",
                f"Rank {{{{ $labels.rank }}}} of {run} spends {{{{ $value | humanize }}}}x the data wait + forward "
-               f"time of the median of the other ranks (with two ranks: of the other one), at least "
-               f"{a.straggler_ratio:g}x: a slow node, a throttled GPU or a noisy neighbour holds "
-               "every rank back.", sev),
-        _alert("KubetrainRestarted",
-               f"changes((max by (namespace, run, phase) (kubetrain_restarts))[{restart_window}:1m]) > 0 or "
-               f"changes((max by (namespace, run, phase) (kubetrain_starts))[{restart_window}:1m]) > 0",
-               "0m",
+               f"time of the median of the other ranks (with two ranks: of the other one), the geometric mean over "
+               f"{a.straggler_minutes} minutes, at least {a.straggler_ratio:g}x: a slow node, a throttled GPU or a "
+               "noisy neighbour holds every rank back.", sev),
+        _alert("KubetrainRestarted", _restarted(restart_window), "0m",
                f"Training restarted within {a.restart_window_minutes} minutes",
                f"{run} restarted its workers or was resumed by a new pod (a failure, preemption or relaunch); it "
                "continued from its newest checkpoint.", sev),

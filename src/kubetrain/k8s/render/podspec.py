@@ -23,6 +23,9 @@ COMPILE_CACHE = ".cache"  # on the checkpoint claim; a hidden folder, which `kub
 INCIDENTS = "incidents"
 FLIGHT_RECORDER_PREFIX = "nccl-flight-recorder-rank-"
 ENTRYPOINT = ["kubetrain", "k8s", "entrypoint"]
+HEALTH_PATH = "/healthz"  # served by the launcher (track/prometheus_launcher.py) on LAUNCHER_PORT_NAME
+STARTUP_PERIOD = 10
+STARTUP_SLACK_PERIODS = 6  # a minute beyond the rendezvous wait: start-up, config check, imports
 
 
 def image(k: K8sConfig) -> str:
@@ -211,16 +214,27 @@ def pod_security(ctx: RenderContext) -> dict[str, Any]:
 
 
 def liveness_probe(ctx: RenderContext) -> dict[str, Any] | None:
-    """An exec probe of rank 0's /healthz (see k8s/pod/probe.py for why it is exec and not httpGet)."""
+    """The kubelet's GET of the launcher's /healthz: every pod's launcher judges its workers' heartbeats by the
+    liveness clock (config/clocks.py), and answers while a worker is stopped, which cannot answer for itself."""
     m = ctx.k.metrics
     if not (m.enabled and m.liveness):
         return None
     return {
-        "exec": {"command": ["python", "-m", "kubetrain.k8s.pod.probe", "--port", str(m.port)]},
+        "httpGet": {"path": HEALTH_PATH, "port": LAUNCHER_PORT_NAME},
         "periodSeconds": PROBE_PERIOD,  # /healthz goes stale after config/clocks.py's liveness clock
         "timeoutSeconds": 10,
         "failureThreshold": PROBE_FAILURES,
     }
+
+
+def startup_probe(ctx: RenderContext) -> dict[str, Any] | None:
+    """Holds the liveness probe off until the launcher listens: a pod of node rank > 0 first waits up to
+    k8s.wait_timeout_seconds for the rendezvous endpoint, with nothing on its port yet."""
+    live = liveness_probe(ctx)
+    if live is None:
+        return None
+    return {"httpGet": live["httpGet"], "periodSeconds": STARTUP_PERIOD,
+            "failureThreshold": math.ceil(ctx.k.wait_timeout_seconds / STARTUP_PERIOD) + STARTUP_SLACK_PERIODS}
 
 
 def tolerations(ctx: RenderContext) -> list[dict[str, Any]]:
@@ -266,6 +280,7 @@ def container(
     probe = liveness_probe(ctx)
     if probe:
         c["livenessProbe"] = probe
+        c["startupProbe"] = startup_probe(ctx)
     return c
 
 
