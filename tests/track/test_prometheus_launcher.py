@@ -57,6 +57,25 @@ def test_heartbeats_incidents_and_a_failure_the_last_scrape_sees() -> None:
         scrape(exporter.port)
 
 
+def test_a_scrape_answered_but_not_yet_recorded_still_waits_for_the_goodbye() -> None:
+    # Seen under load: the scraper had its reply before the handler thread recorded the scrape, the launcher gave
+    # up at once, found no scrape recorded, and closed before the last scrape (connection reset).
+    exporter = LauncherExporter(0, "127.0.0.1", "gpt", 4.0, lambda: [], lambda: 0).start(stream=io.StringIO())
+    exporter.scraper_seen = True  # a scrape began and was answered; its record is still to be made
+    seen: list[float] = []
+
+    def scraper() -> None:
+        while exporter.failed_at is None:
+            time.sleep(0.01)
+        seen.extend(scrape(exporter.port)["kubetrain_job_failed"].values())
+
+    thread = threading.Thread(target=scraper)
+    thread.start()
+    exporter.close(failed=True)
+    thread.join()
+    assert seen == [1.0]
+
+
 def _ports() -> int:
     """A port P with P + 1 free (rank 0's exporter and its launcher's)."""
     while True:

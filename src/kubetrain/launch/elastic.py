@@ -104,7 +104,6 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     from torch.distributed.run import parse_args, run
 
     from kubetrain.launch.watch import HangWatch, hang_agreement, launcher_metrics
-    from kubetrain.runs import incidents
     from kubetrain.train.heartbeat import HEARTBEAT_DIR_ENV, LAUNCHER_PID_ENV
 
     args = parse_args(torchrun_args(opts, train_args))
@@ -128,21 +127,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         finished = True
     except SignalException as e:
         watch.stop()
-        status, latest = _run_status(run_dir)
-        if e.sigval == signal.SIGTERM:
-            _say(incidents.log_line(incidents.record(
-                run_dir, "preempted", rank=None, step=watch.last_step(),
-                message=f"SIGTERM to the launcher; run status {status}; latest checkpoint {latest}")))
-        if status != "stopped" and latest is not None:  # the stop save did not finish in the grace period
-            _say(f"launcher: {e.sigval.name}: workers stopped before their stop checkpoint; the run resumes from "
-                 f"{latest}")
-            return EXIT_STOPPED_RESUMABLE
-        if status != "stopped" and latest is None:  # stopped before its first checkpoint: no work to lose
-            _say(f"launcher: {e.sigval.name}: stopped before the first checkpoint: nothing to lose, the run starts "
-                 f"over; exiting {EXIT_STOPPED_RESUMABLE}, not a failure ({resume_hint()})")
-            return EXIT_STOPPED_RESUMABLE
-        _say(f"launcher: {e.sigval.name}: workers stopped (run status: {status})")
-        return EXIT_STOPPED_RESUMABLE if status == "stopped" else EXIT_FAILURE
+        return _stopped_by_signal(e.sigval, run_dir, watch.last_step())
     except ChildFailedError as e:
         rank, failure = root_failure(e.failures)
         message = failure.message
@@ -178,6 +163,27 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         shutil.rmtree(beats, ignore_errors=True)
         _sync_incidents(run_dir)
     return 0
+
+
+def _stopped_by_signal(sigval: signal.Signals, run_dir: Path, step: int | None) -> int:
+    """The launcher's exit after SIGTERM/SIGINT: 75 when nothing is lost (the workers' stop checkpoint, an earlier
+    one, or none yet: the run starts over), 1 when the run had failed; SIGTERM is a `preempted` incident."""
+    from kubetrain.runs import incidents
+
+    status, latest = _run_status(run_dir)
+    if sigval == signal.SIGTERM:
+        _say(incidents.log_line(incidents.record(
+            run_dir, "preempted", rank=None, step=step,
+            message=f"SIGTERM to the launcher; run status {status}; latest checkpoint {latest}")))
+    if status != "stopped" and latest is not None:  # the stop save did not finish in the grace period
+        _say(f"launcher: {sigval.name}: workers stopped before their stop checkpoint; the run resumes from {latest}")
+        return EXIT_STOPPED_RESUMABLE
+    if status != "stopped" and latest is None:  # stopped before its first checkpoint: no work to lose
+        _say(f"launcher: {sigval.name}: stopped before the first checkpoint: nothing to lose, the run starts "
+             f"over; exiting {EXIT_STOPPED_RESUMABLE}, not a failure ({resume_hint()})")
+        return EXIT_STOPPED_RESUMABLE
+    _say(f"launcher: {sigval.name}: workers stopped (run status: {status})")
+    return EXIT_STOPPED_RESUMABLE if status == "stopped" else EXIT_FAILURE
 
 
 # A worker's exit that a restart cannot change: bad input (the same config fails the same way again), a stop it

@@ -66,7 +66,8 @@ class LauncherExporter:
         self.incidents: dict[tuple[str, str], int] = {}
         self.failed_at: float | None = None
         self.finished_at: float | None = None
-        self.scrapes: list[float] = []  # monotonic times the last scrapes of /metrics began
+        self.scrapes: list[float] = []  # monotonic times the last scrapes of /metrics began (each once answered)
+        self.scraper_seen = False  # a scrape of /metrics began: someone will come back for the last one
         self._scraped = threading.Condition()
         self.server: ThreadingHTTPServer | None = None
 
@@ -106,9 +107,10 @@ class LauncherExporter:
                     self.failed_at = ended_at
                 else:
                     self.finished_at = ended_at
-                if self.scrapes:
+                if self.scraper_seen:  # not `self.scrapes`: a scrape answered just now may not be recorded yet
                     gap = self.scrapes[-1] - self.scrapes[-2] if len(self.scrapes) > 1 else LINGER_MAX_SECONDS / 2
-                    self._scraped.wait_for(lambda: self.scrapes[-1] > ended_at, min(2 * gap + 1, LINGER_MAX_SECONDS))
+                    self._scraped.wait_for(lambda: bool(self.scrapes) and self.scrapes[-1] > ended_at,
+                                           min(2 * gap + 1, LINGER_MAX_SECONDS))
         self.server.shutdown()
         self.server.server_close()
         self.server = None
@@ -176,6 +178,7 @@ def _handler(exporter: LauncherExporter) -> type[BaseHTTPRequestHandler]:
                 self._reply(404, "text/plain; charset=utf-8", b"not found\n")
                 return
             began = time.monotonic()
+            exporter.scraper_seen = True
             # the text format, in which two expositions of distinct families concatenate into one
             self._reply(200, CONTENT_TYPE_LATEST, generate_latest(exporter.registry) + exporter.worker_metrics())
             exporter.scraped(began)  # after the reply: the scraper holds what was read from `began` on
