@@ -106,7 +106,8 @@ def settings(cfg: Config, device: torch.device, precision: str, attention: str |
     backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     return {
         "device": str(device), "precision": precision, "attention": attention or "none usable",
-        "dist_backend": backend, "strategy": cfg.dist.strategy, "compile": hardware.compile_choice(cfg.train.compile, device).enabled,
+        "dist_backend": backend, "strategy": cfg.dist.strategy,
+        "compile": hardware.compile_choice(cfg.train.compile, device).enabled,
         "threads": cfg.run.threads or torch.get_num_threads(), "deterministic": torch_set.deterministic,
         "tf32": torch_set.tf32, "peak_flops": peak_flops(device, precision, torch_set.tf32),
         "micro_batch_size": cfg.train.micro_batch, "grad_accum_steps": cfg.train.grad_accum_steps,
