@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -73,6 +74,19 @@ def test_changed_content_or_settings_prepare_a_new_shard(tmp_path: Path) -> None
     assert data_key(config_with(cfg, "data.val_fraction=0.2")) != data_key(cfg)
     # The model shape does not change the tokens, so it shares the shard.
     assert data_key(config_with(cfg, "model.n_layer=7")) == data_key(cfg)
+
+
+def test_a_bpe_trained_before_tokenizes_new_data_and_is_keyed_by_its_files(tmp_path: Path) -> None:
+    trained = prepare(text_config(tmp_path, TEXT, "data.tokenizer.kind=bpe", "data.tokenizer.vocab_size=300"))
+    for name in ("here", "there"):  # the same tokenizer in two folders (a phase's run and the next one's)
+        shutil.copytree(trained.folder / "tokenizer", tmp_path / name)
+    other = text_config(tmp_path, "Other words, another corpus.\n" * 40, "data.tokenizer.kind=bpe",
+                        "data.tokenizer.vocab_size=300", f"data.tokenizer.path={tmp_path / 'here'}")
+    reused = prepare(other)
+    assert reused.meta["tokenizer"] == trained.meta["tokenizer"] and reused.folder != trained.folder
+    assert data_key(config_with(other, f"data.tokenizer.path={tmp_path / 'there'}")) == data_key(other)
+    (tmp_path / "there" / "tokenizer.json").write_text((tmp_path / "there" / "tokenizer.json").read_text() + " ")
+    assert data_key(config_with(other, f"data.tokenizer.path={tmp_path / 'there'}")) != data_key(other)
 
 
 def config_with(cfg: Config, *overrides: str) -> Config:

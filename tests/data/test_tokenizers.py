@@ -110,6 +110,14 @@ def test_build_tokenizer_follows_the_config() -> None:
         build_tokenizer(TokenizerConfig(kind="hf"))
 
 
+def test_bpe_with_a_path_is_the_one_trained_before_not_a_new_one(bpe: FastTokenizer, tmp_path: Path) -> None:
+    bpe.save(tmp_path / "tok")
+    tok = build_tokenizer(TokenizerConfig(kind="bpe", path=str(tmp_path / "tok"), vocab_size=4096))
+    assert (tok.kind, tok.vocab_size, tok.fingerprint()) == ("bpe", 300, bpe.fingerprint())
+    with pytest.raises(DataError, match=r"no trained BPE tokenizer in .*missing \(no tokenizer\.json\)"):
+        build_tokenizer(TokenizerConfig(kind="bpe", path=str(tmp_path / "missing")))
+
+
 def make_hf_tokenizer_folder(folder: Path) -> Path:
     """A real Hugging Face tokenizer folder, built here (nothing from a hub)."""
     from transformers import PreTrainedTokenizerFast

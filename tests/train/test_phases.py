@@ -109,3 +109,67 @@ def test_a_run_whose_third_phase_failed_is_failed_in_runs_list_and_show(run_main
     assert (row["name"], row["status"], row["phase"]) == ("staged", "failed", "instruct")
     code, out, _ = run_main("runs", "show", "runs/staged", "--json")
     assert json.loads(out)["status"] == "failed"
+
+
+def _bpe_config(tmp: Path, phase_tokenizer: dict[str, object] | None = None, code_steps: int = 4) -> Path:
+    """Two phases on different texts, the tokenizer a BPE of 300 tokens trained at prepare time."""
+    (tmp / "prose.txt").write_text("the quick brown fox jumps over the lazy dog. " * 300)
+    (tmp / "code.txt").write_text("def add(a, b):\n    return a + b\n" * 300)
+    code: dict[str, object] = {"sources": [{"kind": "text", "path": str(tmp / "code.txt")}]}
+    if phase_tokenizer is not None:
+        code["tokenizer"] = phase_tokenizer
+    cfg = {
+        "run": {"name": "bpe"},
+        "data": {"sources": [{"kind": "text", "path": str(tmp / "prose.txt")}],
+                 "tokenizer": {"kind": "bpe", "vocab_size": 300}},
+        "phases": [{"name": "pretrain", "train": {"max_steps": 2}},
+                   {"name": "code", "init_from": "final", "data": code, "train": {"max_steps": code_steps}}],
+    }
+    path = tmp / "bpe.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _tokenizer_of(checkpoint: Path) -> str:
+    return str(json.loads((checkpoint / "meta.json").read_text())["tokenizer"])
+
+
+def test_a_later_phase_reuses_the_bpe_the_first_phase_trained(tmp_path: Path) -> None:
+    cfg = _bpe_config(tmp_path)
+    extra = sets("checkpoint.every_steps=2", "eval.every_steps=2")
+    proc = kubetrain("train", str(cfg), *extra, cwd=tmp_path)
+    root = tmp_path / "runs" / "bpe" / "phases"
+    pretrain, code = root / "pretrain", root / "code"
+    assert "starting from the weights of runs/bpe/phases/pretrain/checkpoints/step-000002" in proc.stdout
+    assert proc.stdout.count("training the BPE tokenizer") == 1  # pretrain's; code tokenizes its text with it
+    assert "phases/pretrain/tokenizer" in proc.stdout  # code says whose tokenizer it reads its data with
+    first = _tokenizer_of(pretrain / "checkpoints" / "step-000002")
+    assert first.startswith("bpe:") and _tokenizer_of(code / "checkpoints" / "step-000004") == first
+    saved = [(run / "tokenizer" / "tokenizer.json").read_text() for run in (pretrain, code)]
+    assert saved[0] == saved[1]
+    tok = yaml.safe_load((code / "config.yaml").read_text())["data"]["tokenizer"]
+    assert (tok["kind"], tok["path"]) == ("bpe", "runs/bpe/phases/pretrain/tokenizer")  # the resolved config says so
+
+    # the code phase, given more steps, resumes from its own checkpoint with the same tokenizer and data
+    cfg = _bpe_config(tmp_path, code_steps=6)
+    again = kubetrain("train", str(cfg), *extra, "--phase", "code", cwd=tmp_path)
+    assert "training the BPE tokenizer" not in again.stdout and "preparing data" not in again.stdout
+    assert "resuming from runs/bpe/phases/code/checkpoints/step-000004" in again.stdout
+    assert _tokenizer_of(code / "checkpoints" / "step-000006") == first
+    assert json.loads((code / "meta.json").read_text())["step"] == 6
+
+
+def test_a_phase_with_a_tokenizer_of_its_own_is_refused_the_previous_weights(tmp_path: Path) -> None:
+    cfg = _bpe_config(tmp_path, phase_tokenizer={"kind": "bpe", "vocab_size": 300})
+    bad = kubetrain("train", str(cfg), *sets("checkpoint.every_steps=2", "eval.every_steps=2"), cwd=tmp_path,
+                    check=False)
+    assert bad.returncode != 0 and "was trained with tokenizer" in bad.stderr
+
+
+def test_a_phase_whose_previous_phase_has_not_trained_its_tokenizer_is_refused(tmp_path: Path) -> None:
+    cfg = _bpe_config(tmp_path)
+    bad = kubetrain("train", str(cfg), *sets(), "--phase", "code", cwd=tmp_path, check=False)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "train phase pretrain first" in bad.stderr and bad.stderr.count("\n") == 1
+    record = json.loads((tmp_path / "runs" / "bpe" / "phases.json").read_text())
+    assert (record["status"], record["phase"]) == ("failed", "code")

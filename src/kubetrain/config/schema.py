@@ -72,7 +72,10 @@ class TokenizerConfig(Section):
         description="byte: 256 byte ids, no files; bpe: trained on the corpus; hf: a tokenizer folder/id; "
         "tiktoken: a named encoding, read from TIKTOKEN_CACHE_DIR (fetched only when local_files_only is false)."
     )
-    path: str | None = Field(None, description="Tokenizer folder or hub id (hf); encoding name (tiktoken).")
+    path: str | None = Field(
+        None, description="Tokenizer folder or hub id (hf); encoding name (tiktoken); a BPE trained before, e.g. a "
+        "run's tokenizer/ folder (bpe: reused, not trained; a later phase reuses the previous phase's this way)."
+    )
     vocab_size: int = Field(4096, ge=260, description="Vocabulary size when training a BPE tokenizer.")
     local_files_only: bool = Field(
         True, description="Never reach a model hub (or tiktoken's download site) for the tokenizer."

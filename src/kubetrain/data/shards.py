@@ -95,14 +95,17 @@ def data_key(cfg: Config) -> str:
     """Content hash of everything that decides the tokens: sources' bytes, tokenizer, split."""
     cfg = with_resolved_sources(cfg)
     h = hashlib.sha256(f"v{FORMAT_VERSION}".encode())
-    h.update(json.dumps(cfg.data.tokenizer.model_dump(mode="json"), sort_keys=True).encode())
+    tok = cfg.data.tokenizer
+    trained_before = tok.kind == "bpe" and tok.path is not None  # its files decide the tokens, not where they are
+    h.update(json.dumps(tok.model_dump(mode="json", exclude={"path"} if trained_before else None),
+                        sort_keys=True).encode())
     h.update(json.dumps(cfg.data.chat.model_dump(mode="json"), sort_keys=True).encode())
     h.update(f"{cfg.data.val_fraction}".encode())
     h.update(f"part{cfg.data.part_mb}:piece{PIECE_BYTES}".encode())  # where long texts are cut
     if _unpacked_chat(cfg):  # conversations are laid out one per window
         h.update(f"block{cfg.model.block_size}".encode())
-    if cfg.data.tokenizer.kind == "hf" and cfg.data.tokenizer.path and Path(cfg.data.tokenizer.path).exists():
-        for f in sorted(Path(cfg.data.tokenizer.path).glob("*")):
+    if tok.kind in ("hf", "bpe") and tok.path and Path(tok.path).expanduser().exists():
+        for f in sorted(Path(tok.path).expanduser().glob("*")):
             if f.is_file() and f.suffix not in _WEIGHT_SUFFIXES:  # a model folder: hash the tokenizer, not GBs
                 h.update(f.name.encode() + f.read_bytes())
     digests = DigestCache(cache_root(cfg) / INDEX_DIR)
@@ -232,9 +235,12 @@ def _shared_tokenizer(cfg: Config, work: Path, meta_file: Path, claims: Claims,
     saved = work / "tokenizer"
 
     def build(_: str) -> None:
-        corpus = training_texts(cfg) if cfg.data.tokenizer.kind == "bpe" else None
-        if corpus is not None and log:
+        tok_cfg = cfg.data.tokenizer
+        corpus = training_texts(cfg) if tok_cfg.kind == "bpe" and not tok_cfg.path else None
+        if log and corpus is not None:
             log("training the BPE tokenizer on the corpus")
+        elif log and tok_cfg.kind == "bpe":
+            log(f"tokenizing with the BPE tokenizer trained before, in {tok_cfg.path}")
         tok = build_tokenizer(cfg.data.tokenizer, corpus)
         tmp = work / f"tokenizer.tmp-{process_tag()}"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -268,10 +268,12 @@ def load_hf_tokenizer(path: str, local_files_only: bool = True) -> HFTokenizer |
 
 
 def build_tokenizer(cfg: TokenizerConfig, corpus: Iterable[str] | None = None) -> Tokenizer:
-    """The tokenizer a config asks for; BPE is trained on `corpus`."""
+    """The tokenizer a config asks for; BPE is trained on `corpus`, unless `path` names one trained before."""
     if cfg.kind == "byte":
         return ByteTokenizer()
     if cfg.kind == "bpe":
+        if cfg.path:
+            return load_trained_bpe(Path(cfg.path).expanduser())
         if corpus is None:
             raise DataError("a BPE tokenizer is trained during prepare; no corpus was given")
         return train_bpe(corpus, cfg.vocab_size)
@@ -280,6 +282,16 @@ def build_tokenizer(cfg: TokenizerConfig, corpus: Iterable[str] | None = None) -
     if not cfg.path:
         raise DataError("data.tokenizer.kind 'hf' needs data.tokenizer.path (a folder or hub id)")
     return load_hf_tokenizer(cfg.path, cfg.local_files_only)
+
+
+def load_trained_bpe(folder: Path) -> FastTokenizer:
+    """A BPE trained before (the `tokenizer/` folder of a run with a bpe tokenizer), to tokenize new data with."""
+    file = folder / "tokenizer.json"
+    if not file.is_file():
+        raise DataError(f"no trained BPE tokenizer in {folder} (no tokenizer.json)")
+    from tokenizers import Tokenizer as RawTokenizer
+
+    return FastTokenizer(RawTokenizer.from_file(str(file)), kind="bpe")
 
 
 def load_saved_tokenizer(folder: Path) -> Tokenizer:
@@ -294,9 +306,7 @@ def load_saved_tokenizer(folder: Path) -> Tokenizer:
     if kind == "tiktoken":
         return TiktokenTokenizer(info["name"])
     if kind == "bpe":
-        from tokenizers import Tokenizer as RawTokenizer
-
-        return FastTokenizer(RawTokenizer.from_file(str(folder / "tokenizer.json")), kind="bpe")
+        return load_trained_bpe(folder)
     return load_hf_tokenizer(str(folder), local_files_only=True)
 
 

@@ -83,6 +83,8 @@ def _train_phases(
             say(f"{where}: {path}")
             current = ph.name
             record("running", current)
+            if previous is not None:
+                sub = with_previous_tokenizer(sub, cfg, i, previous)
             init = None
             if previous is not None and not checkpoint.complete_checkpoints(path / runs.CHECKPOINTS):
                 init = _phase_weights(previous, ph.init_from)
@@ -108,6 +110,25 @@ def _train_phases(
                            meta.get("final_train_loss"), meta.get("final_val_loss"), meta.get("best_val_loss"),
                            0.0, "finished")
     return result
+
+
+def with_previous_tokenizer(sub: Config, cfg: Config, index: int, previous: Path) -> Config:
+    """Phase `index`'s config reading its data with the BPE that the phase before it trained (its run's tokenizer/).
+
+    A BPE is trained on the corpus at prepare time, so a phase that inherits `data.tokenizer` would otherwise train
+    its own on its own data, and its ids would not be the ones the previous phase's weights learnt. A phase that
+    sets `data.tokenizer` itself keeps it (and is refused weights trained with another one).
+    """
+    tok = sub.data.tokenizer
+    patch = cfg.phases[index].data or {}
+    if tok.kind != "bpe" or tok.path or "tokenizer" in patch:
+        return sub
+    folder = previous / "tokenizer"
+    if not (folder / "tokenizer.json").is_file():
+        raise UserInputError(f"phase {cfg.phases[index].name} tokenizes its data with the BPE tokenizer that phase "
+                             f"{previous.name} trained, and {folder} holds none yet: train phase {previous.name} first")
+    data = sub.data.model_copy(update={"tokenizer": tok.model_copy(update={"path": str(folder)})})
+    return sub.model_copy(update={"data": data})
 
 
 def _phase_weights(previous: Path, which: str) -> Path:
