@@ -29,6 +29,23 @@ def scrape(port: int) -> dict[str, dict[frozenset[tuple[str, str]], float]]:
     return out
 
 
+def _failed_as_the_last_scrape_sees(exporter: LauncherExporter) -> list[float]:
+    """`kubetrain_job_failed` as a Prometheus that comes back after the launcher gave up reads it: close waits for
+    that scrape, then stops serving."""
+    seen: list[float] = []
+
+    def scraper() -> None:
+        while exporter.failed_at is None:
+            time.sleep(0.01)
+        seen.extend(scrape(exporter.port)["kubetrain_job_failed"].values())
+
+    thread = threading.Thread(target=scraper)
+    thread.start()
+    exporter.close(failed=True)
+    thread.join()
+    return seen
+
+
 def test_heartbeats_incidents_and_a_failure_the_last_scrape_sees() -> None:
     beats = [RankBeat(0, 12, 1000.0), RankBeat(1, 11, 999.0)]
     exporter = LauncherExporter(0, "127.0.0.1", "gpt", 4.0, lambda: beats, lambda: 2).start(stream=io.StringIO())
@@ -41,18 +58,7 @@ def test_heartbeats_incidents_and_a_failure_the_last_scrape_sees() -> None:
     assert list(m["kubetrain_hang_alert_seconds"].values()) == [4.0]
     assert list(m["kubetrain_worker_restarts"].values()) == [2]
     assert list(m["kubetrain_job_failed"].values()) == [0]
-    seen: list[float] = []
-
-    def scraper() -> None:  # a Prometheus that comes back after the launcher gave up
-        while exporter.failed_at is None:
-            time.sleep(0.01)
-        seen.extend(scrape(exporter.port)["kubetrain_job_failed"].values())
-
-    thread = threading.Thread(target=scraper)
-    thread.start()
-    exporter.close(failed=True)  # waits for that scrape (it was scraped before), then stops serving
-    thread.join()
-    assert seen == [1.0]
+    assert _failed_as_the_last_scrape_sees(exporter) == [1.0]  # close waited for it (it was scraped before)
     with pytest.raises(OSError):
         scrape(exporter.port)
 
@@ -62,18 +68,7 @@ def test_a_scrape_answered_but_not_yet_recorded_still_waits_for_the_goodbye() ->
     # up at once, found no scrape recorded, and closed before the last scrape (connection reset).
     exporter = LauncherExporter(0, "127.0.0.1", "gpt", 4.0, lambda: [], lambda: 0).start(stream=io.StringIO())
     exporter.scraper_seen = True  # a scrape began and was answered; its record is still to be made
-    seen: list[float] = []
-
-    def scraper() -> None:
-        while exporter.failed_at is None:
-            time.sleep(0.01)
-        seen.extend(scrape(exporter.port)["kubetrain_job_failed"].values())
-
-    thread = threading.Thread(target=scraper)
-    thread.start()
-    exporter.close(failed=True)
-    thread.join()
-    assert seen == [1.0]
+    assert _failed_as_the_last_scrape_sees(exporter) == [1.0]
 
 
 def _ports() -> int:

@@ -154,14 +154,20 @@ def still_following(apiserver: Any, follower: Follower, polls: int = 20) -> None
     assert follower.thread.is_alive(), ("logs -f ended while the job is active", follower.lines, follower.error)
 
 
-def test_follow_outlives_containers_that_ended_while_their_pods_still_say_running(
-        tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+def _two_ranks_followed(tmp_path: Path, apiserver: Any, cli: Cli) -> tuple[Any, Any, Follower]:
+    """A launched 2-pod job whose pods have each written a line, and `logs -f` following it."""
     kubeconfig = apiserver.kubeconfig(tmp_path)
     launch(cli, kubeconfig, 2)
     zero, one = apiserver.pod("tiny", 0), apiserver.pod("tiny", 1)
     apiserver.start(zero, "step 1/8\n")
     apiserver.start(one, "[entrypoint] node 1/2\n")
     follower = Follower(kubeconfig)
+    return zero, one, follower
+
+
+def test_follow_outlives_containers_that_ended_while_their_pods_still_say_running(
+        tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    zero, one, follower = _two_ranks_followed(tmp_path, apiserver, cli)
     follower.saw("[rank 0] step 1/8")
     follower.saw("[rank 1] [entrypoint] node 1/2")
     # kill -9 of rank 0's launcher; rank 1 loses its rendezvous host. Both logs end, both pods still say Running.
@@ -335,12 +341,7 @@ def test_a_kubelet_error_in_the_stream_is_our_line_not_the_ranks(tmp_path: Path,
 def test_follow_leaves_a_stalled_stream_for_the_pod_that_replaced_it(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
     """A node under memory pressure: its kubelet keeps the stream open and sends nothing, the pod is replaced. The
     follow never printed a line of the new pod; now a stream silent for `idle` is looked at again."""
-    kubeconfig = apiserver.kubeconfig(tmp_path)
-    launch(cli, kubeconfig, 2)
-    zero, one = apiserver.pod("tiny", 0), apiserver.pod("tiny", 1)
-    apiserver.start(zero, "step 1/8\n")
-    apiserver.start(one, "[entrypoint] node 1/2\n")
-    follower = Follower(kubeconfig)
+    zero, one, follower = _two_ranks_followed(tmp_path, apiserver, cli)
     follower.saw("[rank 1] [entrypoint] node 1/2")
     apiserver.break_stream(one, "stall", "[rank 1 stalls]\n")
     apiserver.exit(one, 137)  # its node's kernel ended it; the Job controller replaces the pod

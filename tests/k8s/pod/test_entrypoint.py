@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -111,12 +112,11 @@ def test_statefulset_pod_idles_until_sigterm() -> None:
     assert child.wait(timeout=60) == 0
 
 
-@pytest.mark.slow
-def test_sigterm_to_the_pod_ends_it_with_75_after_a_checkpoint(tmp_path: Path) -> None:
-    """The pod's main process gets SIGTERM (what the kubelet sends); its workers save and the pod exits 75."""
+def _pod_past_its_first_step(tmp_path: Path, *extra: str) -> tuple[Simulation, Any]:
+    """One simulated pod of a tiny endless run, once its log shows step 1."""
     tiny = ["run.threads=1", "run.device=cpu", "model.n_layer=1", "model.n_head=2", "model.n_embd=16",
             "model.block_size=16", "train.micro_batch_size=2", "train.warmup_steps=1", "train.log_every_steps=1",
-            "train.max_steps=100000", "eval.every_steps=100000", "eval.sample_prompt=null"]
+            "train.max_steps=100000", "eval.every_steps=100000", "eval.sample_prompt=null", *extra]
     s = Simulation(load_config(None, "tiny", tiny), tmp_path / "sim", "indexed-job", echo=False)
     pod = s.start_pod(0)
     assert pod.process is not None
@@ -124,6 +124,13 @@ def test_sigterm_to_the_pod_ends_it_with_75_after_a_checkpoint(tmp_path: Path) -
     while "step 1/" not in (pod.log_path.read_text() if pod.log_path.exists() else ""):
         assert pod.running() and time.monotonic() < deadline, pod.log_path.read_text()[-3000:]
         time.sleep(0.1)
+    return s, pod
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_pod_ends_it_with_75_after_a_checkpoint(tmp_path: Path) -> None:
+    """The pod's main process gets SIGTERM (what the kubelet sends); its workers save and the pod exits 75."""
+    s, pod = _pod_past_its_first_step(tmp_path)
     pod.process.send_signal(signal.SIGTERM)  # to the container's main process only, like the kubelet
     assert pod.process.wait(timeout=300) == 75, pod.log_path.read_text()[-3000:]
     checkpoints = s.root / "volumes" / "checkpoints" / "tiny" / "checkpoints"
@@ -142,17 +149,7 @@ def test_a_pod_stopped_before_its_first_checkpoint_exits_75_and_says_it_lost_not
     """A pod deleted or preempted before the run's first checkpoint exited 1, a failure the Job counts (four of
     them failed a job that had lost nothing). With no checkpoint there is nothing to lose: 75, which the rendered
     podFailurePolicy ignores, and the log says so. The save cannot finish within a grace of 10 ms."""
-    tiny = ["run.threads=1", "run.device=cpu", "model.n_layer=1", "model.n_head=2", "model.n_embd=16",
-            "model.block_size=16", "train.micro_batch_size=2", "train.warmup_steps=1", "train.log_every_steps=1",
-            "train.max_steps=100000", "eval.every_steps=100000", "eval.sample_prompt=null",
-            "checkpoint.every_steps=100000", "checkpoint.grace_seconds=0.01"]
-    s = Simulation(load_config(None, "tiny", tiny), tmp_path / "sim", "indexed-job", echo=False)
-    pod = s.start_pod(0)
-    assert pod.process is not None
-    deadline = time.monotonic() + 300  # a safety net against a hang, not a timing assertion
-    while "step 1/" not in (pod.log_path.read_text() if pod.log_path.exists() else ""):
-        assert pod.running() and time.monotonic() < deadline, pod.log_path.read_text()[-3000:]
-        time.sleep(0.1)
+    s, pod = _pod_past_its_first_step(tmp_path, "checkpoint.every_steps=100000", "checkpoint.grace_seconds=0.01")
     pod.process.send_signal(signal.SIGTERM)
     log = pod.log_path.read_text
     assert pod.process.wait(timeout=300) == 75, log()[-3000:]
