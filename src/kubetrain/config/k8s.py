@@ -9,7 +9,9 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from kubetrain.config.section import Section
 
 Workload = Literal["indexed-job", "jobset", "trainjob", "pytorchjob", "statefulset"]
 WORKLOADS: tuple[str, ...] = ("indexed-job", "jobset", "trainjob", "pytorchjob", "statefulset")
@@ -30,11 +32,7 @@ RESERVED_ENV = re.compile(
 )
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no NaN, no inf
-
-
-class ResourcesConfig(_Section):
+class ResourcesConfig(Section):
     cpu: str | None = Field(
         default="4",
         pattern=_QUANTITY,
@@ -72,7 +70,7 @@ class ResourcesConfig(_Section):
         return value
 
 
-class VolumeConfig(_Section):
+class VolumeConfig(Section):
     """A volume: an existing PersistentVolumeClaim (`claim`), or one kubetrain creates (`size`)."""
 
     claim: str | None = Field(
@@ -110,7 +108,7 @@ class VolumeConfig(_Section):
         return self
 
 
-class VolumesConfig(_Section):
+class VolumesConfig(Section):
     checkpoints: VolumeConfig = Field(
         default_factory=lambda: VolumeConfig(size="20Gi"),
         description="Run directories and checkpoints (mounted at /checkpoints; run.output_dir points there).",
@@ -132,12 +130,12 @@ class VolumesConfig(_Section):
     )
 
 
-class SecretRef(_Section):
+class SecretRef(Section):
     name: str = Field(pattern=_DNS_SUBDOMAIN, max_length=253, description="Secret name.")
     key: str = Field(pattern=r"^[-._a-zA-Z0-9]+$", description="Key inside the Secret.")
 
 
-class SecretsConfig(_Section):
+class SecretsConfig(Section):
     hf_token: SecretRef | None = Field(
         default=None, description="HF_TOKEN from this Secret key (never inline)."
     )
@@ -153,7 +151,7 @@ class SecretsConfig(_Section):
         return value
 
 
-class Toleration(_Section):
+class Toleration(Section):
     key: str | None = Field(default=None, description="Taint key (none with Exists: every taint).")
     operator: Literal["Equal", "Exists"] = Field(default="Equal", description="Equal: key and value match.")
     value: str | None = Field(default=None, description="Taint value (operator Equal).")
@@ -163,7 +161,7 @@ class Toleration(_Section):
     toleration_seconds: int | None = Field(default=None, ge=0, description="Only with effect NoExecute.")
 
 
-class MetricsConfig(_Section):
+class MetricsConfig(Section):
     enabled: bool = Field(
         default=True,
         description="Serve rank 0's /metrics and /healthz in the pods (turns on track.prometheus there).",
@@ -178,7 +176,7 @@ class MetricsConfig(_Section):
     )
 
 
-class NetworkPolicyConfig(_Section):
+class NetworkPolicyConfig(Section):
     """The job's NetworkPolicy (`k8s.network_policy: true|false` is the same as `enabled`)."""
 
     enabled: bool = Field(default=True, description="Admit traffic only from the job's own pods (+ metrics).")
@@ -210,7 +208,7 @@ class NetworkPolicyConfig(_Section):
         return value
 
 
-class K8sConfig(_Section):
+class K8sConfig(Section):
     name: str | None = Field(
         default=None,
         pattern=_DNS_LABEL,

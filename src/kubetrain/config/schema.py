@@ -5,16 +5,11 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from kubetrain.config.k8s import K8sConfig
+from kubetrain.config.section import Section
 from kubetrain.config.track import TrackConfig
-
-
-class Section(BaseModel):
-    """A config section: unknown keys are errors, assignments are validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no NaN, no inf
 
 
 class RunConfig(Section):

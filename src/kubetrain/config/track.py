@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from kubetrain.config.section import Section
 
 # scheme://user:password@host: a password in the config would land in config.yaml and the run's params.
 _URL_PASSWORD = re.compile(r"^[a-z][a-z0-9+.-]*://[^/@\s]*:[^/@\s]*@", re.IGNORECASE)
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no NaN, no inf
-
-
-class MlflowConfig(_Section):
+class MlflowConfig(Section):
     enabled: bool = Field(default=False, description="Log params, metrics, artifacts and status to MLflow.")
     tracking_uri: str | None = Field(
         default=None,
@@ -40,7 +38,7 @@ class MlflowConfig(_Section):
         return v
 
 
-class TensorboardConfig(_Section):
+class TensorboardConfig(Section):
     enabled: bool = Field(default=False, description="Write TensorBoard event files.")
     dir: str | None = Field(
         default=None,
@@ -49,7 +47,7 @@ class TensorboardConfig(_Section):
     )
 
 
-class PrometheusConfig(_Section):
+class PrometheusConfig(Section):
     enabled: bool = Field(default=False, description="Serve /metrics and /healthz (liveness) on rank 0.")
     port: int = Field(default=9400, ge=0, le=65535, description="Port of /metrics, /healthz (0: any).")
     host: str = Field(default="0.0.0.0", description="Address to listen on (0.0.0.0: a pod can be scraped).")
@@ -62,7 +60,7 @@ class PrometheusConfig(_Section):
     )
 
 
-class KubeflowTrainerConfig(_Section):
+class KubeflowTrainerConfig(Section):
     enabled: bool = Field(
         default=True,
         description="In a TrainJob whose Kubeflow Trainer has the TrainJobStatus feature gate on (it injects "
@@ -86,7 +84,7 @@ class KubeflowTrainerConfig(_Section):
     )
 
 
-class TrackConfig(_Section):
+class TrackConfig(Section):
     console: bool = Field(default=True, description="Progress on stdout (rich on a terminal).")
     mlflow: MlflowConfig = Field(default_factory=lambda: MlflowConfig(), description="MLflow tracking.")
     tensorboard: TensorboardConfig = Field(

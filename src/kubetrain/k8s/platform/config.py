@@ -10,9 +10,10 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from kubetrain.config.loading import read_yaml
+from kubetrain.config.section import Section
 from kubetrain.errors import ConfigError
 
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -22,11 +23,7 @@ _SECRET_NAME = re.compile(r"(TOKEN|PASSWORD|PASSWD|SECRET|API_?KEY|CREDENTIAL)",
 KUBETRAIN_IMAGE = "ghcr.io/kubetrain/kubetrain:0.1.0"
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class PostgresConfig(_Section):
+class PostgresConfig(Section):
     uri: str | None = Field(
         default=None,
         description="postgresql://USER@HOST:PORT/DB of an existing database (no password: it comes from the "
@@ -55,7 +52,7 @@ class PostgresConfig(_Section):
         return value
 
 
-class ArtifactsConfig(_Section):
+class ArtifactsConfig(Section):
     uri: str | None = Field(
         default=None,
         description="Object store for artifacts (s3://bucket/prefix, like checkpoint.uri); the server proxies "
@@ -69,7 +66,7 @@ class ArtifactsConfig(_Section):
     storage_class: str | None = Field(default=None, description="Storage class of the artifact claim.")
 
 
-class MlflowAuthConfig(_Section):
+class MlflowAuthConfig(Section):
     enabled: bool = Field(
         default=False,
         description="Run MLflow's basic-auth app (`mlflow server --app-name basic-auth`): every request but "
@@ -96,7 +93,7 @@ class MlflowAuthConfig(_Section):
     )
 
 
-class MlflowServerConfig(_Section):
+class MlflowServerConfig(Section):
     enabled: bool = Field(default=True, description="Render the MLflow tracking server (and its database).")
     image: str = Field(
         default=KUBETRAIN_IMAGE, min_length=1,
@@ -142,7 +139,7 @@ class MlflowServerConfig(_Section):
         return value
 
 
-class AlertsConfig(_Section):
+class AlertsConfig(Section):
     hang_minutes: int = Field(
         default=15, ge=1, description="Alert when a job without a launcher (one process) finished no step for this "
         "long; under a launcher the job's own threshold applies (half its dist.hang_timeout_seconds).",
@@ -164,7 +161,7 @@ class AlertsConfig(_Section):
     severity: str = Field(default="warning", min_length=1, description="The `severity` label of every alert.")
 
 
-class MonitoringConfig(_Section):
+class MonitoringConfig(Section):
     enabled: bool = Field(default=True, description="Render the PodMonitor, alert rules and dashboard.")
     labels: dict[str, str] = Field(
         default_factory=lambda: {"release": "kube-prometheus-stack"},
@@ -180,7 +177,7 @@ class MonitoringConfig(_Section):
     alerts: AlertsConfig = Field(default_factory=lambda: AlertsConfig(), description="Alert thresholds.")
 
 
-class PlatformConfig(_Section):
+class PlatformConfig(Section):
     name: str = Field(default="kubetrain", pattern=_DNS_LABEL, max_length=30, description="Prefix of every object.")
     namespace: str = Field(default="default", pattern=_DNS_LABEL, max_length=63, description="Where it runs.")
     labels: dict[str, str] = Field(default_factory=dict, description="Extra labels on every object.")
