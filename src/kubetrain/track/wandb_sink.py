@@ -80,9 +80,9 @@ class WandbSink(Sink):
         except Exception as e:
             # wandb-core says what it waited for on one line and why (the server's address) on the next
             raise TrackerUnavailable(f"cannot use W&B ({self.mode}): {one_line(e, joined=True)}") from None
-        where = f"in {self.run.dir}; upload it with `wandb sync {Path(self.run.dir).parent}`" \
-            if self.mode == "offline" else getattr(self.run, "url", None) or ""
-        print(f"wandb: run {run_id} of project '{self.project}', {self.mode} ({self.why}) {where}".rstrip(),
+        where = f": wandb sync {Path(self.run.dir).parent}" if self.mode == "offline" else \
+            f": {self.run.url}" if getattr(self.run, "url", None) else ""
+        print(f"wandb: run {run_id} of project '{self.project}', {self.mode} ({self.why}){where}",
               file=self.stream or sys.stdout, flush=True)
 
     def run_id(self, run_dir: Path) -> str:
