@@ -103,6 +103,25 @@ def test_offline_run_read_back_and_a_resume_continues_the_same_run(train_tiny: T
             assert API_KEY.encode() not in path.read_bytes(), path
 
 
+@pytest.mark.slow
+def test_a_phase_is_a_run_of_its_group_and_a_stop_is_a_preemption(tmp_path: Path, wandb_home: Path) -> None:
+    run_dir = tmp_path / "big" / "phases" / "code"
+    run_dir.mkdir(parents=True)
+    sink = WandbSink("p", tags=["t"], stream=io.StringIO())
+    sink.start({"run_dir": str(run_dir), "run": "big", "phase": "code", "config": load_config(None, None, []),
+                "params": 1, "start_step": 0})
+    sink.log({"kind": "train", "step": 3, "loss": 1.25, "lr": 0.1, "mfu": None, "phase": "code"})
+    sink.finish("stopped")  # SIGTERM after a checkpoint: resumable
+    [folder] = offline_runs(run_dir)
+    records = inspect(folder)
+    run = next(r["run"] for r in records if r["type"] == "run")
+    assert (run["display_name"], run["run_group"], run["job_type"]) == ("big/code", "big", "code")
+    assert history(records, "train/loss") == [(3, 1.25)]
+    assert not history(records, "train/mfu")  # None is no measurement, not a zero
+    assert any(r["type"] == "preempting" for r in records)
+    assert next(r["exit"] for r in records if r["type"] == "exit")["exit_code"] == 75
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
