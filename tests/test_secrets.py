@@ -34,3 +34,16 @@ def test_secret_shaped_values_are_hidden_wherever_they_are() -> None:
     assert redact(["train", "--set", f"model.revision={gh}"]) == ["train", "--set", "model.revision=***"]
     assert redact_text("postgresql://me:s3cr3t@db:5432/mlflow") == "postgresql://me:***@db:5432/mlflow"
     assert redact({"steps": 5, "token": None, "password": ""}) == {"steps": 5, "token": None, "password": ""}
+
+
+def test_a_secret_from_the_environment_is_hidden_whatever_its_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c"  # a W&B key: 40 hex digits, the shape of a git SHA
+    sha = "5c1a8c3d2b0e9f8a7b6c5d4e3f2a1b0c9d8e7f6a"
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    monkeypatch.setenv("PWD", "/home/me/project")  # the shell's working directory: no password
+    monkeypatch.setenv("WANDB_MODE", "offline-but-long")  # a long value of a variable that is no secret
+    assert redact_text(f"login with {key} at {sha}") == f"login with {REDACTED} at {sha}"
+    assert redact({"git_sha": sha, "argv": [f"--key={key}"], "note": f"k {key}"}) == \
+        {"git_sha": sha, "argv": [f"--key={REDACTED}"], "note": f"k {REDACTED}"}
+    assert redact_text("in /home/me/project, offline-but-long") == "in /home/me/project, offline-but-long"
+    assert is_secret_key("WANDB_API_KEY")

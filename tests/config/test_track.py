@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from kubetrain.config import load_config
 from kubetrain.errors import ConfigError
@@ -14,6 +17,7 @@ def test_defaults_leave_trackers_off() -> None:
     assert not track.prometheus.enabled
     assert (track.prometheus.port, track.prometheus.host) == (9400, "0.0.0.0")
     assert track.mlflow.tracking_uri is None and track.mlflow.experiment == "kubetrain"
+    assert not track.wandb.enabled and track.wandb.mode == "auto" and not track.wandb.log_checkpoints
 
 
 def test_uri_without_password_is_accepted() -> None:
@@ -36,3 +40,27 @@ def test_bad_values(override: str, message: str) -> None:
         load_config(None, None, [override])
     assert "\n" not in str(info.value)
     assert "s3cret" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["api_key", "key", "apiKey", "token", "WANDB_API_KEY"])
+def test_a_wandb_key_in_the_config_is_refused_and_never_echoed(name: str, tmp_path: Path) -> None:
+    key = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c"
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"track": {"wandb": {"enabled": True, name: key}}}))
+    with pytest.raises(ConfigError, match="set WANDB_API_KEY in the environment") as info:
+        load_config(path, None, [])
+    assert key not in str(info.value) and "\n" not in str(info.value)
+    assert "k8s.secrets.env" in str(info.value)  # where the key goes on Kubernetes
+    with pytest.raises(ConfigError, match="unknown key") as info:  # --set refuses it before it is read
+        load_config(None, None, [f"track.wandb.{name}={key}"])
+    assert key not in str(info.value)
+
+
+def test_wandb_tags_are_what_wandb_accepts() -> None:
+    cfg = load_config(None, None, ["track.wandb.enabled=true", "track.wandb.tags=[lora, a100]"])
+    assert cfg.track.wandb.tags == ["lora", "a100"]
+    for bad in ("x" * 65, ""):  # W&B refuses a run whose tag is empty or over 64 characters
+        with pytest.raises(ConfigError, match="1 to 64 characters"):
+            load_config(None, None, [f"track.wandb.tags=[{bad!r}]"])
+    with pytest.raises(ConfigError, match=r"track\.wandb\.mode"):
+        load_config(None, None, ["track.wandb.mode=sometimes"])

@@ -33,6 +33,18 @@ def test_update_meta_keeps_what_start_wrote(tmp_path: Path) -> None:
     assert "updated_at" in meta
 
 
+def test_a_tracker_run_id_is_kept_across_starts(tmp_path: Path) -> None:
+    """W&B's run id in meta.json: a resume (a new start of the run) continues that run instead of a new one."""
+    path, cfg = tmp_path / "run", load_config(None, None, [])
+    runs.start(path, cfg, [], world_size=1)
+    runs.record_tracker(path, "wandb", {"id": "abc123", "project": "p", "entity": None})
+    runs.record_tracker(path, "other", {"id": "x"})
+    runs.start(path, cfg, [], world_size=2)
+    meta = runs.read_meta(path)
+    assert meta["trackers"] == {"wandb": {"id": "abc123", "project": "p", "entity": None}, "other": {"id": "x"}}
+    assert (meta["starts"], meta["world_size"]) == (2, 2)
+
+
 SECRET = "hf_" + "Mn5" * 8  # shaped like a Hugging Face token
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from kubetrain.config.section import Section
+from kubetrain.secrets import is_secret_key
 
 # scheme://user:password@host: a password in the config would land in config.yaml and the run's params.
 _URL_PASSWORD = re.compile(r"^[a-z][a-z0-9+.-]*://[^/@\s]*:[^/@\s]*@", re.IGNORECASE)
@@ -84,6 +86,45 @@ class KubeflowTrainerConfig(Section):
     )
 
 
+class WandbConfig(Section):
+    """Weights & Biases. The API key is read from WANDB_API_KEY only (a Kubernetes Secret through
+    k8s.secrets.env), never from here: config.yaml is written to the run directory and shown by print-config."""
+
+    enabled: bool = Field(default=False, description="Log the config, metrics, the final sample (and checkpoints) "
+                          "to Weights & Biases (pip install 'kubetrain[wandb]').")
+    project: str = Field(default="kubetrain", min_length=1, max_length=128, description="W&B project.")
+    entity: str | None = Field(default=None, description="W&B team or user (default: the key's default entity).")
+    mode: Literal["auto", "online", "offline", "disabled"] = Field(
+        default="auto",
+        description="auto: $WANDB_MODE when set, else online when WANDB_API_KEY is set, else offline (the run is "
+        "written under <run dir>/wandb for `wandb sync`). online without WANDB_API_KEY needs a `wandb login`.",
+    )
+    tags: list[str] = Field(default_factory=list, description="Tags of the W&B run (64 characters each at most).")
+    log_checkpoints: bool = Field(
+        default=False,
+        description="Each saved checkpoint as a 'model' artifact (model-<W&B run id>, aliases step-N, latest, best). "
+        "W&B copies it to its staging folder first: disk and time on rank 0 at each save.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_key_here(cls, data: Any) -> Any:
+        for name in data if isinstance(data, dict) else ():
+            if is_secret_key(str(name)) or str(name).lower() in ("key", "wandb_api_key"):
+                raise ValueError(f"'{name}': the W&B key is never read from the config (config.yaml would keep it); "
+                                 "set WANDB_API_KEY in the environment (on Kubernetes: a Secret through "
+                                 "k8s.secrets.env)")
+        return data
+
+    @field_validator("tags")
+    @classmethod
+    def _tags(cls, value: list[str]) -> list[str]:
+        for tag in value:
+            if not 0 < len(tag) <= 64:  # W&B refuses the run otherwise
+                raise ValueError(f"tag '{tag[:70]}' must have 1 to 64 characters")
+        return value
+
+
 class TrackConfig(Section):
     console: bool = Field(default=True, description="Progress on stdout (rich on a terminal).")
     mlflow: MlflowConfig = Field(default_factory=lambda: MlflowConfig(), description="MLflow tracking.")
@@ -97,3 +138,4 @@ class TrackConfig(Section):
         default_factory=lambda: KubeflowTrainerConfig(),
         description="Progress to Kubeflow Trainer's status server (TrainJob status.trainerStatus).",
     )
+    wandb: WandbConfig = Field(default_factory=lambda: WandbConfig(), description="Weights & Biases.")

@@ -25,7 +25,7 @@ from kubetrain.runs.reader import (
     read_meta,
     read_metrics,
 )
-from kubetrain.runs.rundir import config_changes, git_sha, record_phases, start, update_meta
+from kubetrain.runs.rundir import config_changes, git_sha, record_phases, record_tracker, start, update_meta
 
 __all__ = [
     "CHECKPOINTS",
@@ -47,6 +47,7 @@ __all__ = [
     "read_meta",
     "read_metrics",
     "record_phases",
+    "record_tracker",
     "run_dir",
     "start",
     "update_meta",

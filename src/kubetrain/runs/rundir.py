@@ -93,6 +93,8 @@ def start(path: Path, cfg: Config, argv: list[str], world_size: int, phase: str 
         "config_changes": changes,
         "history": [*previous.get("history", []), *([{"at": time.time(), "changes": changes}] if changes else [])],
         "incidents": read_incidents(path),  # what ended the previous attempts, recorded by the launcher
+        # each tracker's run of this run (W&B's run id), so that a resume continues it: kept across starts
+        "trackers": previous.get("trackers", {}),
     }
     write_atomic(path / META_FILE, json.dumps(redact(meta), indent=2))
     return meta
@@ -103,6 +105,12 @@ def update_meta(path: Path, **fields: Any) -> None:
     meta.update(fields)
     meta["updated_at"] = time.time()
     write_atomic(path / META_FILE, json.dumps(redact(meta), indent=2))
+
+
+def record_tracker(path: Path, tracker: str, identity: dict[str, Any]) -> None:
+    """Keep a tracker's run identity (meta.json `trackers.<tracker>`) for the next start of this run."""
+    trackers = read_meta(path).get("trackers") or {}
+    update_meta(path, trackers={**trackers, tracker: identity})
 
 
 def record_phases(path: Path, names: list[str], status: str, phase: str) -> None:

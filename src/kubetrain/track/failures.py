@@ -14,9 +14,10 @@ class TrackerUnavailable(Exception):
     """A tracker cannot be used (server down, port taken, package missing); its sink gets switched off."""
 
 
-def one_line(error: BaseException, limit: int = 240) -> str:
-    """The first line of an error, secrets redacted and cut short: library errors can span pages."""
-    full = str(error).strip()
+def one_line(error: BaseException, limit: int = 240, joined: bool = False) -> str:
+    """The first line of an error (`joined`: all its lines as one, for errors whose cause is on the second),
+    secrets redacted and cut short: library errors can span pages."""
+    full = " ".join(str(error).split()) if joined else str(error).strip()
     cause = _ERRNO.search(full)
     text = cause.group(0).strip() if cause else full.splitlines()[0] if full else type(error).__name__
     text = redact_text(text)

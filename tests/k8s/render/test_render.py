@@ -12,6 +12,7 @@ import yaml
 from kubetrain.config import load_config
 from kubetrain.config.k8s import WORKLOADS
 from kubetrain.config.schema import Config
+from kubetrain.errors import ConfigError
 from kubetrain.k8s.render import validate
 from kubetrain.k8s.render.context import RenderError
 from kubetrain.k8s.render.manifest import pod_templates, render, to_yaml, write_files
@@ -184,6 +185,25 @@ def test_no_secret_value_in_rendered_yaml() -> None:
             assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
             assert env["MLFLOW_TRACKING_PASSWORD"] == {"secretKeyRef": {"name": "mlflow", "key": "password"}}
         assert not re.search(r"hf_[A-Za-z0-9]{16,}", text)
+
+
+def test_the_wandb_key_reaches_every_pod_as_a_secret_ref_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = "0f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c"
+    monkeypatch.setenv("WANDB_API_KEY", key)  # set where render runs: it must not be copied into any object
+    cfg = tiny("track.wandb.enabled=true",
+               'k8s.secrets.env={"WANDB_API_KEY": {"name": "wandb", "key": "api-key"}}')
+    for workload in WORKLOADS:
+        objects = render(cfg, workload)
+        workload_obj = objects[-1]
+        containers = [main_container(t) for _, t in pod_templates(workload_obj)]
+        if workload_obj["kind"] == "TrainJob":
+            containers = [workload_obj["spec"]["trainer"]]
+        for container in containers:
+            [entry] = [e for e in container["env"] if e["name"] == "WANDB_API_KEY"]
+            assert entry["valueFrom"] == {"secretKeyRef": {"name": "wandb", "key": "api-key"}} and "value" not in entry
+        assert key not in to_yaml(objects)
+    with pytest.raises(ConfigError, match="looks like a secret"):
+        tiny(f"k8s.env.WANDB_API_KEY={key}")
 
 
 @pytest.mark.parametrize(
