@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -30,6 +31,16 @@ NamespaceOpt = Annotated[
     typer.Option("--namespace", "-n", help="Namespace (default: k8s.namespace, else the context's)."),
 ]
 NoValidateOpt = Annotated[bool, typer.Option("--no-validate", help="Skip the offline schema validation.")]
+
+
+class Format(StrEnum):
+    yaml = "yaml"
+    helm = "helm"
+
+
+FormatOpt = Annotated[Format, typer.Option(
+    "--format", help="yaml: the objects (one file each and a kustomization.yaml with -o); helm: a Helm chart in -o "
+    "DIR whose default values render the same objects.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Have the API server validate everything; store nothing.")]
 CrdsOpt = Annotated[
     Path | None,
@@ -73,6 +84,19 @@ def validate_objects(objects: list[dict[str, Any]], schemas: Any) -> None:
                    f"{validate.CRD_DIR_ENV}; launch checks against the cluster's CRD)", err=True)
 
 
+def require_folder(fmt: Format, output: Path | None) -> None:
+    if fmt is Format.helm and output is None:
+        raise UserInputError("--format helm writes a chart into a folder: give -o DIR")
+
+
+def chart_written(files: list[Path], notes: list[str]) -> None:
+    """The chart's paths on stdout; what stays fixed in it (and why) on stderr."""
+    for note in notes:
+        typer.echo(f"note: {note}", err=True)
+    for path in files:
+        typer.echo(str(path))
+
+
 def print_or_write(objects: list[dict[str, Any]], output: Path | None) -> None:
     """YAML on stdout, or one file per object plus a kustomization.yaml in `output` (their paths printed)."""
     from kubetrain.k8s.platform.gitops import write_tree
@@ -102,17 +126,28 @@ def render(
                                                 "kustomization.yaml into this folder instead of printing.")] = None,
     no_validate: NoValidateOpt = False,
     crds: CrdsOpt = None,
+    fmt: FormatOpt = Format.yaml,
 ) -> None:
     """Print the job's Kubernetes objects as YAML, validated strictly against their schemas.
 
     The grace period follows the save time a local or fetched run of the config measured (runs/<run.name>);
-    a note on stderr says so, since the manifest then changes with it.
+    a note on stderr says so, since the manifest then changes with it. --format helm -o DIR writes a chart:
+    image, namespace, nodes, resources, Secrets' names and the tracking URI in its values.yaml.
     """
     from kubetrain.k8s.render.validate import offline_schemas
 
+    require_folder(fmt, output)
     objects = _rendered(config, preset, set_, workload, namespace)
     if not no_validate:
         validate_objects(objects, offline_schemas(crds))
+    if fmt is Format.helm and output is not None:
+        from kubetrain.k8s.render.grace import measured_locally
+        from kubetrain.k8s.render.job_chart import job_chart
+
+        overrides = [*(set_ or []), *([f"k8s.namespace={namespace}"] if namespace else [])]
+        cfg = load(config, preset, overrides)
+        chart_written(*job_chart(cfg, objects, output, _workload(workload), measured_locally(cfg)))
+        return
     print_or_write(objects, output)
 
 
