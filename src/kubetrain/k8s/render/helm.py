@@ -32,6 +32,7 @@ Objects = list[dict[str, Any]]
 Path_ = tuple[Any, ...]
 HEADER = "# Written by kubetrain (--format helm); rendered again, it is replaced. Change values, not templates.\n"
 _MARK = "KTHELMVALUE{:04d}X"  # plain YAML scalars that no rendered field holds
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's when present: a config text per probe
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ def _yaml_mapping(text: Any) -> dict[str, Any] | None:
     if not isinstance(text, str) or "\n" not in text:
         return None
     try:
-        parsed = yaml.safe_load(text)
+        parsed = yaml.load(text, Loader=_LOADER)
     except yaml.YAMLError:
         return None
     return parsed if isinstance(parsed, dict) else None

@@ -38,7 +38,7 @@ def _values(cfg: Config, workload: str | None, measured: MeasuredSave | None) ->
             for key in path[:-1]:
                 node = node[key]
             node[path[-1]] = value
-            return render(validate_config(changed, "chart value"), workload, measured)
+            return render(validate_config(changed, "chart value"), workload, measured, memory_check=False)
         return render_with
 
     def value(key: str, path: str, default: Any, sentinel: Any, schema: dict[str, Any], expr: str = "") -> Value:
