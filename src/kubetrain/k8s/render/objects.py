@@ -83,6 +83,10 @@ def config_map(ctx: RenderContext) -> dict[str, Any]:
     }
 
 
+# `helm uninstall` of a chart (--format helm) keeps the claim too, as `stop` does
+KEEP_CLAIM = {"helm.sh/resource-policy": "keep"}
+
+
 def claims(ctx: RenderContext) -> list[dict[str, Any]]:
     """The PersistentVolumeClaims kubetrain creates; `stop` keeps them, so checkpoints outlive the job."""
     out = []
@@ -95,9 +99,9 @@ def claims(ctx: RenderContext) -> list[dict[str, Any]]:
         }
         if v.spec.storage_class:
             spec["storageClassName"] = v.spec.storage_class
-        out.append(
-            {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": ctx.meta(v.claim), "spec": spec}
-        )
+        meta = ctx.meta(v.claim)
+        meta["annotations"] = dict(KEEP_CLAIM)
+        out.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec})
     return out
 
 
