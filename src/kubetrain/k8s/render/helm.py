@@ -14,6 +14,7 @@ of the render (tests/k8s/render/test_helm.py runs the real helm).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import shutil
 from collections.abc import Callable, Iterator
@@ -76,6 +77,7 @@ def _differences(a: Any, b: Any, path: Path_ = ()) -> Iterator[tuple[Path_, Any,
 
 
 def _yaml_mapping(text: Any) -> dict[str, Any] | None:
+    """The mapping a field's text holds, if it holds YAML (the config in the ConfigMap)."""
     if not isinstance(text, str) or "\n" not in text:
         return None
     try:
@@ -83,6 +85,14 @@ def _yaml_mapping(text: Any) -> dict[str, Any] | None:
     except yaml.YAMLError:
         return None
     return parsed if isinstance(parsed, dict) else None
+
+
+@functools.lru_cache(maxsize=16)
+def _rendered_yaml(text: str) -> dict[str, Any] | None:
+    """The mapping of a rendered field's YAML text when PyYAML writes it back the same: only then can its keys be
+    templated with the rest kept byte for byte. Callers do not change it (it is cached)."""
+    parsed = _yaml_mapping(text)
+    return parsed if parsed is not None and yaml.safe_dump(parsed, sort_keys=False) == text else None
 
 
 # A field's template: a Go expression (the field's value), or for a field holding YAML, the expressions of the
@@ -95,7 +105,8 @@ def _explain(value: Value, a: Any, b: Any) -> Expr | None:
     d, s = value.default, value.sentinel
     if a == d and b == s and type(a) is type(d):
         return f"(int {value.go})" if isinstance(d, int) and not isinstance(d, bool) else value.go
-    inner_a, inner_b = _yaml_mapping(a), _yaml_mapping(b)
+    inner_a = _rendered_yaml(a) if isinstance(a, str) else None
+    inner_b = _yaml_mapping(b) if inner_a is not None else None
     if inner_a is not None and inner_b is not None:  # the config in the ConfigMap: key by key
         out: dict[Path_, Any] = {}
         for path, x, y in _differences(inner_a, inner_b):
@@ -143,20 +154,18 @@ def lift(variant: Variant, notes: list[str]) -> None:
         if not found:
             notes.append(f"{value.key} stays fixed in the chart: {value.source} is not rendered into any object")
             continue
+        # two values in one string field (no renderer writes one today) would need both in one expression
+        shared = [p for p, e in found.items() if isinstance(e, str) and p in substitutions]
+        if shared:
+            notes.append(f"{value.key} stays fixed in the chart: another value shares its field {shared[0][1:]}")
+            continue
         for path, expr in found.items():
             if isinstance(expr, dict):
-                merged = substitutions.setdefault(path, {})
-                merged.update(expr)
+                substitutions.setdefault(path, {}).update(expr)
             else:
-                substitutions[path] = _merge_strings(substitutions.get(path), expr)
+                substitutions[path] = expr
         variant.lifted.append(value)
     variant.templated = _templates(variant.objects, substitutions)
-
-
-def _merge_strings(old: str | None, new: str) -> str:
-    if old is not None:  # two values in one string: not produced by any renderer today
-        raise UserInputError(f"two chart values land in one field ({old}, {new}); render without --format helm")
-    return new
 
 
 def _set(tree: Any, path: Path_, leaf: Any) -> None:
@@ -219,9 +228,7 @@ def _marked_text(text: str, exprs: dict[Path_, str], mark: Callable[[str], str])
     Under the chart's defaults each action writes the text the renderer wrote (PyYAML's quoting included), so
     the ConfigMap is the same byte for byte; another value is written as JSON, which YAML reads alike.
     """
-    raw = yaml.safe_load(text)
-    if yaml.safe_dump(raw, sort_keys=False) != text:
-        raise UserInputError("the config in the ConfigMap does not read back as written; render without --format helm")
+    raw = copy.deepcopy(_rendered_yaml(text))
     names = {}
     for path, expr in exprs.items():
         default = expr.replace(".Values.", "$d.")
