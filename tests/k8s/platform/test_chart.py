@@ -45,12 +45,13 @@ def test_each_environment_templates_what_platform_render_renders(config: Path | 
     assert not any(o["kind"] == "StatefulSet" for o in prod)  # prod: the team's database, by reference
 
 
-def test_both_choices_are_values(tmp_path: Path, helm_binary: str) -> None:
+def test_both_choices_and_the_release_namespace_are_values(tmp_path: Path, helm_binary: str) -> None:
     cfg = PlatformConfig(namespace="ml")
     platform_chart(cfg, tmp_path)
     uri = "postgresql://mlflow@db.example.internal:5432/tracking"
     for settings, args in (({"mlflow.auth.enabled": True}, ["--set", "mlflow.auth.enabled=true"]),
-                           ({"mlflow.postgres.uri": uri}, ["--set", f"mlflow.postgres.uri={uri}"])):
+                           ({"mlflow.postgres.uri": uri}, ["--set", f"mlflow.postgres.uri={uri}"]),
+                           ({"namespace": "team-a"}, ["--set", "namespace=", "--namespace", "team-a"])):
         assert by_name(template(helm_binary, tmp_path, *args)) == by_name(render_platform(with_settings(cfg, settings)))
 
 
