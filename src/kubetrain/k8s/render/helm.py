@@ -8,7 +8,7 @@ in any other way (a claim's access mode that follows the node count, an egress r
 URI's host) cannot be lifted for that config: it stays as rendered, and a note says so. A choice that adds or
 removes objects (the platform's own database or an external one) is rendered both ways (`Variant`), and the
 documents that differ are wrapped in `{{ if }}`. Under its default values the chart renders exactly the objects
-of the render (tests/k8s/render/test_helm.py runs the real helm).
+of the render (tests/k8s/render/test_job_chart.py and tests/k8s/platform/test_chart.py run the real helm).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kubetrain.k8s.render.manifest import to_yaml
 from kubetrain.k8s.workloads import SPEC_HASH
 
 Objects = list[dict[str, Any]]
-Path_ = tuple[Any, ...]
+FieldPath = tuple[Any, ...]
 HEADER = "# Written by kubetrain (--format helm); rendered again, it is replaced. Change values, not templates.\n"
 _MARK = "KTHELMVALUE{:04d}X"  # plain YAML scalars that no rendered field holds
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's when present: a config text per probe
@@ -64,7 +64,7 @@ class Variant:
     templated: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> template text
 
 
-def _differences(a: Any, b: Any, path: Path_ = ()) -> Iterator[tuple[Path_, Any, Any]]:
+def _differences(a: Any, b: Any, path: FieldPath = ()) -> Iterator[tuple[FieldPath, Any, Any]]:
     """Every field where two renders differ; a different shape is one difference at the level it starts."""
     if isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys():
         for key in a:
@@ -97,7 +97,7 @@ def _rendered_yaml(text: str) -> dict[str, Any] | None:
 
 # A field's template: a Go expression (the field's value), or for a field holding YAML, the expressions of the
 # fields inside it.
-Expr = str | dict[Path_, Any]
+Expr = str | dict[FieldPath, Any]
 
 
 def _explain(value: Value, a: Any, b: Any) -> Expr | None:
@@ -108,7 +108,7 @@ def _explain(value: Value, a: Any, b: Any) -> Expr | None:
     inner_a = _rendered_yaml(a) if isinstance(a, str) else None
     inner_b = _yaml_mapping(b) if inner_a is not None else None
     if inner_a is not None and inner_b is not None:  # the config in the ConfigMap: key by key
-        out: dict[Path_, Any] = {}
+        out: dict[FieldPath, Any] = {}
         for path, x, y in _differences(inner_a, inner_b):
             expr = _explain(value, x, y)
             if expr is None or isinstance(expr, dict):
@@ -128,14 +128,14 @@ def _explain(value: Value, a: Any, b: Any) -> Expr | None:
 
 def lift(variant: Variant, notes: list[str]) -> None:
     """Find where each value lands in the variant's objects (variant.lifted); the rest stay as rendered."""
-    substitutions: dict[Path_, Any] = {}
+    substitutions: dict[FieldPath, Any] = {}
     for value in variant.values:
         try:
             probe = value.render(value.sentinel)
         except UserInputError as e:
             notes.append(f"{value.key} stays fixed in the chart: {value.source} = {value.sentinel!r} is refused ({e})")
             continue
-        found: dict[Path_, Any] = {}
+        found: dict[FieldPath, Any] = {}
         unexplained = None
         for path, a, b in _differences(variant.objects, probe):
             if path[-2:] == ("annotations", SPEC_HASH):
@@ -168,19 +168,19 @@ def lift(variant: Variant, notes: list[str]) -> None:
     variant.templated = _templates(variant.objects, substitutions)
 
 
-def _set(tree: Any, path: Path_, leaf: Any) -> None:
+def _set(tree: Any, path: FieldPath, leaf: Any) -> None:
     for key in path[:-1]:
         tree = tree[key]
     tree[path[-1]] = leaf
 
 
-def _get(tree: Any, path: Path_) -> Any:
+def _get(tree: Any, path: FieldPath) -> Any:
     for key in path:
         tree = tree[key]
     return tree
 
 
-def _templates(objects: Objects, substitutions: dict[Path_, Any]) -> dict[tuple[str, str], str]:
+def _templates(objects: Objects, substitutions: dict[FieldPath, Any]) -> dict[tuple[str, str], str]:
     """Each object as template text: the marked fields become `{{ ... }}`."""
     marked = copy.deepcopy(objects)
     actions: dict[str, str] = {}
@@ -191,8 +191,8 @@ def _templates(objects: Objects, substitutions: dict[Path_, Any]) -> dict[tuple[
         return name
 
     for obj in marked:
-        for _, tpl in _hash_paths(obj):
-            tpl["annotations"][SPEC_HASH] = mark('{{ include "kubetrain.specHash" . | toJson }}')
+        for meta in _hashed(obj):
+            meta["annotations"][SPEC_HASH] = mark('{{ include "kubetrain.specHash" . | toJson }}')
     for path, expr in substitutions.items():
         if isinstance(expr, dict):
             _set(marked, path, _marked_text(_get(objects, path), expr, mark))
@@ -213,16 +213,16 @@ def _templates(objects: Objects, substitutions: dict[Path_, Any]) -> dict[tuple[
     return out
 
 
-def _hash_paths(obj: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+def _hashed(obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """The metadata blocks of an object (itself and its pod templates) that carry the spec hash."""
     from kubetrain.k8s.render.manifest import pod_templates
 
-    for role, meta in [("", obj["metadata"]), *((r, t.get("metadata") or {}) for r, t in pod_templates(obj))]:
+    for meta in [obj["metadata"], *(t.get("metadata") or {} for _, t in pod_templates(obj))]:
         if SPEC_HASH in (meta.get("annotations") or {}):
-            yield role, meta
+            yield meta
 
 
-def _marked_text(text: str, exprs: dict[Path_, str], mark: Callable[[str], str]) -> str:
+def _marked_text(text: str, exprs: dict[FieldPath, str], mark: Callable[[str], str]) -> str:
     """A YAML text (the config in the ConfigMap) with the lifted keys as template actions.
 
     Under the chart's defaults each action writes the text the renderer wrote (PyYAML's quoting included), so
@@ -338,15 +338,14 @@ def write_chart(folder: Path, *, name: str, description: str, variants: list[Var
     values = [v for variant in variants for v in variant.lifted]
     values = [v for i, v in enumerate(values) if v.key not in {w.key for w in values[:i]}]
     tree = _values_tree(values)
-    spec_hashes = {a.get(SPEC_HASH) for v in variants for o in v.objects for _, m in _hash_paths(o)
-                   for a in [m["annotations"]]}
+    spec_hashes = {m["annotations"][SPEC_HASH] for v in variants for o in v.objects for m in _hashed(o)}
     chart = {"apiVersion": "v2", "name": name, "description": description, "type": "application",
              "version": __version__, "appVersion": __version__}
     files = {
         chart_file: HEADER + yaml.safe_dump(chart, sort_keys=False),
         folder / "values.yaml": HEADER + (yaml.safe_dump(tree, sort_keys=False) if tree else "{}\n"),
         folder / "values.schema.json": json.dumps(_schema_of(values), indent=2) + "\n",
-        folder / "templates" / "_helpers.tpl": _helpers(tree, next(iter(spec_hashes - {None}), None)),
+        folder / "templates" / "_helpers.tpl": _helpers(tree, next(iter(spec_hashes), None)),
         folder / "templates" / "NOTES.txt": notes_txt,
     }
     for env, overrides in (environments or {}).items():
