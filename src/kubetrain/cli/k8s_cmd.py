@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from kubetrain.cli.helm_format import Format, FormatOpt, require_folder, write_job_chart
 from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
 from kubetrain.config.k8s import WORKLOADS
 from kubetrain.errors import UserInputError
@@ -31,16 +31,6 @@ NamespaceOpt = Annotated[
     typer.Option("--namespace", "-n", help="Namespace (default: k8s.namespace, else the context's)."),
 ]
 NoValidateOpt = Annotated[bool, typer.Option("--no-validate", help="Skip the offline schema validation.")]
-
-
-class Format(StrEnum):
-    yaml = "yaml"
-    helm = "helm"
-
-
-FormatOpt = Annotated[Format, typer.Option(
-    "--format", help="yaml: the objects (one file each and a kustomization.yaml with -o); helm: a Helm chart in -o "
-    "DIR whose default values render the same objects.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Have the API server validate everything; store nothing.")]
 CrdsOpt = Annotated[
     Path | None,
@@ -82,19 +72,6 @@ def validate_objects(objects: list[dict[str, Any]], schemas: Any) -> None:
     if kinds:
         typer.echo(f"note: {', '.join(kinds)} rendered without a CRD schema check (give --crds DIR or "
                    f"{validate.CRD_DIR_ENV}; launch checks against the cluster's CRD)", err=True)
-
-
-def require_folder(fmt: Format, output: Path | None) -> None:
-    if fmt is Format.helm and output is None:
-        raise UserInputError("--format helm writes a chart into a folder: give -o DIR")
-
-
-def chart_written(files: list[Path], notes: list[str]) -> None:
-    """The chart's paths on stdout; what stays fixed in it (and why) on stderr."""
-    for note in notes:
-        typer.echo(f"note: {note}", err=True)
-    for path in files:
-        typer.echo(str(path))
 
 
 def print_or_write(objects: list[dict[str, Any]], output: Path | None) -> None:
@@ -141,12 +118,8 @@ def render(
     if not no_validate:
         validate_objects(objects, offline_schemas(crds))
     if fmt is Format.helm and output is not None:
-        from kubetrain.k8s.render.grace import measured_locally
-        from kubetrain.k8s.render.job_chart import job_chart
-
         overrides = [*(set_ or []), *([f"k8s.namespace={namespace}"] if namespace else [])]
-        cfg = load(config, preset, overrides)
-        chart_written(*job_chart(cfg, objects, output, _workload(workload), measured_locally(cfg)))
+        write_job_chart(load(config, preset, overrides), objects, output, _workload(workload))
         return
     print_or_write(objects, output)
 

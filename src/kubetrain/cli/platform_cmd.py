@@ -7,19 +7,16 @@ from typing import Annotated
 
 import typer
 
+from kubetrain.cli.helm_format import Format, FormatOpt, chart_written, require_folder
 from kubetrain.cli.k8s_cmd import (
     ContextOpt,
     CrdsOpt,
     DryRunOpt,
-    Format,
-    FormatOpt,
     KubeconfigOpt,
     NamespaceOpt,
     NoValidateOpt,
-    chart_written,
     cluster_for,
     print_or_write,
-    require_folder,
     validate_objects,
 )
 from kubetrain.errors import UserInputError
