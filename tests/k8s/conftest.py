@@ -631,3 +631,10 @@ def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., tuple[int, str, str
         return code, out, err
 
     return run
+
+
+@pytest.fixture(scope="session")
+def helm_binary() -> str:
+    from tests.k8s.helm_run import find_helm
+
+    return find_helm()

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
+from kubetrain.cli.helm_format import Format, FormatOpt, require_folder, write_job_chart
 from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
 from kubetrain.config.k8s import WORKLOADS
 from kubetrain.errors import UserInputError
@@ -102,17 +103,24 @@ def render(
                                                 "kustomization.yaml into this folder instead of printing.")] = None,
     no_validate: NoValidateOpt = False,
     crds: CrdsOpt = None,
+    fmt: FormatOpt = Format.yaml,
 ) -> None:
     """Print the job's Kubernetes objects as YAML, validated strictly against their schemas.
 
     The grace period follows the save time a local or fetched run of the config measured (runs/<run.name>);
-    a note on stderr says so, since the manifest then changes with it.
+    a note on stderr says so, since the manifest then changes with it. --format helm -o DIR writes a chart:
+    image, namespace, nodes, resources, Secrets' names and the tracking URI in its values.yaml.
     """
     from kubetrain.k8s.render.validate import offline_schemas
 
+    require_folder(fmt, output)
     objects = _rendered(config, preset, set_, workload, namespace)
     if not no_validate:
         validate_objects(objects, offline_schemas(crds))
+    if fmt is Format.helm and output is not None:
+        overrides = [*(set_ or []), *([f"k8s.namespace={namespace}"] if namespace else [])]
+        write_job_chart(load(config, preset, overrides), objects, output, _workload(workload))
+        return
     print_or_write(objects, output)
 
 

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from kubetrain.cli.helm_format import Format, FormatOpt, chart_written, require_folder
 from kubetrain.cli.k8s_cmd import (
     ContextOpt,
     CrdsOpt,
@@ -37,18 +38,29 @@ def platform_render(
                                                 "kustomization.yaml into this folder instead of printing.")] = None,
     no_validate: NoValidateOpt = False,
     crds: CrdsOpt = None,
+    fmt: FormatOpt = Format.yaml,
 ) -> None:
-    """Print the platform's objects as YAML, validated strictly (PodMonitor and PrometheusRule with --crds)."""
+    """Print the platform's objects as YAML, validated strictly (PodMonitor and PrometheusRule with --crds).
+
+    --format helm -o DIR writes a chart with values-dev.yaml and values-prod.yaml; its own database or an
+    external one (mlflow.postgres.uri) and basic auth (mlflow.auth.enabled) are values there.
+    """
     from kubetrain.k8s.platform.config import load_platform
     from kubetrain.k8s.platform.render import render_platform
     from kubetrain.k8s.platform.tracking import tracking_uri
     from kubetrain.k8s.render.validate import offline_schemas
 
+    require_folder(fmt, output)
     cfg = load_platform(config, namespace)
     objects = render_platform(cfg)
     if not no_validate:
         validate_objects(objects, offline_schemas(crds))
-    print_or_write(objects, output)
+    if fmt is Format.helm and output is not None:
+        from kubetrain.k8s.platform.chart import platform_chart
+
+        chart_written(*platform_chart(cfg, output))
+    else:
+        print_or_write(objects, output)
     if cfg.mlflow.enabled:
         typer.echo(f"jobs log to it with track.mlflow.tracking_uri: {tracking_uri(cfg)}", err=True)
 

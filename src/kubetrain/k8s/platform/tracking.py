@@ -19,6 +19,7 @@ import math
 from typing import Any
 
 from kubetrain.k8s.platform.config import PlatformConfig
+from kubetrain.k8s.render.objects import KEEP_CLAIM
 from kubetrain.k8s.workloads import MANAGED_BY
 
 DB_USER = "mlflow"
@@ -265,8 +266,10 @@ def tracking_objects(cfg: PlatformConfig) -> list[dict[str, Any]]:
                 _policy(cfg, postgres_name(cfg), "database", _selector(cfg, "tracking"), "postgres"),
                 postgres_statefulset(cfg)]
     if not m.artifacts.uri:
-        out.append(_claim(cfg, f"{mlflow_name(cfg)}-artifacts", "tracking", m.artifacts.size,
-                          m.artifacts.storage_class))
+        artifacts = _claim(cfg, f"{mlflow_name(cfg)}-artifacts", "tracking", m.artifacts.size,
+                           m.artifacts.storage_class)
+        artifacts["metadata"]["annotations"] = dict(KEEP_CLAIM)  # `helm uninstall` of the chart keeps the artifacts
+        out.append(artifacts)
     if m.auth.enabled:
         out.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(cfg, f"{mlflow_name(cfg)}-auth",
                                                                                   "tracking"),

@@ -25,13 +25,16 @@ from kubetrain.k8s.render.renderers import RENDERERS
 from kubetrain.k8s.workloads import SPEC_HASH
 
 
-def render(cfg: Config, workload: str | None = None, measured: MeasuredSave | None = None) -> list[dict[str, Any]]:
+def render(cfg: Config, workload: str | None = None, measured: MeasuredSave | None = None, *,
+           memory_check: bool = True) -> list[dict[str, Any]]:
     """Every object of the job, in the order they are applied (the workload last).
 
-    The same config (and `measured` save, see grace.py) renders the same objects, byte for byte.
+    The same config (and `measured` save, see grace.py) renders the same objects, byte for byte. The memory
+    check changes no object, only whether there are any: the Helm chart's probes (helm.py) go without it.
     """
     ctx = context(cfg, workload, measured)
-    check_pod_memory(cfg)
+    if memory_check:
+        check_pod_memory(cfg)
     objects = [config_map(ctx), *claims(ctx)]
     if ctx.k.network_policy.enabled:
         objects.append(network_policy(ctx))

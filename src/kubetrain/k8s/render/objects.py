@@ -9,14 +9,17 @@ import yaml
 from kubetrain.config.loading import validate as validate_config
 from kubetrain.config.schema import Config
 from kubetrain.k8s.render.context import CONFIG_FILE, RenderContext, RenderError
+from kubetrain.k8s.render.podspec import image
 from kubetrain.secrets import redact, redact_text
 
 
 def pod_config(ctx: RenderContext) -> Config:
-    """The config the pods train with: the same one, with run.output_dir on the checkpoint volume, and the
-    checkpoint grace a measured slow save asks for (the loop's stop watchdog must not give up mid-save)."""
+    """The config the pods train with: the same one, with run.output_dir on the checkpoint volume, k8s.image the
+    one they run, and the checkpoint grace a measured slow save asks for (the loop's stop watchdog must not give
+    up mid-save)."""
     raw = ctx.cfg.model_dump(mode="json")
     raw["run"]["output_dir"] = ctx.checkpoint_mount
+    raw["k8s"]["image"] = image(ctx.k)  # the image the pods run (a GPU pod's default is the -cuda build)
     if ctx.checkpoint_grace != ctx.cfg.checkpoint.grace_seconds:
         raw["checkpoint"]["grace_seconds"] = ctx.checkpoint_grace
     if ctx.k.metrics.enabled:
@@ -80,6 +83,10 @@ def config_map(ctx: RenderContext) -> dict[str, Any]:
     }
 
 
+# `helm uninstall` of a chart (--format helm) keeps the claim too, as `stop` does
+KEEP_CLAIM = {"helm.sh/resource-policy": "keep"}
+
+
 def claims(ctx: RenderContext) -> list[dict[str, Any]]:
     """The PersistentVolumeClaims kubetrain creates; `stop` keeps them, so checkpoints outlive the job."""
     out = []
@@ -92,9 +99,9 @@ def claims(ctx: RenderContext) -> list[dict[str, Any]]:
         }
         if v.spec.storage_class:
             spec["storageClassName"] = v.spec.storage_class
-        out.append(
-            {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": ctx.meta(v.claim), "spec": spec}
-        )
+        meta = ctx.meta(v.claim)
+        meta["annotations"] = dict(KEEP_CLAIM)
+        out.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": spec})
     return out
 
 

@@ -34,7 +34,7 @@ def render(ctx: RenderContext) -> list[dict[str, Any]]:
         if key in pod["spec"]:
             pod_patch[key] = pod["spec"][key]
     trainer: dict[str, Any] = {
-        "image": k.image,
+        "image": main["image"],  # a GPU pod's default image is the -cuda build (podspec.image)
         "command": main["command"],
         "args": main["args"],
         "env": env,

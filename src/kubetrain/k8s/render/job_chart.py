@@ -1,0 +1,99 @@
+"""`kubetrain k8s render CONFIG --format helm -o DIR`: the job as a Helm chart (helm.py says how it is made).
+
+values.yaml lifts what a GitOps user changes per environment: namespace, image, node count, resources, the
+Secrets' names and the tracking URI. The config the pods read stays kubetrain's own ConfigMap, with the same
+names and labels, so `kubetrain k8s status/logs/stop/fetch NAME` work on a release that Helm (or Argo CD, Flux)
+installed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kubetrain.config.loading import validate as validate_config
+from kubetrain.config.schema import Config
+from kubetrain.k8s.render.context import job_name
+from kubetrain.k8s.render.grace import MeasuredSave
+from kubetrain.k8s.render.helm import Value, Variant, lift, write_chart
+from kubetrain.k8s.render.manifest import render
+from kubetrain.k8s.render.podspec import image
+
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_NAME = {"type": "string", "pattern": DNS_SUBDOMAIN, "maxLength": 253}
+
+
+def _values(cfg: Config, workload: str | None, measured: MeasuredSave | None) -> list[Value]:
+    raw = cfg.model_dump(mode="json")
+    k = cfg.k8s
+
+    def setting(*path: str) -> Callable[[Any], list[dict[str, Any]]]:
+        def render_with(value: Any) -> list[dict[str, Any]]:
+            changed = copy.deepcopy(raw)
+            node = changed
+            for key in path[:-1]:
+                node = node[key]
+            node[path[-1]] = value
+            return render(validate_config(changed, "chart value"), workload, measured, memory_check=False)
+        return render_with
+
+    def value(key: str, path: str, default: Any, sentinel: Any, schema: dict[str, Any], expr: str = "") -> Value:
+        keys = path.split("/")
+        return Value(key, default, sentinel, schema, setting(*keys), ".".join(keys), expr)
+
+    nodes_min = 2 if (workload or k.workload) == "pytorchjob" else 1  # a Master and at least one Worker
+    out = [
+        value("namespace", "k8s/namespace", k.namespace, "kthelm-namespace",
+              {"type": "string", "pattern": f"^$|{DNS_LABEL}", "maxLength": 63},
+              "(.Values.namespace | default .Release.Namespace)"),
+        # what the pods run: a default image with GPUs is its -cuda (-rocm) build (podspec.image)
+        value("image", "k8s/image", image(k), "kthelm.invalid/image:sentinel", {"type": "string", "minLength": 1}),
+        value("nodes", "k8s/nnodes", k.nnodes, 61 if k.nnodes != 61 else 59,
+              {"type": "integer", "minimum": nodes_min}),
+    ]
+    r = k.resources
+    quantities = (("cpu", "cpu", r.cpu, "7331m"), ("memory", "memory", r.memory, "7331Gi"),
+                  ("ephemeralStorage", "ephemeral_storage", r.ephemeral_storage, "7331Gi"))
+    for key, field, setting_value, sentinel in quantities:
+        if setting_value:
+            out.append(value(f"resources.{key}", f"k8s/resources/{field}", setting_value, sentinel,
+                             {"type": "string", "pattern": QUANTITY}))
+    if r.gpu:
+        out.append(value("resources.gpu", "k8s/resources/gpu", r.gpu, 61 if r.gpu != 61 else 59,
+                         {"type": "integer", "minimum": max(1, k.nproc_per_node)}))
+    secrets = {env: ("k8s/secrets/env/" + env + "/name", ref.name) for env, ref in k.secrets.env.items()}
+    if k.secrets.hf_token is not None:
+        secrets["HF_TOKEN"] = ("k8s/secrets/hf_token/name", k.secrets.hf_token.name)
+    for i, (env, (path, name)) in enumerate(sorted(secrets.items())):
+        out.append(value(f"secrets.{env}", path, name, f"kthelm-secret-{i}", SECRET_NAME))
+    if cfg.checkpoint.secret_name:
+        out.append(value("checkpointSecret", "checkpoint/secret_name", cfg.checkpoint.secret_name,
+                         "kthelm-store-secret", SECRET_NAME))
+    mlflow = cfg.track.mlflow
+    if mlflow.enabled and mlflow.tracking_uri:
+        out.append(value("trackingUri", "track/mlflow/tracking_uri", mlflow.tracking_uri,
+                         "http://kthelm-tracking.kthelm-tracking:5999",
+                         {"type": "string", "pattern": "^[a-z][a-z0-9+.-]*:", "minLength": 1}))
+    return out
+
+
+def job_chart(cfg: Config, objects: list[dict[str, Any]], folder: Path, workload: str | None = None,
+              measured: MeasuredSave | None = None) -> tuple[list[Path], list[str]]:
+    """Write the job's chart; the objects are `render(cfg, workload, measured)`. Returns (files, notes)."""
+    variant = Variant("", objects, _values(cfg, workload, measured))
+    notes: list[str] = []
+    lift(variant, notes)
+    name = job_name(cfg)
+    namespace = objects[0]["metadata"]["namespace"]
+    notes_txt = (f"kubetrain job {name} ({objects[-1]['kind']}) in {{{{ .Values.namespace | default "
+                 ".Release.Namespace }}}}:\n"
+                 f"  kubetrain k8s status {name} -n {{{{ .Values.namespace | default .Release.Namespace }}}}\n"
+                 f"  kubetrain k8s logs {name} -f -n {{{{ .Values.namespace | default .Release.Namespace }}}}\n")
+    files = write_chart(folder, name=name, description=f"kubetrain training job {name} (namespace {namespace} by "
+                        "default), rendered by `kubetrain k8s render --format helm`", variants=[variant],
+                        notes_txt=notes_txt)
+    return files, notes

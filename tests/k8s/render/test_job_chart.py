@@ -1,0 +1,149 @@
+"""`k8s render --format helm`: the real helm lints, templates and packages the job's chart, and what it templates
+is what `k8s render` renders: under the default values exactly, and with changed values what the changed config
+renders."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kubetrain.config import load_config
+from kubetrain.config.k8s import WORKLOADS
+from kubetrain.config.loading import validate as validate_config
+from kubetrain.k8s.render import validate
+from kubetrain.k8s.render.job_chart import job_chart
+from kubetrain.k8s.render.manifest import pod_templates, render
+from kubetrain.k8s.render.podsecurity import level
+from kubetrain.k8s.workloads import SPEC_HASH
+from tests.k8s.helm_run import by_name, helm, template
+from tests.k8s.render.test_render import EXAMPLES, UNSUPPORTED
+
+REGULATED = next(p for p in EXAMPLES if p.stem == "regulated")
+# every shipped config with a k8s section: examples/k8s/ and the LoRA PyTorchJob beside it
+SHIPPED = [*EXAMPLES, EXAMPLES[0].parents[1] / "lora-llama-pytorchjob.yaml"]
+
+
+def chart_of(example: Path | None, workload: str, folder: Path, *overrides: str) -> tuple[Any, list[dict], list[str]]:
+    cfg = load_config(example, None if example else "tiny", [*UNSUPPORTED.get(workload, []), *overrides])
+    objects = render(cfg, workload)
+    return cfg, objects, job_chart(cfg, objects, folder, workload)[1]
+
+
+def test_every_example_and_workload_templates_exactly_what_render_renders(tmp_path: Path, helm_binary: str,
+                                                                          crd_schemas: Any) -> None:
+    # every example with its own workload, and every workload with the regulated example: each renderer and each
+    # example's settings once (the renderers share one pod template, tests/k8s/render/test_render.py)
+    pairs = [(e, load_config(e, None, []).k8s.workload) for e in SHIPPED]
+    pairs += [(REGULATED, w) for w in WORKLOADS if (REGULATED, w) not in pairs]
+    assert {w for _, w in pairs} == set(WORKLOADS)
+    charts = []
+    for example, workload in pairs:
+        folder = tmp_path / f"{example.stem}-{workload}"
+        cfg, objects, _ = chart_of(example, workload, folder)
+        templated = template(helm_binary, folder)
+        assert by_name(templated) == by_name(objects), (example.name, workload)
+        # what helm gives passes the same strict validation as the render, restricted Pod Security included
+        assert validate.problems(templated, crd_schemas) == [], (example.name, workload)
+        opted_out = cfg.k8s.ipc_lock or cfg.k8s.host_network
+        for _, pod in (t for o in templated for t in pod_templates(o)):
+            assert level(pod["spec"]) == ("privileged" if opted_out else "restricted"), (example.name, workload)
+        charts.append(str(folder))
+    lint = helm(helm_binary, "lint", "--strict", *charts)  # one call for all charts
+    assert lint.returncode == 0 and f"{len(charts)} chart(s) linted, 0 chart(s) failed" in lint.stdout, lint.stdout
+
+
+def _normalized(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The objects with the config text parsed (a changed value is written as JSON there) and no spec hash."""
+    out = copy.deepcopy(by_name(objects))
+    for obj in out:
+        if obj["kind"] == "ConfigMap" and "config.yaml" in obj.get("data", {}):
+            obj["data"]["config.yaml"] = yaml.safe_load(obj["data"]["config.yaml"])
+        for meta in [obj["metadata"], *(t.get("metadata") or {} for _, t in pod_templates(obj))]:
+            (meta.get("annotations") or {}).pop(SPEC_HASH, None)
+    return out
+
+
+@pytest.mark.parametrize("workload", ["indexed-job", "pytorchjob", "trainjob"])
+def test_changed_values_template_what_the_changed_config_renders(workload: str, tmp_path: Path,
+                                                                  helm_binary: str) -> None:
+    cfg, objects, notes = chart_of(REGULATED, workload, tmp_path)
+    assert notes == []  # every value of the regulated example is lifted
+    values = yaml.safe_load((tmp_path / "values.yaml").read_text())
+    assert set(values) == {"namespace", "image", "nodes", "resources", "secrets"}
+    raw = cfg.model_dump(mode="json")
+    k = raw["k8s"]
+    k.update(namespace="ml-prod", image="registry.internal/ml/kubetrain:2.0", nnodes=4)
+    k["resources"].update(cpu="16", memory="64Gi", gpu=2, ephemeral_storage="40Gi")
+    k["secrets"]["env"]["MLFLOW_TRACKING_PASSWORD"]["name"] = "mlflow-prod"
+    changed = render(validate_config(raw), workload)
+    templated = template(helm_binary, tmp_path, "--set", "namespace=ml-prod,image=registry.internal/ml/kubetrain:2.0,"
+                         "nodes=4,resources.gpu=2,secrets.MLFLOW_TRACKING_PASSWORD=mlflow-prod", "--set-string",
+                         "resources.cpu=16,resources.memory=64Gi,resources.ephemeralStorage=40Gi")
+    assert _normalized(templated) == _normalized(changed)
+    # the spec hash (an unchanged relaunch is a no-op) changes with the values
+    hashes = {o["metadata"].get("annotations", {}).get(SPEC_HASH) for o in templated} - {None}
+    assert hashes and hashes.isdisjoint({o["metadata"].get("annotations", {}).get(SPEC_HASH) for o in objects})
+
+
+def test_the_tracking_uri_is_a_value_and_the_config_text_keeps_its_bytes(tmp_path: Path, helm_binary: str) -> None:
+    _, objects, _ = chart_of(None, "indexed-job", tmp_path, "track.mlflow.enabled=true",
+                             "track.mlflow.tracking_uri=http://kubetrain-mlflow.ml:5000")
+    assert yaml.safe_load((tmp_path / "values.yaml").read_text())["trackingUri"] == "http://kubetrain-mlflow.ml:5000"
+    assert by_name(template(helm_binary, tmp_path)) == by_name(objects)  # the ConfigMap's text byte for byte
+    moved = template(helm_binary, tmp_path, "--set", "trackingUri=http://mlflow.tracking:80")
+    pod_cfg = yaml.safe_load(next(o for o in moved if o["kind"] == "ConfigMap")["data"]["config.yaml"])
+    assert pod_cfg["track"]["mlflow"]["tracking_uri"] == "http://mlflow.tracking:80"
+
+
+def test_a_value_the_config_derives_more_from_stays_fixed_and_is_named(tmp_path: Path, helm_binary: str) -> None:
+    # one node: the created claim is ReadWriteOnce, which more nodes could not share
+    _, objects, notes = chart_of(None, "indexed-job", tmp_path)
+    assert any(n.startswith("nodes stays fixed in the chart: k8s.nnodes also decides PersistentVolumeClaim")
+               for n in notes), notes
+    assert "nodes" not in yaml.safe_load((tmp_path / "values.yaml").read_text())
+    assert by_name(template(helm_binary, tmp_path)) == by_name(objects)
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    (["--set", "nodes=-1"], "at '/nodes': minimum: got -1, want 1"),
+    (["--set", "nodez=3"], "additional properties 'nodez' not allowed"),
+    (["--set", "resources.cpu=8"], "at '/resources/cpu': got number, want string"),
+    (["--set", "namespace=Bad_Name"], "at '/namespace'"),
+])
+def test_bad_values_are_refused_with_the_schemas_message(setting: list[str], message: str, tmp_path: Path,
+                                                         helm_binary: str) -> None:
+    chart_of(REGULATED, "indexed-job", tmp_path)
+    out = helm(helm_binary, "template", "rel", str(tmp_path), *setting)
+    assert out.returncode != 0 and "values don't meet the specifications of the schema" in out.stderr, out.stderr
+    assert message in out.stderr, out.stderr
+
+
+def test_helm_package_makes_the_archive_that_templates_the_same(tmp_path: Path, helm_binary: str) -> None:
+    _, objects, _ = chart_of(REGULATED, "jobset", tmp_path / "chart")
+    out = helm(helm_binary, "package", str(tmp_path / "chart"), "-d", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    archive = tmp_path / "audited-gpt-0.1.0.tgz"
+    assert archive.is_file() and str(archive) in out.stdout
+    assert by_name(template(helm_binary, archive)) == by_name(objects)
+
+
+Cli = Any
+
+
+def test_cli_writes_the_chart_and_says_what_stays_fixed(tmp_path: Path, cli: Cli) -> None:
+    code, out, err = cli("k8s", "render", "--format", "helm", "-o", str(tmp_path / "chart"))
+    assert code == 0, err
+    assert str(tmp_path / "chart" / "Chart.yaml") in out and "note: nodes stays fixed in the chart" in err
+    code, out, err = cli("k8s", "render", "--format", "helm", "-o", str(tmp_path / "chart"))  # again: replaced
+    assert code == 0, err
+    code, _, err = cli("k8s", "render", "--format", "helm")
+    assert code == 2 and err.startswith("error:") and "give -o DIR" in err and len(err.splitlines()) == 1, err
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "Chart.yaml").write_text("apiVersion: v2\nname: theirs\nversion: 1.0.0\n")
+    code, _, err = cli("k8s", "render", "--format", "helm", "-o", str(tmp_path / "theirs"))
+    assert code == 2 and "was not written by kubetrain" in err, err
+    assert (tmp_path / "theirs" / "Chart.yaml").read_text().startswith("apiVersion: v2\nname: theirs")
