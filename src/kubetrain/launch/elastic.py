@@ -166,8 +166,9 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
 
 
 def _stopped_by_signal(sigval: signal.Signals, run_dir: Path, step: int | None) -> int:
-    """The launcher's exit after SIGTERM/SIGINT: 75 when nothing is lost (the workers' stop checkpoint, an earlier
-    one, or none yet: the run starts over), 1 when the run had failed; SIGTERM is a `preempted` incident."""
+    """The launcher's exit after SIGTERM/SIGINT: 1 when the run had failed (its meta.json says so), else 75 since
+    nothing is lost (the workers' stop checkpoint, an earlier one, or none yet: the run starts over); SIGTERM is a
+    `preempted` incident."""
     from kubetrain.runs import incidents
 
     status, latest = _run_status(run_dir)
@@ -175,15 +176,31 @@ def _stopped_by_signal(sigval: signal.Signals, run_dir: Path, step: int | None) 
         _say(incidents.log_line(incidents.record(
             run_dir, "preempted", rank=None, step=step,
             message=f"SIGTERM to the launcher; run status {status}; latest checkpoint {latest}")))
-    if status != "stopped" and latest is not None:  # the stop save did not finish in the grace period
+    if _recorded_failure(run_dir):  # a stop does not turn a failure into a resumable run: the Job counts it
+        _say(f"launcher: {sigval.name}: the run had failed before the stop; exiting {EXIT_FAILURE}")
+        return EXIT_FAILURE
+    if status == "stopped":
+        _say(f"launcher: {sigval.name}: workers stopped (run status: {status})")
+        return EXIT_STOPPED_RESUMABLE
+    if latest is not None:  # the stop save did not finish in the grace period (rank 0 killed: status `failed`)
         _say(f"launcher: {sigval.name}: workers stopped before their stop checkpoint; the run resumes from {latest}")
         return EXIT_STOPPED_RESUMABLE
-    if status != "stopped" and latest is None:  # stopped before its first checkpoint: no work to lose
-        _say(f"launcher: {sigval.name}: stopped before the first checkpoint: nothing to lose, the run starts "
-             f"over; exiting {EXIT_STOPPED_RESUMABLE}, not a failure ({resume_hint()})")
-        return EXIT_STOPPED_RESUMABLE
-    _say(f"launcher: {sigval.name}: workers stopped (run status: {status})")
-    return EXIT_STOPPED_RESUMABLE if status == "stopped" else EXIT_FAILURE
+    _say(f"launcher: {sigval.name}: stopped before the first checkpoint: nothing to lose, the run starts "
+         f"over; exiting {EXIT_STOPPED_RESUMABLE}, not a failure ({resume_hint()})")
+    return EXIT_STOPPED_RESUMABLE
+
+
+def _recorded_failure(run_dir: Path) -> bool:
+    """The run's own record says it failed (rank 0 wrote `failed`), not only that its process is gone: a worker
+    killed by the stop itself leaves `running` behind, which reads as `failed` once its process is gone."""
+    from kubetrain import runs
+    from kubetrain.runs.layout import PHASES_FILE
+
+    if not run_dir.is_dir():
+        return False
+    folders = [run_dir, *runs.phase_dirs(run_dir)[-1:]]  # a run of phases: its newest phase's meta.json
+    metas = [runs.read_meta(run_dir, PHASES_FILE), *(runs.read_meta(folder) for folder in folders)]
+    return any(meta.get("status") == "failed" for meta in metas)
 
 
 # A worker's exit that a restart cannot change: bad input (the same config fails the same way again), a stop it
