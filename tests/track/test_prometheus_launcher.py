@@ -117,7 +117,8 @@ def test_rank_0s_gauges_come_from_the_launcher_of_the_node_that_holds_it(tmp_pat
 
 def _beat(folder: Path, rank: int, step: int, at: float, restart: int = 0, done: bool = False) -> None:
     """A heartbeat file as a worker leaves it (train/heartbeat.py's record)."""
-    record = {"rank": rank, "pid": os.getpid(), "step": step, "time": at, "restart": restart, "done": done}
+    record = {"rank": rank, "pid": os.getpid(), "step": step, "time": at, "restart": restart, "done": done,
+              "round": f"127.0.0.1:{29500 + restart}", "started": float(restart)}
     (folder / f"rank-{rank:05d}.json").write_text(json.dumps(record))
 
 
@@ -147,7 +148,7 @@ def test_healthz_judges_the_workers_heartbeats_by_the_liveness_clock(tmp_path: P
         ok, detail = http_probe("127.0.0.1", exporter.port, "/healthz", 1)
         assert not ok and "statuscode: 503" in detail and '"status": "stale"' in detail
         assert json.loads(detail.split(": ", 2)[2])["ranks"]["0"]["step"] == 7
-        watch.handled_round = 0  # the watch ended that round (a hang): restarting, no step yet in round 1
+        watch.handled.add("127.0.0.1:29500")  # the watch ended that round (a hang): restarting, no step yet in round 1
         assert http_probe("127.0.0.1", exporter.port, "/healthz", 1)[0]
         _beat(tmp_path, 0, 9, time.time(), restart=1)
         assert http_probe("127.0.0.1", exporter.port, "/healthz", 1)[0]
