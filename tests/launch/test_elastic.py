@@ -18,14 +18,16 @@ from kubetrain import runs
 from kubetrain.errors import EXIT_FAILURE, EXIT_STOPPED_RESUMABLE, UserInputError
 from kubetrain.k8s.cluster.status import last_incident
 from kubetrain.launch.elastic import (
+    FINAL_EXIT_CODES,
     LaunchOptions,
+    _agent_extended,
     _stopped_by_signal,
     flight_recorder_env,
     root_failure,
     torchrun_args,
 )
 from kubetrain.runs.incidents import read_all
-from kubetrain.torch_compat import torch_version
+from kubetrain.torch_compat import elastic_agent, torch_version
 from tests.conftest import cli_env
 from tests.train.conftest import kubetrain, lines_in, rank_of, sets, start, wait_until
 
@@ -311,3 +313,11 @@ def test_a_failed_phase_of_a_run_of_phases_is_a_failure_when_stopped(tmp_path: P
     (run / runs.PHASES / "code").mkdir(parents=True)
     runs.update_meta(run / runs.PHASES / "code", status="failed", step=3)
     assert _stopped_by_signal(signal.SIGINT, run, 3) == EXIT_FAILURE
+
+
+def test_the_watch_learns_whether_the_agent_reports_every_failed_round() -> None:
+    """Only under our agent may the watch take a worker reaped without a report for one the agent stopped."""
+    assert not _agent_extended()
+    with elastic_agent(FINAL_EXIT_CODES, 30, lambda failures: None):
+        assert _agent_extended()
+    assert not _agent_extended()

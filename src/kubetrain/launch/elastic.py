@@ -123,6 +123,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     gave_up = finished = False  # the launcher's /metrics says either to its last scrape
     try:
         with elastic_agent(FINAL_EXIT_CODES, opts.shutdown_timeout, watch.agent_reaped):
+            watch.agent_reports = _agent_extended()
             run(args)
         finished = True
     except SignalException as e:
@@ -163,6 +164,16 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         shutil.rmtree(beats, ignore_errors=True)
         _sync_incidents(run_dir)
     return 0
+
+
+def _agent_extended() -> bool:
+    """Whether torch_compat.elastic_agent put its agent in place, which reports every failed round to the watch
+    (agent_reaped): then a worker the agent reaped without a report was stopped by it, not failed."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher import api
+
+    agent = getattr(api, "LocalElasticAgent", None)
+    return isinstance(agent, type) and agent is not LocalElasticAgent and issubclass(agent, LocalElasticAgent)
 
 
 def _stopped_by_signal(sigval: signal.Signals, run_dir: Path, step: int | None) -> int:

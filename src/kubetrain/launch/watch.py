@@ -144,6 +144,7 @@ class HangWatch:
     # several nodes: publish this node's suspect, get the job's (hang_agreement); None: decide alone
     agree: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None
     reaped: dict[int, int] = field(default_factory=dict)  # pid -> wait status, from the agent (agent_reaped)
+    agent_reports: bool = False  # the agent calls agent_reaped for every failed round (torch_compat.elastic_agent)
     _unknown_since: dict[int, float] = field(default_factory=dict)  # pid -> when first seen gone without a status
     _lock: threading.RLock = field(default_factory=threading.RLock)  # the watch's thread and the agent's
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -209,8 +210,16 @@ class HangWatch:
             first = min(self._unknown_since.setdefault(pid, time.monotonic()) for pid in unknown)
             if time.monotonic() - first < REAPED_WAIT_SECONDS:
                 return
+        if gone and self.agent_reports and all(status is None for _, status in gone):
+            # the agent reports every failed round before it acts (agent_reaped): one it reaped without a word was
+            # stopped by it (a peer left, and the group restarts for the new membership), or exited 0 unbeaten
+            self.handled.add(gone[0][0].round_key)
+            self.say(f"launcher: rank {gone[0][0].rank} was ended by its agent without a failure (the group "
+                     "restarts: a peer failed or left)")
+            return
         if gone:
-            cause = min(gone, key=lambda g: cause_order(*g))
+            known = [g for g in gone if g[1] is not None] if self.agent_reports else gone
+            cause = min(known, key=lambda g: cause_order(*g))
             if cause_order(*cause)[0]:  # every one lost a peer: the cause is on another node, which records it
                 self.handled.add(cause[0].round_key)
                 self.say(f"launcher: rank {cause[0].rank} lost a peer on another node (that node's launcher "
