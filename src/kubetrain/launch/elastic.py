@@ -120,7 +120,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
                                 opts.health_timeout)
     if opts.rdzv_endpoint and parse_nnodes(opts.nnodes)[1] > 1:  # the nodes' watches agree on the stuck rank
         watch.agree = hang_agreement(opts.rdzv_endpoint, opts.rdzv_id, parse_nnodes(opts.nnodes)[0])
-    gave_up = finished = False  # the launcher's /metrics says either to its last scrape
+    gave_up = finished = stopped = False  # the launcher's /metrics says which to its last scrape
     try:
         with elastic_agent(FINAL_EXIT_CODES, opts.shutdown_timeout, watch.agent_reaped):
             watch.agent_reports = _agent_extended()
@@ -128,6 +128,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         finished = True
     except SignalException as e:
         watch.stop()
+        stopped = True  # a planned end (k8s stop, preemption): no KubetrainLauncherGone
         return _stopped_by_signal(e.sigval, run_dir, watch.last_step())
     except ChildFailedError as e:
         rank, failure = root_failure(e.failures)
@@ -160,7 +161,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     finally:
         watch.stop()
         if exporter is not None:
-            exporter.close(failed=gave_up, finished=finished)
+            exporter.close(failed=gave_up, finished=finished, stopped=stopped)
         shutil.rmtree(beats, ignore_errors=True)
         _sync_incidents(run_dir)
     return 0
