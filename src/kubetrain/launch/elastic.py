@@ -103,7 +103,8 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousConnectionError
     from torch.distributed.run import parse_args, run
 
-    from kubetrain.launch.watch import HangWatch, hang_agreement, launcher_metrics
+    from kubetrain.launch.hang_agreement import hang_agreement
+    from kubetrain.launch.watch import HangWatch, launcher_metrics
     from kubetrain.train.heartbeat import HEARTBEAT_DIR_ENV, LAUNCHER_PID_ENV
 
     args = parse_args(torchrun_args(opts, train_args))
