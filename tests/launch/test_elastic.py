@@ -187,6 +187,7 @@ def test_resume_with_another_world_size_continues_the_data_without_replay(tmp_pa
 class Failure:  # the fields of torch's ProcessFailure that the choice reads
     message: str
     timestamp: int
+    exitcode: int = 1
 
 
 def test_the_root_failure_is_the_killed_worker_not_the_peer_that_lost_it() -> None:
@@ -198,6 +199,11 @@ def test_the_root_failure_is_the_killed_worker_not_the_peer_that_lost_it() -> No
     assert root_failure({0: Failure(gloo, 99), 1: Failure(killed, 100)})[0] == 1
     # among causes, the earliest; with no cause at all, the earliest effect
     assert root_failure({0: Failure("ValueError: bad", 101), 1: Failure(killed, 100)})[0] == 1
+    # rank 1 stopped on its own SIGTERM (75); the agent then stopped rank 0 with SIGTERM in the same second: seen
+    # in test_a_worker_stopped_by_its_own_signal_is_not_restarted, which exited 1 ("rank 0 failed with exit code -15")
+    stopped = Failure("stopped by SIGTERM at step 9", 100, EXIT_STOPPED_RESUMABLE)
+    ended = Failure("Signal 15 (SIGTERM) received by PID 3106", 100, -signal.SIGTERM)
+    assert root_failure({0: ended, 1: stopped}) == (1, stopped)
     assert root_failure({0: Failure(gloo, 101), 1: Failure(gloo, 100)})[0] == 1
 
 

@@ -279,13 +279,19 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+_AGENT_STOP_EXITS = (-signal.SIGTERM, -signal.SIGINT)  # Popen's exit code of a worker the agent's stop killed
+
+
 def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     """The failure that caused the others: torch's `get_first_failure` orders by timestamps of whole seconds
     (a tie goes to rank 0), so a worker whose collective failed because its peer was killed in the same second
-    was reported instead of the killed peer. A failure that says a peer went away comes after every other."""
+    was reported instead of the killed peer. A failure that says a peer went away comes after every other, and so
+    does a worker killed by the agent's own stop signal (the survivor it ended after another's exit: a rank that
+    exited 75 made the agent SIGTERM the other, which read as `rank 0 failed with exit code -15`, exit 1)."""
     def order(item: tuple[int, Any]) -> tuple[bool, int, int]:
         rank, failure = item
-        return bool(_PEER_LOST.search(str(failure.message))), failure.timestamp, rank
+        effect = bool(_PEER_LOST.search(str(failure.message))) or failure.exitcode in _AGENT_STOP_EXITS
+        return effect, failure.timestamp, rank
 
     return min(failures.items(), key=order)
 

@@ -225,7 +225,8 @@ def test_a_launcher_killed_from_outside_alerts_and_one_that_finished_does_not(
     assert done.returncode == 0, err[-3000:]
     assert server.query('max_over_time(kubetrain_job_finished{run="done"}[1m]) == 1'), "its last scrape"
     stopped = train("stopped", killed_port, 100000)  # `k8s stop`, a preemption: a planned end says so
-    wait_until(lambda: scraped("stopped"), stopped, poll=0.2)
+    wait_until(lambda: scraped("stopped") and lines_in(tmp_path / "runs" / "stopped" / "metrics.jsonl") >= 2,
+               stopped, poll=0.2)  # training: the agent handles SIGTERM from its start (before, Python's default)
     stopped.send_signal(signal.SIGTERM)
     _, err = stopped.communicate(timeout=SAFETY)
     assert stopped.returncode == 75, err[-3000:]
