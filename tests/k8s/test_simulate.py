@@ -227,3 +227,65 @@ def test_the_kubelet_ends_a_container_whose_liveness_probe_fails(tmp_path: Path)
     assert pod.process.wait(timeout=120) == -signal.SIGTERM
     [ended] = [line for line in said if "the kubelet ends the container" in line]
     assert "livenessProbe failed 3 times" in ended and "statuscode: 503" in ended, said
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_after_an_elastic_restart_is_named_by_its_pod(tmp_path: Path) -> None:
+    """Issue 43 in two pods: SIGKILL the worker of rank 1, let both agents restart and resume, SIGSTOP the new rank
+    0. The node whose worker was only stopped by its agent (a membership change: its restart count stays) watched
+    the new round as if it were handled, so the healthy rank was blamed and the frozen one's pod said nothing."""
+    import os
+    import signal
+
+    from kubetrain.k8s.simulate import _descendants
+    from kubetrain.runs.incidents import read_all
+    from tests.launch.test_watch import _beat_of
+    from tests.train.conftest import rank_of
+
+    s = sim(tmp_path, "indexed-job", "train.max_steps=100000", "checkpoint.every_steps=5", "eval.every_steps=100000",
+            "dist.hang_timeout_seconds=8")
+    run = s.root / "volumes" / "checkpoints" / "tiny"
+
+    def workers() -> dict[int, int]:  # pid -> global rank, of every pod's running workers
+        pids = [pid for p in s.pods if p.process is not None for pid in _descendants(p.process.pid) or []]
+        return {pid: rank for pid in pids if (rank := rank_of(pid)) is not None}
+
+    def logs() -> str:
+        return "".join(p.log_path.read_text() for p in s.pods if p.log_path.exists())
+
+    def until(ready: Any, what: str) -> None:
+        deadline = time.monotonic() + 300  # a safety net against a hang, not a timing assertion
+        while not ready():
+            assert time.monotonic() < deadline, f"waited for {what}:\n{logs()[-4000:]}"
+            assert all(p.running() for p in s.pods), logs()[-4000:]
+            time.sleep(0.2)
+
+    s.start()
+    try:
+        until((run / "checkpoints" / "latest").exists, "a checkpoint")
+        first = workers()
+        os.kill(next(pid for pid, rank in first.items() if rank == 1), signal.SIGKILL)
+
+        def resumed_rank0() -> int | None:
+            for pid, rank in workers().items():
+                beat = _beat_of(pid) if pid not in first else None
+                if rank == 0 and beat is not None and beat.pid == pid and beat.step >= 0:
+                    return pid
+            return None
+
+        until(lambda: resumed_rank0() is not None and "resuming from" in logs(), "the resumed rank 0")
+        rank0 = resumed_rank0()
+        assert rank0 is not None
+        os.kill(rank0, signal.SIGSTOP)
+        until(lambda: any(e["kind"] == "hang" for e in read_all(run)), "the hang incident")
+    finally:
+        s.stop()
+    found = read_all(run)
+    said = [line for line in logs().splitlines() if "incident:" in line or "launcher:" in line]
+    assert [(e["kind"], e["rank"]) for e in found] == [("worker-exit", 1), ("hang", 0)], said
+    hang = found[-1]
+    assert "rank 0 did not answer" in hang["message"], hang
+    stacks = (run / hang["stacks"]).read_text()
+    assert stacks.startswith("hang: ") and "suspect: rank 0\n" in stacks and "no stacks: it is stopped" in stacks
+    # the healthy pod's launcher names the same suspect, on the other node
+    assert "the stuck rank is rank 0 on another node" in logs()

@@ -14,16 +14,20 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from kubetrain.errors import EXIT_STOPPED_RESUMABLE, UserInputError
+from kubetrain import runs
+from kubetrain.errors import EXIT_FAILURE, EXIT_STOPPED_RESUMABLE, UserInputError
 from kubetrain.k8s.cluster.status import last_incident
 from kubetrain.launch.elastic import (
+    FINAL_EXIT_CODES,
     LaunchOptions,
+    _agent_extended,
+    _stopped_by_signal,
     flight_recorder_env,
     root_failure,
     torchrun_args,
 )
 from kubetrain.runs.incidents import read_all
-from kubetrain.torch_compat import torch_version
+from kubetrain.torch_compat import elastic_agent, torch_version
 from tests.conftest import cli_env
 from tests.train.conftest import kubetrain, lines_in, rank_of, sets, start, wait_until
 
@@ -183,6 +187,7 @@ def test_resume_with_another_world_size_continues_the_data_without_replay(tmp_pa
 class Failure:  # the fields of torch's ProcessFailure that the choice reads
     message: str
     timestamp: int
+    exitcode: int = 1
 
 
 def test_the_root_failure_is_the_killed_worker_not_the_peer_that_lost_it() -> None:
@@ -194,6 +199,11 @@ def test_the_root_failure_is_the_killed_worker_not_the_peer_that_lost_it() -> No
     assert root_failure({0: Failure(gloo, 99), 1: Failure(killed, 100)})[0] == 1
     # among causes, the earliest; with no cause at all, the earliest effect
     assert root_failure({0: Failure("ValueError: bad", 101), 1: Failure(killed, 100)})[0] == 1
+    # rank 1 stopped on its own SIGTERM (75); the agent then stopped rank 0 with SIGTERM in the same second: seen
+    # in test_a_worker_stopped_by_its_own_signal_is_not_restarted, which exited 1 ("rank 0 failed with exit code -15")
+    stopped = Failure("stopped by SIGTERM at step 9", 100, EXIT_STOPPED_RESUMABLE)
+    ended = Failure("Signal 15 (SIGTERM) received by PID 3106", 100, -signal.SIGTERM)
+    assert root_failure({0: ended, 1: stopped}) == (1, stopped)
     assert root_failure({0: Failure(gloo, 101), 1: Failure(gloo, 100)})[0] == 1
 
 
@@ -269,3 +279,51 @@ def test_a_worker_stopped_by_its_own_signal_is_not_restarted(tmp_path: Path) -> 
     assert sum("process 0/2" in line for line in out.splitlines()) == 1, out[-3000:]  # not restarted
     meta = json.loads((tmp_path / "runs" / "stopped" / "meta.json").read_text())
     assert meta["status"] == "stopped"
+
+
+def _gone_pid() -> int:
+    """The pid of a process that has ended (what meta.json holds after rank 0 was killed)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize(("recorded", "checkpoint", "expected", "said"), [
+    ("stopped", "step-000010", EXIT_STOPPED_RESUMABLE, "workers stopped (run status: stopped)"),
+    ("running", "step-000010", EXIT_STOPPED_RESUMABLE, "the run resumes from step-000010"),  # rank 0 killed
+    ("running", None, EXIT_STOPPED_RESUMABLE, "nothing to lose"),
+    ("failed", "step-000010", EXIT_FAILURE, "the run had failed"),  # issue 40: was 75
+    ("failed", None, EXIT_FAILURE, "the run had failed"),
+])
+def test_the_launchers_exit_after_a_signal_says_whether_the_run_failed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], recorded: str, checkpoint: str | None, expected: int,
+        said: str) -> None:
+    """75 only when nothing is lost and nothing failed; a run that had failed and is then stopped exits 1, so the
+    Job's backoffLimit counts it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    runs.update_meta(run, status=recorded, host=socket.gethostname(), pid=_gone_pid(), step=10)
+    if checkpoint:
+        (run / runs.CHECKPOINTS).mkdir()
+        (run / runs.CHECKPOINTS / "latest").write_text(checkpoint)
+    assert _stopped_by_signal(signal.SIGTERM, run, 10) == expected
+    err = capsys.readouterr().err
+    assert said in err and "incident: preempted" in err, err
+    [preempted] = read_all(run)
+    assert (preempted["kind"], preempted["step"]) == ("preempted", 10)
+
+
+def test_a_failed_phase_of_a_run_of_phases_is_a_failure_when_stopped(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    runs.record_phases(run, ["pretrain", "code"], "running", "code")
+    (run / runs.PHASES / "code").mkdir(parents=True)
+    runs.update_meta(run / runs.PHASES / "code", status="failed", step=3)
+    assert _stopped_by_signal(signal.SIGINT, run, 3) == EXIT_FAILURE
+
+
+def test_the_watch_learns_whether_the_agent_reports_every_failed_round() -> None:
+    """Only under our agent may the watch take a worker reaped without a report for one the agent stopped."""
+    assert not _agent_extended()
+    with elastic_agent(FINAL_EXIT_CODES, 30, lambda failures: None):
+        assert _agent_extended()
+    assert not _agent_extended()

@@ -35,8 +35,8 @@ waiting_in_a_collective()
 """
 
 
-def _worker(folder: Path, rank: int, step: int) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+def _worker(folder: Path, rank: int, step: int, **agent_env: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **agent_env}
     proc = subprocess.Popen([sys.executable, "-c", WORKER, str(folder), str(rank), str(step)],
                             stdout=subprocess.PIPE, text=True, env=env)
     STARTED.append(proc)
@@ -71,6 +71,44 @@ def test_a_hang_dumps_the_stacks_of_the_ranks_that_answer_names_the_stopped_one_
     assert "no stacks: it is stopped" in rank1
     watch.check(now=time.time() + 120)  # the same round is not handled twice
     assert len(read_all(run)) == 1
+
+
+@pytest.mark.parametrize("seen", ["zombie", "reaped"])
+def test_a_round_after_a_membership_change_is_watched_and_the_agents_stop_is_no_incident(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seen: str) -> None:
+    """Issue 43, the node that did not fail: a peer on another node was killed, so this node's agent stopped its
+    rank 0 with SIGTERM and restarted for the new membership. Its restart count stays 0, and the rendezvous gave it
+    rank 1 this time. The stop is no incident (the killed peer's node records that), and a hang of the new round is
+    still found: the watch told rounds apart by the restart count, so it saw the new round as handled, and stayed
+    blind while its frozen rank hung the job."""
+    beats, run = tmp_path / "beats", tmp_path / "run"
+    beats.mkdir()
+    said: list[str] = []
+    # an agent that reports every failed round (ours): one it reaped without a word stopped the worker itself
+    watch = HangWatch(beats, run, hang_timeout=30.0, say=said.append, agent_reports=True)
+    monkeypatch.setattr("kubetrain.launch.watch.REAPED_WAIT_SECONDS", 0.0)
+    first = _worker(beats, 0, 5, MASTER_ADDR="10.0.0.7", MASTER_PORT="41000", TORCHELASTIC_RESTART_COUNT="0")
+    watch.check()
+    first.terminate()  # the agent's stop of its group; the worker stays a zombie with its status until reaped
+    while process_state(first.pid)[0] != "Z":
+        time.sleep(0.01)
+    if seen == "reaped":  # the agent's close() reaped it before the watch looked: no status to read
+        first.wait()
+    watch.check()
+    first.wait()
+    assert not read_all(run), "the agent's stop of a healthy worker is not an incident"
+    assert said and ("killed by SIGTERM: its agent ended the round" if seen == "zombie"
+                     else "ended by its agent without a failure") in said[-1], said
+    second = _worker(beats, 1, 3, MASTER_ADDR="10.0.0.7", MASTER_PORT="42000", TORCHELASTIC_RESTART_COUNT="0")
+    os.kill(second.pid, signal.SIGSTOP)
+    while process_state(second.pid)[0] != "T":
+        time.sleep(0.01)
+    watch.check(now=time.time() + 60)
+    assert second.wait(timeout=30) == -signal.SIGKILL
+    [hang] = read_all(run)
+    assert (hang["kind"], hang["rank"], hang["step"]) == ("hang", 1, 3) and "did not answer" in hang["message"]
+    stacks = (run / hang["stacks"]).read_text()
+    assert "suspect: rank 1" in stacks and "=== rank 0" not in stacks  # the gone round's file is not this round
 
 
 def test_every_stacks_file_names_the_jobs_suspect(tmp_path: Path) -> None:
@@ -245,3 +283,50 @@ def test_two_nodes_agree_on_the_stuck_rank_through_the_rendezvous_store(tmp_path
     assert (hang["kind"], hang["rank"]) == ("hang", 1), hang
     assert "did not answer" in hang["message"]
     assert any("the stuck rank is rank 1 on another node" in err for err in errs), errs
+
+
+def _beat_of(pid: int) -> Beat | None:
+    """The heartbeat record of a running worker, read from the folder its launcher named in its environment."""
+    try:
+        env = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if item)
+    except OSError:
+        return None
+    folder, rank = env.get(HEARTBEAT_DIR_ENV.encode()), rank_of(pid)
+    return Beat.read(beat_file(Path(folder.decode()), rank)) if folder and rank is not None else None
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_after_an_elastic_restart_is_named_with_its_stacks(tmp_path: Path) -> None:
+    """Issue 43: kill rank 1, let the agent restart the group and resume, then SIGSTOP the new rank 0. The watch must
+    name rank 0 (the new round's processes and beats), and a SIGKILL is one incident, not one per rank."""
+    proc = start("train", *sets("run.name=again", "train.max_steps=100000", "checkpoint.every_steps=5",
+                                "eval.every_steps=100000", "dist.hang_timeout_seconds=8"),
+                 "--nproc", "2", "--max-restarts", "1", cwd=tmp_path)
+    run = tmp_path / "runs" / "again"
+    wait_until((run / "checkpoints" / "latest").exists, proc)
+    first = children(proc.pid)
+    os.kill(next(pid for pid in first if rank_of(pid) == 1), signal.SIGKILL)
+
+    def resumed_rank0() -> int | None:  # the new round's rank 0, once it finished a step after resuming
+        for pid in children(proc.pid):
+            beat = _beat_of(pid) if pid not in first else None
+            if beat is not None and beat.rank == 0 and beat.pid == pid and beat.restart >= 1 and beat.step >= 0:
+                return pid
+        return None
+
+    wait_until(lambda: resumed_rank0() is not None, proc, poll=0.1)
+    rank0 = resumed_rank0()
+    assert rank0 is not None
+    os.kill(rank0, signal.SIGSTOP)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]  # no restart left after the hang
+    assert "resuming from" in out
+    found = read_all(run)
+    assert [(e["kind"], e["rank"]) for e in found] == [("worker-exit", 1), ("hang", 0)], found
+    hang = found[-1]
+    assert "rank 0 did not answer" in hang["message"] and "process state T" in hang["message"], hang
+    stacks = (run / hang["stacks"]).read_text()
+    assert "suspect: rank 0" in stacks and "=== rank 0" in stacks and "no stacks: it is stopped" in stacks
+    assert stacks.count("File ") >= 1  # rank 1 answered with its frames
+    assert [parse_log_line(line)["kind"] for line in err.splitlines()  # type: ignore[index]
+            if parse_log_line(line) is not None] == ["worker-exit", "hang"], err[-3000:]

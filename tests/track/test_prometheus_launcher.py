@@ -63,6 +63,27 @@ def test_heartbeats_incidents_and_a_failure_the_last_scrape_sees() -> None:
         scrape(exporter.port)
 
 
+def test_a_launcher_stopped_by_a_signal_says_so_to_its_last_scrape() -> None:
+    """Issue 40: a planned stop (SIGTERM: `k8s stop`, a preemption) ended the series like a kill -9, and
+    KubetrainLauncherGone fired on every one; the launcher now says it was stopped, as it says failed or finished."""
+    exporter = LauncherExporter(0, "127.0.0.1", "gpt", 4.0, lambda: [], lambda: 0).start(stream=io.StringIO())
+    assert list(scrape(exporter.port)["kubetrain_job_stopped"].values()) == [0]
+    seen: list[float] = []
+
+    def scraper() -> None:
+        while exporter.stopped_at is None:
+            time.sleep(0.01)
+        m = scrape(exporter.port)
+        seen.extend([*m["kubetrain_job_stopped"].values(), *m["kubetrain_job_failed"].values(),
+                     *m["kubetrain_job_finished"].values()])
+
+    thread = threading.Thread(target=scraper)
+    thread.start()
+    exporter.close(failed=False, stopped=True)  # waits for that scrape: it was scraped before
+    thread.join()
+    assert seen == [1.0, 0.0, 0.0]
+
+
 def test_a_scrape_answered_but_not_yet_recorded_still_waits_for_the_goodbye() -> None:
     # Seen under load: the scraper had its reply before the handler thread recorded the scrape, the launcher gave
     # up at once, found no scrape recorded, and closed before the last scrape (connection reset).
@@ -117,7 +138,8 @@ def test_rank_0s_gauges_come_from_the_launcher_of_the_node_that_holds_it(tmp_pat
 
 def _beat(folder: Path, rank: int, step: int, at: float, restart: int = 0, done: bool = False) -> None:
     """A heartbeat file as a worker leaves it (train/heartbeat.py's record)."""
-    record = {"rank": rank, "pid": os.getpid(), "step": step, "time": at, "restart": restart, "done": done}
+    record = {"rank": rank, "pid": os.getpid(), "step": step, "time": at, "restart": restart, "done": done,
+              "round": f"127.0.0.1:{29500 + restart}", "started": float(restart)}
     (folder / f"rank-{rank:05d}.json").write_text(json.dumps(record))
 
 
@@ -147,7 +169,7 @@ def test_healthz_judges_the_workers_heartbeats_by_the_liveness_clock(tmp_path: P
         ok, detail = http_probe("127.0.0.1", exporter.port, "/healthz", 1)
         assert not ok and "statuscode: 503" in detail and '"status": "stale"' in detail
         assert json.loads(detail.split(": ", 2)[2])["ranks"]["0"]["step"] == 7
-        watch.handled_round = 0  # the watch ended that round (a hang): restarting, no step yet in round 1
+        watch.handled.add("127.0.0.1:29500")  # the watch ended that round (a hang): restarting, no step yet in round 1
         assert http_probe("127.0.0.1", exporter.port, "/healthz", 1)[0]
         _beat(tmp_path, 0, 9, time.time(), restart=1)
         assert http_probe("127.0.0.1", exporter.port, "/healthz", 1)[0]

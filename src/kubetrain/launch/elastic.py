@@ -103,7 +103,8 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousConnectionError
     from torch.distributed.run import parse_args, run
 
-    from kubetrain.launch.watch import HangWatch, hang_agreement, launcher_metrics
+    from kubetrain.launch.hang_agreement import hang_agreement
+    from kubetrain.launch.watch import HangWatch, launcher_metrics
     from kubetrain.train.heartbeat import HEARTBEAT_DIR_ENV, LAUNCHER_PID_ENV
 
     args = parse_args(torchrun_args(opts, train_args))
@@ -120,13 +121,15 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
                                 opts.health_timeout)
     if opts.rdzv_endpoint and parse_nnodes(opts.nnodes)[1] > 1:  # the nodes' watches agree on the stuck rank
         watch.agree = hang_agreement(opts.rdzv_endpoint, opts.rdzv_id, parse_nnodes(opts.nnodes)[0])
-    gave_up = finished = False  # the launcher's /metrics says either to its last scrape
+    gave_up = finished = stopped = False  # the launcher's /metrics says which to its last scrape
     try:
         with elastic_agent(FINAL_EXIT_CODES, opts.shutdown_timeout, watch.agent_reaped):
+            watch.agent_reports = _agent_extended()
             run(args)
         finished = True
     except SignalException as e:
         watch.stop()
+        stopped = True  # a planned end (k8s stop, preemption): no KubetrainLauncherGone
         return _stopped_by_signal(e.sigval, run_dir, watch.last_step())
     except ChildFailedError as e:
         rank, failure = root_failure(e.failures)
@@ -159,15 +162,26 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     finally:
         watch.stop()
         if exporter is not None:
-            exporter.close(failed=gave_up, finished=finished)
+            exporter.close(failed=gave_up, finished=finished, stopped=stopped)
         shutil.rmtree(beats, ignore_errors=True)
         _sync_incidents(run_dir)
     return 0
 
 
+def _agent_extended() -> bool:
+    """Whether torch_compat.elastic_agent put its agent in place, which reports every failed round to the watch
+    (agent_reaped): then a worker the agent reaped without a report was stopped by it, not failed."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.launcher import api
+
+    agent = getattr(api, "LocalElasticAgent", None)
+    return isinstance(agent, type) and agent is not LocalElasticAgent and issubclass(agent, LocalElasticAgent)
+
+
 def _stopped_by_signal(sigval: signal.Signals, run_dir: Path, step: int | None) -> int:
-    """The launcher's exit after SIGTERM/SIGINT: 75 when nothing is lost (the workers' stop checkpoint, an earlier
-    one, or none yet: the run starts over), 1 when the run had failed; SIGTERM is a `preempted` incident."""
+    """The launcher's exit after SIGTERM/SIGINT: 1 when the run had failed (its meta.json says so), else 75 since
+    nothing is lost (the workers' stop checkpoint, an earlier one, or none yet: the run starts over); SIGTERM is a
+    `preempted` incident."""
     from kubetrain.runs import incidents
 
     status, latest = _run_status(run_dir)
@@ -175,15 +189,31 @@ def _stopped_by_signal(sigval: signal.Signals, run_dir: Path, step: int | None) 
         _say(incidents.log_line(incidents.record(
             run_dir, "preempted", rank=None, step=step,
             message=f"SIGTERM to the launcher; run status {status}; latest checkpoint {latest}")))
-    if status != "stopped" and latest is not None:  # the stop save did not finish in the grace period
+    if _recorded_failure(run_dir):  # a stop does not turn a failure into a resumable run: the Job counts it
+        _say(f"launcher: {sigval.name}: the run had failed before the stop; exiting {EXIT_FAILURE}")
+        return EXIT_FAILURE
+    if status == "stopped":
+        _say(f"launcher: {sigval.name}: workers stopped (run status: {status})")
+        return EXIT_STOPPED_RESUMABLE
+    if latest is not None:  # the stop save did not finish in the grace period (rank 0 killed: status `failed`)
         _say(f"launcher: {sigval.name}: workers stopped before their stop checkpoint; the run resumes from {latest}")
         return EXIT_STOPPED_RESUMABLE
-    if status != "stopped" and latest is None:  # stopped before its first checkpoint: no work to lose
-        _say(f"launcher: {sigval.name}: stopped before the first checkpoint: nothing to lose, the run starts "
-             f"over; exiting {EXIT_STOPPED_RESUMABLE}, not a failure ({resume_hint()})")
-        return EXIT_STOPPED_RESUMABLE
-    _say(f"launcher: {sigval.name}: workers stopped (run status: {status})")
-    return EXIT_STOPPED_RESUMABLE if status == "stopped" else EXIT_FAILURE
+    _say(f"launcher: {sigval.name}: stopped before the first checkpoint: nothing to lose, the run starts "
+         f"over; exiting {EXIT_STOPPED_RESUMABLE}, not a failure ({resume_hint()})")
+    return EXIT_STOPPED_RESUMABLE
+
+
+def _recorded_failure(run_dir: Path) -> bool:
+    """The run's own record says it failed (rank 0 wrote `failed`), not only that its process is gone: a worker
+    killed by the stop itself leaves `running` behind, which reads as `failed` once its process is gone."""
+    from kubetrain import runs
+    from kubetrain.runs.layout import PHASES_FILE
+
+    if not run_dir.is_dir():
+        return False
+    folders = [run_dir, *runs.phase_dirs(run_dir)[-1:]]  # a run of phases: its newest phase's meta.json
+    metas = [runs.read_meta(run_dir, PHASES_FILE), *(runs.read_meta(folder) for folder in folders)]
+    return any(meta.get("status") == "failed" for meta in metas)
 
 
 # A worker's exit that a restart cannot change: bad input (the same config fails the same way again), a stop it
@@ -249,13 +279,19 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+_AGENT_STOP_EXITS = (-signal.SIGTERM, -signal.SIGINT)  # Popen's exit code of a worker the agent's stop killed
+
+
 def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     """The failure that caused the others: torch's `get_first_failure` orders by timestamps of whole seconds
     (a tie goes to rank 0), so a worker whose collective failed because its peer was killed in the same second
-    was reported instead of the killed peer. A failure that says a peer went away comes after every other."""
+    was reported instead of the killed peer. A failure that says a peer went away comes after every other, and so
+    does a worker killed by the agent's own stop signal (the survivor it ended after another's exit: a rank that
+    exited 75 made the agent SIGTERM the other, which read as `rank 0 failed with exit code -15`, exit 1)."""
     def order(item: tuple[int, Any]) -> tuple[bool, int, int]:
         rank, failure = item
-        return bool(_PEER_LOST.search(str(failure.message))), failure.timestamp, rank
+        effect = bool(_PEER_LOST.search(str(failure.message))) or failure.exitcode in _AGENT_STOP_EXITS
+        return effect, failure.timestamp, rank
 
     return min(failures.items(), key=order)
 

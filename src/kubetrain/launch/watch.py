@@ -35,9 +35,6 @@ if TYPE_CHECKING:
     from kubetrain.track.prometheus_launcher import LauncherExporter
 
 STACKS_WAIT_SECONDS = 3.0  # how long a worker gets to write its stacks after SIGUSR1
-# How long a node with no silent rank waits for the other nodes' verdicts (a loaded node's watch may see the same
-# hang seconds later); with the stacks' wait it stays within config.clocks.WATCH_ACTS_WITHIN (15 s).
-HEALTHY_NODE_WAIT_SECONDS = 9.0
 # How long a look waits for the agent's word on a worker it reaped before the watch saw its status (the agent reports
 # a failed round at once, before it restarts; a worker that exited 0 without its last beat is not reported at all).
 REAPED_WAIT_SECONDS = 5.0
@@ -54,15 +51,22 @@ class Beat:
     restart: int
     error_file: str | None = None
     done: bool = False
+    round: str = ""  # the rendezvous round's identity, the same on every node (heartbeat.round_identity)
+    started: float = 0.0  # when the worker started beating: a later round's workers started later
 
     @classmethod
     def read(cls, path: Path) -> Beat | None:
         try:
             d = json.loads(path.read_text())
             return cls(int(d["rank"]), int(d["pid"]), int(d["step"]), float(d["time"]), int(d["restart"]),
-                       d.get("error_file"), bool(d.get("done", False)))
+                       d.get("error_file"), bool(d.get("done", False)), str(d.get("round") or ""),
+                       float(d.get("started") or 0.0))
         except (OSError, ValueError, KeyError, TypeError):
             return None  # being replaced right now, or not ours: the next poll reads it
+
+    @property
+    def round_key(self) -> str:
+        return self.round or f"restart {self.restart}"
 
 
 def process_state(pid: int) -> tuple[str, int | None]:
@@ -76,15 +80,23 @@ def process_state(pid: int) -> tuple[str, int | None]:
     return state, status
 
 
-def cause_order(beat: Beat, status: int | None) -> tuple[bool, bool, float]:
+def cause_order(beat: Beat, status: int | None) -> tuple[bool, bool, bool, float]:
     """Sort key of the workers found gone at one look: the one that caused the others first.
 
     A rank killed by a signal (kill -9, the OOM killer) dies first; its peers then fail in their collective
-    ("Connection reset by peer": distributed/peers.py) and write that to their error files. Such an effect comes
-    after every cause, whatever the heartbeat times say (the killed rank may have beaten last).
+    ("Connection reset by peer": distributed/peers.py) and write that to their error files, or are ended by the
+    agent with its stop signal (`stopped_by_agent`). Such effects come after every cause, whatever the heartbeat
+    times say (the killed rank may have beaten last).
     """
     message = _error_message(beat.error_file) or ""
-    return bool(PEER_LOST.search(message)), not (status is not None and status & 0x7F), beat.time
+    return (bool(PEER_LOST.search(message)), stopped_by_agent(status), not (status is not None and status & 0x7F),
+            beat.time)
+
+
+def stopped_by_agent(status: int | None) -> bool:
+    """Killed by SIGTERM/SIGINT: the agent's stop of a group it restarts (a peer failed or left) or ends. A worker
+    asked to stop by anyone else handles the signal (train/stop.py) and exits 75; it is not killed by it."""
+    return status is not None and status & 0x7F in (signal.SIGTERM, signal.SIGINT)
 
 
 def describe_exit(status: int | None) -> str:
@@ -122,13 +134,14 @@ class HangWatch:
     hang_timeout: float | None
     poll_seconds: float = 0.25
     say: Any = print
-    handled_round: int = -1  # the restart round whose end was already recorded (and, for a hang, caused)
+    handled: set[str] = field(default_factory=set)  # rounds (Beat.round_key) whose end was recorded (or caused)
     last_incident: dict[str, Any] | None = None
-    hang_rounds: set[int] = field(default_factory=set)
+    hang_rounds: set[str] = field(default_factory=set)
     on_incident: Callable[[dict[str, Any]], None] | None = None  # the launcher's exporter counts them
-    # several nodes: publish this node's suspect, get the job's (hang_agreement); None: decide alone
-    agree: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None
+    # several nodes: publish this node's suspect, get the job's (launch/hang_agreement.py); None: decide alone
+    agree: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None
     reaped: dict[int, int] = field(default_factory=dict)  # pid -> wait status, from the agent (agent_reaped)
+    agent_reports: bool = False  # the agent calls agent_reaped for every failed round (torch_compat.elastic_agent)
     _unknown_since: dict[int, float] = field(default_factory=dict)  # pid -> when first seen gone without a status
     _lock: threading.RLock = field(default_factory=threading.RLock)  # the watch's thread and the agent's
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -154,10 +167,14 @@ class HangWatch:
                 self.say(f"launcher: warning: hang watch: {e}")
 
     def beats(self) -> list[Beat]:
-        """The heartbeats of the newest restart round (older rounds' files are being replaced)."""
+        """The heartbeats of the newest round: the one whose workers started last. An older round's files stay
+        where a rank moved to another node (ranks are given out again at every rendezvous), and a membership
+        change leaves this node's restart count as it was, so neither the files nor the count tell rounds apart."""
         found = [b for p in sorted(self.folder.glob("rank-*.json")) if (b := Beat.read(p)) is not None]
-        newest = max((b.restart for b in found), default=-1)
-        return [b for b in found if b.restart == newest]
+        if not found:
+            return []
+        newest = max(found, key=lambda b: (b.started, b.restart)).round_key
+        return [b for b in found if b.round_key == newest]
 
     def check(self, now: float | None = None) -> None:
         """One look: a worker gone on its own is recorded; a job where no rank advanced for too long is a hang."""
@@ -179,7 +196,7 @@ class HangWatch:
 
     def _check(self, now: float | None) -> None:
         beats = self.beats()
-        if not beats or beats[0].restart <= self.handled_round:
+        if not beats or beats[0].round_key in self.handled:
             return
         live = [b for b in beats if not b.done]
         dead = [(b, *process_state(b.pid)) for b in live]
@@ -190,12 +207,25 @@ class HangWatch:
             first = min(self._unknown_since.setdefault(pid, time.monotonic()) for pid in unknown)
             if time.monotonic() - first < REAPED_WAIT_SECONDS:
                 return
+        if gone and self.agent_reports and all(status is None for _, status in gone):
+            # the agent reports every failed round before it acts (agent_reaped): one it reaped without a word was
+            # stopped by it (a peer left, and the group restarts for the new membership), or exited 0 unbeaten
+            self.handled.add(gone[0][0].round_key)
+            self.say(f"launcher: rank {gone[0][0].rank} was ended by its agent without a failure (the group "
+                     "restarts: a peer failed or left)")
+            return
         if gone:
-            cause = min(gone, key=lambda g: cause_order(*g))
+            known = [g for g in gone if g[1] is not None] if self.agent_reports else gone
+            cause = min(known, key=lambda g: cause_order(*g))
             if cause_order(*cause)[0]:  # every one lost a peer: the cause is on another node, which records it
-                self.handled_round = cause[0].restart
+                self.handled.add(cause[0].round_key)
                 self.say(f"launcher: rank {cause[0].rank} lost a peer on another node (that node's launcher "
                          "records the cause)")
+                return
+            if stopped_by_agent(cause[1]):  # an effect: the failure that made the agent stop them is recorded
+                self.handled.add(cause[0].round_key)  # where it happened (here by agent_reaped, or on its node)
+                self.say(f"launcher: rank {cause[0].rank} was {describe_exit(cause[1])}: its agent ended the "
+                         "round (a peer failed or left the group)")
                 return
             self.record_exit(*cause)
             return
@@ -206,7 +236,7 @@ class HangWatch:
 
     def record_exit(self, beat: Beat, status: int | None, failure_message: str | None = None) -> None:
         """A worker ended on its own: its kind (oom, timeout, worker-exit), rank and last step."""
-        self.handled_round = beat.restart
+        self.handled.add(beat.round_key)
         message = failure_message or _error_message(beat.error_file) or describe_exit(status)
         oom_now = oom_kills()
         kind: incidents.Kind = "worker-exit"
@@ -228,8 +258,8 @@ class HangWatch:
 
     def heal_hang(self, live: list[Beat], silent_for: float) -> None:
         """Dump every rank's stacks into incidents/, name the rank that did not answer (or advanced least), kill."""
-        self.handled_round = live[0].restart
-        self.hang_rounds.add(live[0].restart)
+        self.handled.add(live[0].round_key)
+        self.hang_rounds.add(live[0].round_key)
         stacks = {b.rank: stacks_file(self.folder, b.rank) for b in live}
         offsets = {rank: p.stat().st_size if p.exists() else 0 for rank, p in stacks.items()}
         states = {b.rank: process_state(b.pid)[0] for b in live}
@@ -247,7 +277,7 @@ class HangWatch:
         chosen = verdict
         if self.agree is not None:
             try:
-                chosen = self.agree(live[0].restart, verdict)
+                chosen = self.agree(live[0].round_key, verdict)
             except (RuntimeError, OSError, ValueError) as e:  # the store is gone too: decide alone
                 self.say(f"launcher: warning: hang watch: could not compare with the other nodes ({e})")
         at = time.time()
@@ -296,7 +326,7 @@ class HangWatch:
         """After the agent gave up: record the failure that ended the last round, unless it was already."""
         self.stop()
         beats = self.beats()
-        if beats and beats[0].restart > self.handled_round and failure_rank is not None:
+        if beats and beats[0].round_key not in self.handled and failure_rank is not None:
             beat = next((b for b in beats if b.rank == failure_rank), beats[0])
             self.record_exit(beat, None, failure_message)
 
@@ -313,7 +343,7 @@ class HangWatch:
         first step (starting, or restarting after an incident) only the start-up collective timeout applies.
         """
         now = time.time() if now is None else now
-        current = [b for b in self.beats() if b.restart > self.handled_round]
+        current = [b for b in self.beats() if b.round_key not in self.handled]
         if not current:
             return True, {"status": "starting", "timeout_seconds": liveness}
         if all(b.done for b in current):
@@ -326,6 +356,7 @@ class HangWatch:
                                  for b in sorted(current, key=lambda b: b.rank)}}
 
     def restart_round(self) -> int:
+        """This node's agent's restarts (TORCHELASTIC_RESTART_COUNT of its newest round)."""
         return max((b.restart for b in self.beats()), default=0)
 
     def last_step(self) -> int | None:
@@ -366,46 +397,6 @@ def launcher_metrics(watch: HangWatch, port: int | None, host: str, alert_second
         return None
     watch.on_incident = exporter.incident
     return exporter
-
-
-def hang_agreement(endpoint: str, rdzv_id: str, nodes: int, wait: float = STACKS_WAIT_SECONDS
-                   ) -> Callable[[int, dict[str, Any]], dict[str, Any]]:
-    """The nodes' watches agree on one stuck rank through the rendezvous host's c10d store (not a collective).
-
-    Each node's watch sees only its own ranks: a healthy node whose rank waits in a collective would name it
-    ("advanced least") while the stuck rank's node names the stuck one. Every watch that declares a hang
-    publishes its verdict under the restart round, waits up to `wait` for the other nodes' (they see the same
-    hang within a poll of each other: every rank's last step ended in the same collective), and the job's
-    suspect is the strongest: a rank that did not answer (stopped) before one that advanced least, then the
-    lowest step, then the lowest rank. Only the node that holds it records the incident.
-    """
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    host, _, port = endpoint.rpartition(":")
-    client: list[Any] = []
-
-    def agree(restart: int, verdict: dict[str, Any]) -> dict[str, Any]:
-        if not client:
-            client.append(TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5),
-                                   wait_for_workers=False))
-        store = client[0]
-        prefix = f"kubetrain/hang/{rdzv_id}/{restart}"
-        index = store.add(f"{prefix}/count", 1)
-        store.set(f"{prefix}/{index}", json.dumps(verdict))
-        # a node whose ranks all answered (healthy, blocked in a collective) holds no suspect of its own: it waits
-        # longer for the node that has one (still within the clocks' WATCH_ACTS_WITHIN), which decides quickly
-        deadline = time.monotonic() + (wait if verdict["silent"] else max(wait, HEALTHY_NODE_WAIT_SECONDS))
-        while store.add(f"{prefix}/count", 0) < nodes and time.monotonic() < deadline:
-            time.sleep(0.1)
-        found = []
-        for i in range(1, store.add(f"{prefix}/count", 0) + 1):
-            if store.check([f"{prefix}/{i}"]):
-                found.append(json.loads(store.get(f"{prefix}/{i}")))
-        return min(found or [verdict], key=lambda v: (not v["silent"], v["step"], v["rank"]))
-
-    return agree
 
 
 def _signal(pid: int, sig: int) -> None:

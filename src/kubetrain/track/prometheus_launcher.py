@@ -10,9 +10,10 @@ when it matters. The launcher outlives its workers. It serves, on `track.prometh
 - `kubetrain_worker_restarts`: the elastic restart round (a resume by a new launcher is `kubetrain_starts`);
 - `kubetrain_incidents_total{kind, rank}`: the incidents this launcher recorded;
 - `kubetrain_job_failed`: 1 once the launcher gave up (no restarts left); `kubetrain_job_finished`: 1 once its
-  workers finished the run. Before it exits it waits for one more scrape (if it was ever scraped), so the
-  outcome is stored and the rules can tell a launcher that ended on its own from one that vanished (killed from
-  outside, its node lost: KubetrainLauncherGone).
+  workers finished the run; `kubetrain_job_stopped`: 1 once it was stopped by SIGTERM/SIGINT (`kubetrain k8s
+  stop`, a preemption, a node drain: a planned end, not a lost launcher). Before it exits it waits for one more
+  scrape (if it was ever scraped), so the outcome is stored and the rules can tell a launcher that ended on its
+  own from one that vanished (killed from outside, its node lost: KubetrainLauncherGone).
 
 `/healthz` is the pod's liveness probe: 200 while a rank of this node finished a step within the liveness clock
 (config/clocks.py, judged by the watch: launch/watch.py HangWatch.health), 503 after; JSON details either way.
@@ -66,6 +67,7 @@ class LauncherExporter:
         self.incidents: dict[tuple[str, str], int] = {}
         self.failed_at: float | None = None
         self.finished_at: float | None = None
+        self.stopped_at: float | None = None  # when a SIGTERM/SIGINT ended the launcher
         self.scrapes: list[float] = []  # monotonic times the last scrapes of /metrics began (each once answered)
         self.scraper_seen = False  # a scrape of /metrics began: someone will come back for the last one
         self._scraped = threading.Condition()
@@ -95,18 +97,20 @@ class LauncherExporter:
         key = (str(entry["kind"]), "" if entry.get("rank") is None else str(entry["rank"]))
         self.incidents[key] = self.incidents.get(key, 0) + 1
 
-    def close(self, failed: bool, finished: bool = False) -> None:
-        """Stop serving; a launcher that gave up (or whose workers finished) first lets its scraper read
-        `kubetrain_job_failed 1` (`kubetrain_job_finished 1`)."""
+    def close(self, failed: bool, finished: bool = False, stopped: bool = False) -> None:
+        """Stop serving; a launcher that gave up (whose workers finished, that was stopped by a signal) first lets
+        its scraper read `kubetrain_job_failed 1` (`kubetrain_job_finished 1`, `kubetrain_job_stopped 1`)."""
         if self.server is None:
             return
-        if failed or finished:
+        if failed or finished or stopped:
             with self._scraped:
                 ended_at = time.monotonic()
                 if failed:
                     self.failed_at = ended_at
-                else:
+                elif finished:
                     self.finished_at = ended_at
+                else:
+                    self.stopped_at = ended_at
                 if self.scraper_seen:  # not `self.scrapes`: a scrape answered just now may not be recorded yet
                     gap = self.scrapes[-1] - self.scrapes[-2] if len(self.scrapes) > 1 else LINGER_MAX_SECONDS / 2
                     self._scraped.wait_for(lambda: bool(self.scrapes) and self.scrapes[-1] > ended_at,
@@ -153,6 +157,8 @@ class LauncherExporter:
              float(self.failed_at is not None)),
             ("kubetrain_job_finished", "1 once the launcher's workers finished the run.",
              float(self.finished_at is not None)),
+            ("kubetrain_job_stopped", "1 once the launcher was stopped by SIGTERM/SIGINT (a planned end).",
+             float(self.stopped_at is not None)),
         ):
             g = GaugeMetricFamily(name, doc, labels=list(run))
             g.add_metric([self.run], value)

@@ -1,8 +1,8 @@
 """A worker's side of hang detection: the step it last finished, in a small file the launcher watches.
 
 Under `kubetrain train --nproc` (and in a pod) the launcher names a folder in KUBETRAIN_HEARTBEAT_DIR. Each
-worker writes `rank-NNNNN.json` (rank, pid, step, time, restart round) after every step, registers
-faulthandler on SIGUSR1 so the launcher can ask for its Python stacks (written to `stacks-rank-NNNNN.txt`),
+worker writes `rank-NNNNN.json` (rank, pid, step, time, restart count, the round's identity) after every step,
+registers faulthandler on SIGUSR1 so the launcher can ask for its Python stacks (written to `stacks-rank-NNNNN.txt`),
 and asks Linux to kill it when its launcher dies, so a SIGKILLed agent leaves no orphan training on.
 Without the variable (one process, a bare torchrun) none of this happens.
 """
@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,6 +34,18 @@ def beat_file(folder: Path, rank: int) -> Path:
 
 def stacks_file(folder: Path, rank: int) -> Path:
     return folder / f"stacks-rank-{rank:05d}.txt"
+
+
+def round_identity(env: Mapping[str, str]) -> str:
+    """The same string on every node for one rendezvous round of the workers, and a new one at every round.
+
+    TORCHELASTIC_RESTART_COUNT is neither: it counts this node's agent's restarts after a failure, so a node whose
+    agent restarted its workers because a peer left (a membership change) keeps its count, and its next round looked
+    like the round it had already handled (issue 43). The workers' store address is per round: the launcher sets
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so rank 0's agent picks a free port for each round's store.
+    """
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    return f"{addr}:{port}" if addr and port else f"restart {env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def die_with_launcher() -> bool:
@@ -60,6 +73,8 @@ class Heartbeat:
         self.path = beat_file(folder, rank)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.round = round_identity(os.environ)
+        self.started = time.time()
         self.error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
         self.step = -1
         # faulthandler writes from its C signal handler, so it answers even while Python is stuck in C code
@@ -81,7 +96,8 @@ class Heartbeat:
         reader is a process on this node; a record caught half-written fails to parse and is read next poll)."""
         self.step = step
         fields = {"rank": self.rank, "pid": os.getpid(), "step": step, "time": time.time(),
-                  "restart": self.restart, "error_file": self.error_file, **extra}
+                  "restart": self.restart, "round": self.round, "started": self.started,
+                  "error_file": self.error_file, **extra}
         record = json.dumps(fields)
         if len(record) > RECORD_BYTES:  # an absurdly long error-file path: the launcher does without it
             record = json.dumps({**fields, "error_file": None})

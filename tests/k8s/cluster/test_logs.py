@@ -354,3 +354,75 @@ def test_follow_leaves_a_stalled_stream_for_the_pod_that_replaced_it(tmp_path: P
     assert [line for line in rank_lines(lines) if line.startswith("[rank 1]")] == [
         "[rank 1] [entrypoint] node 1/2", "[rank 1] [rank 1 stalls]", "[rank 1] [entrypoint] node 1/2 again"]
     assert f"[rank 1] (pod {one} was replaced by {new_one}; following it)" in lines
+
+
+def test_follow_prints_each_pod_once_and_never_goes_back_to_a_pod_it_left(
+        tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    """Issue 43: rank 0's pod stops after a checkpoint (exit 75: the Job keeps it, and replaces it), then its
+    replacement is deleted. Until the controller makes the next pod, the kept pod was the rank's newest again:
+    `logs -f` said it replaced the deleted one and printed its lines a second time."""
+    first, follower = following_one_rank(tmp_path, apiserver, cli, "step 1/8\n")
+    apiserver.exit(first, 75, "stopped at step 2 after its checkpoint\n")
+    second = apiserver.pod("tiny", 0)
+    assert second != first
+    apiserver.start(second, "resuming from step 2\nstep 3/8\n")
+    follower.saw("[rank 0] step 3/8")
+    apiserver.delete_pod(second, log="stopped at step 4 after its checkpoint\n")  # gone; replaced at the next sync
+    follower.saw(f"[rank 0] (pod {second} is gone while the job is active: it is being replaced)")
+    still_following(apiserver, follower)
+    apiserver.sync("tiny")
+    third = apiserver.pod("tiny", 0)
+    assert third not in (first, second)
+    apiserver.start(third, "resuming from step 4\nstep 8/8\n")
+    apiserver.exit(third, 0)
+    lines = [line for line in follower.end() if "waiting:" not in line and "no pod yet" not in line]
+    said = rank_lines(lines)
+    assert len(said) == len(set(said)), lines  # no line printed twice
+    assert not any(f"replaced by {first}" in line for line in lines), lines
+    assert said == ["[rank 0] step 1/8", "[rank 0] stopped at step 2 after its checkpoint",
+                    "[rank 0] resuming from step 2", "[rank 0] step 3/8",
+                    "[rank 0] stopped at step 4 after its checkpoint", "[rank 0] resuming from step 4",
+                    "[rank 0] step 8/8"]
+
+
+def test_a_pod_whose_worker_has_another_global_rank_says_both_once(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    """Issue 43: after a rendezvous gave the ranks out again, pod 1 runs global rank 0: `[rank 1] [rank 0] step`
+    read as two ranks. Pod and rank are named once each; one prefix where they agree."""
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, 2)
+    zero, one = apiserver.pod("tiny", 0), apiserver.pod("tiny", 1)
+    apiserver.start(zero, "[entrypoint] node 0/2\n[rank 1] SIGTERM: finishing this step\n")
+    apiserver.start(one, "[entrypoint] node 1/2\n[rank 0] step 3/8 | loss 4.2\n")
+    code, out, err = cli("k8s", "logs", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    assert sorted(out.splitlines()) == ["[pod 0 · rank 1] SIGTERM: finishing this step",
+                                        "[pod 1 · rank 0] step 3/8 | loss 4.2",
+                                        "[rank 0] [entrypoint] node 0/2", "[rank 1] [entrypoint] node 1/2"]
+    apiserver.write_log(one, "[rank 1] step 4/8\n")
+    code, out, _ = cli("k8s", "logs", "tiny", "--rank", "1", "--kubeconfig", str(kubeconfig))
+    assert out.splitlines()[-1] == "[rank 1] step 4/8"  # the pod's index and the worker's rank agree: one prefix
+
+
+def test_a_reader_that_fails_on_an_unexpected_error_is_reported_not_dropped(
+        tmp_path: Path, apiserver: Any, cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 40: a rank's reader caught only KubetrainError; any other exception ended its thread, and `logs`
+    printed the other ranks and exited 0 as if the rank had nothing to say. Injected: rank 1's pod check raises."""
+    from kubetrain.k8s.cluster import logs
+
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, 2)
+    zero, one = apiserver.pod("tiny", 0), apiserver.pod("tiny", 1)
+    apiserver.start(zero, "step 1/8\n")
+    apiserver.start(one, "[entrypoint] node 1/2\n")
+    not_started = logs._not_started
+
+    def broken(pod: dict[str, Any]) -> str | None:
+        if pod["metadata"]["name"] == one:
+            raise ValueError("an answer the reader could not read")
+        return not_started(pod)
+
+    monkeypatch.setattr(logs, "_not_started", broken)
+    printed: list[str] = []
+    with pytest.raises(logs.ReaderFailed, match="rank 1: reading its log failed: ValueError: an answer"):
+        stream_logs(connect(kubeconfig), "tiny", "ml", emit=printed.append)
+    assert printed == ["[rank 0] step 1/8"]

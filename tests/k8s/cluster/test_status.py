@@ -347,3 +347,44 @@ def test_a_pod_that_exited_with_a_code_and_one_that_cannot_pull_its_image_are_na
     assert status["last_failure"]["message"] == (
         f"rank 0: container trainer of pod {pod} cannot pull image {image} (ImagePullBackOff: Back-off pulling "
         f'image "{image}")')
+
+
+@pytest.mark.parametrize("code", [69, 75])
+def test_a_pod_the_failure_policy_ignores_is_no_earlier_failure(
+        tmp_path: Path, apiserver: Any, cli: Cli, code: int) -> None:
+    """Issue 43: the rendered podFailurePolicy ignores a pod that lost its rendezvous host (69) or stopped after its
+    checkpoint (75), so the Job does not count them against backoffLimit; status counted them as failed pods."""
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig)
+    first = apiserver.pod("tiny", 0)
+    apiserver.start(first, "step 10/20 | loss 3.1\n")
+    apiserver.exit(first, code)
+    replacement = apiserver.pod("tiny", 0)
+    assert replacement != first
+    apiserver.start(replacement, "step 12/20 | loss 3.0\n")
+    apiserver.exit(replacement, 1)  # this one counts
+    third = apiserver.pod("tiny", 0)
+    apiserver.start(third, "step 13/20 | loss 2.9\n")
+    status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])
+    assert (status["pods"][0]["name"], status["pods"][0]["earlier_failed"]) == (third, 1)
+
+
+def test_after_a_restart_in_the_pod_the_step_is_the_resumed_one_without_the_old_eta(
+        tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    """Issue 43: the hang at step 90 ended the workers, which resumed from step 50 in the same pod; the last
+    progress line (step 90, its rate and ETA) is from before: the run is at step 50 until it logs a step again."""
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig)
+    pod = apiserver.pod("tiny", 0)
+    apiserver.start(pod, _progress(90, 600, slowest=None)
+                    + _incident("hang", 0, 90, T0, "no rank advanced for 60s; rank 0 did not answer")
+                    + "[rank 0] resuming from /ckpt/tiny/checkpoints/step-000050 (step 50, 12,800 tokens)\n")
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    assert out.splitlines()[0] == "tiny (indexed-job, namespace ml): running, step 50/200 (25%)"
+    apiserver.write_log(pod, _progress(52, 700, slowest=None))
+    status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])
+    assert (status["step"], status["eta_seconds"]) == (52, 700)
+    apiserver.write_log(pod, _incident("hang", 0, 60, T0 + 100, "no rank advanced for 60s; rank 0 did not answer"))
+    status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])
+    assert (status["step"], status["eta_seconds"], status["tokens_per_second"]) == (52, None, None)

@@ -3,7 +3,8 @@
 Prometheus (Debian's `prometheus`, where promtool comes from) runs on loopback with a temporary config that
 scrapes and evaluates every second, loads the rules `k8s platform render` ships, and is asked for its alerts
 over its HTTP API. Only the durations are scaled: the hang alert's threshold comes from the job's own clock
-(`dist.hang_timeout_seconds=8` -> 4 s), and the straggler rule's `for:` (minutes) is cut to 0s here.
+(`dist.hang_timeout_seconds=8` -> 4 s), the straggler rule's `for:` (minutes) is cut to 0s here, and the
+launcher-gone rule's (four scrapes) to four of these scrapes.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class Prometheus:
         for rule in groups[0]["rules"]:
             if rule["alert"] == "KubetrainStraggler":
                 rule["for"] = "0s"
+            if rule["alert"] == "KubetrainLauncherGone":  # 2m at 30 s scrapes: four scrapes; here scraped each 1 s
+                rule["for"] = "4s"
         (folder / "rules.yml").write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
         (folder / "prometheus.yml").write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
@@ -200,7 +203,8 @@ def test_a_straggler_among_two_and_among_four_ranks_fires_and_is_named(
 def test_a_launcher_killed_from_outside_alerts_and_one_that_finished_does_not(
         prometheus: Callable[[list[str]], Prometheus], tmp_path: Path) -> None:
     """kill -9 of a launcher (what the OOM killer and a lost node do to it): its scrape fails, its series vanish, and
-    KubetrainLauncherGone names it; a launcher whose workers finished said so to its last scrape and stays quiet."""
+    KubetrainLauncherGone names it; a launcher whose workers finished said so to its last scrape and stays quiet,
+    and so does one stopped by SIGTERM (issue 40: every planned stop fired)."""
     done_port, killed_port = two_free_ports(), two_free_ports()
     while killed_port in (done_port, done_port + 1) or killed_port + 1 == done_port:
         killed_port = two_free_ports()
@@ -220,6 +224,13 @@ def test_a_launcher_killed_from_outside_alerts_and_one_that_finished_does_not(
     _, err = done.communicate(timeout=SAFETY)
     assert done.returncode == 0, err[-3000:]
     assert server.query('max_over_time(kubetrain_job_finished{run="done"}[1m]) == 1'), "its last scrape"
+    stopped = train("stopped", killed_port, 100000)  # `k8s stop`, a preemption: a planned end says so
+    wait_until(lambda: scraped("stopped") and lines_in(tmp_path / "runs" / "stopped" / "metrics.jsonl") >= 2,
+               stopped, poll=0.2)  # training: the agent handles SIGTERM from its start (before, Python's default)
+    stopped.send_signal(signal.SIGTERM)
+    _, err = stopped.communicate(timeout=SAFETY)
+    assert stopped.returncode == 75, err[-3000:]
+    assert server.query('max_over_time(kubetrain_job_stopped{run="stopped"}[1m]) == 1'), "its last scrape"
     killed = train("killed", killed_port, 100000)
     wait_until(lambda: scraped("killed"), killed, poll=0.2)
     killed_at = time.time()
@@ -228,6 +239,6 @@ def test_a_launcher_killed_from_outside_alerts_and_one_that_finished_does_not(
     [gone] = server.wait_firing("KubetrainLauncherGone")
     assert gone["labels"]["run"] == "killed", gone
     time.sleep(2.5)  # two more evaluations: the finished run would have joined by now
-    assert [a["labels"]["run"] for a in server.firing("KubetrainLauncherGone")] == ["killed"]
+    assert [a["labels"]["run"] for a in server.firing("KubetrainLauncherGone")] == ["killed"]  # not `stopped`
     assert not server.firing("KubetrainJobFailed")
     print(f"launcher SIGKILLed: KubetrainLauncherGone firing after {_when(gone) - killed_at:.1f}s (activeAt)")

@@ -37,6 +37,7 @@ from kubetrain.k8s.quantities import quantity
 from kubetrain.k8s.render import validate
 from kubetrain.k8s.render.manifest import pod_templates, render
 from kubetrain.k8s.render.podsecurity import restricted_violations
+from tests.conftest import cli_env
 from tests.track.conftest import TrainTiny, data_cache, train_tiny  # noqa: F401  (fixtures)
 from tests.track.test_mlflow_sink import check_tracked_run, free_port, only_run, postgres_uri  # noqa: F401
 
@@ -360,7 +361,7 @@ def test_a_job_with_its_own_credentials_logs_a_run_and_a_reader_cannot_write(
                                     f"experiment kubetrain (existing, id {existing})",
                                     "granted EDIT on experiment kubetrain to trainer: its jobs can create runs there"]
         code, out, err = cli("k8s", "platform", "grant", "--tracking-uri", url, "--user", "trainer")
-        assert code == 0 and out.splitlines()[-1] == "trainer had a grant on it already: kept as it is", err
+        assert code == 0 and out.splitlines()[-1] == "trainer had EDIT on it already: kept as it is", err
 
         monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "trainer")  # the job's own credentials, from its Secret
         monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "trainer-password-1")
@@ -374,3 +375,17 @@ def test_a_job_with_its_own_credentials_logs_a_run_and_a_reader_cannot_write(
         reader = ("reader", "reader-password-1")
         assert _post(runs, {"experiment_id": existing}, reader) == 403  # a reader cannot write
         assert _get(f"{url}/api/2.0/mlflow/runs/get?run_id={run.info.run_id}", auth=reader) == 200  # but reads
+
+        # issue 40: a READ grant (made by hand, as the admin) was "kept as it is" and the job stayed untracked;
+        # issue 43: every grant printed MLflow's StarletteDeprecationWarning. Run as a user runs it: its own process.
+        grants = f"{url}/api/3.0/mlflow/users/permissions/grant"
+        assert _post(grants, {"username": "reader", "resource_type": "experiment", "resource_id": existing,
+                              "permission": "READ"}, admin) == 200
+        done = subprocess.run([sys.executable, "-m", "kubetrain", "k8s", "platform", "grant", "--tracking-uri", url,
+                               "--user", "reader"], env=cli_env(), capture_output=True, text=True, timeout=300,
+                              check=False)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines()[-1] == ("raised reader's READ on experiment kubetrain to EDIT: its jobs can "
+                                                "create runs there")
+        assert done.stderr == ""  # quiet when all is well
+        assert _post(runs, {"experiment_id": existing}, reader) == 200  # the raised grant lets it write

@@ -1,5 +1,8 @@
 """The logs of every rank of a job, interleaved as they arrive, each line prefixed with its rank.
 
+The prefix is the pod's index (its node rank); a worker's line that names another global rank says both once:
+`[pod 1 · rank 0] step ...`.
+
 A rank is read from its newest pod; the ranks are those the launched config asks for (k8s.nnodes), also
 those with no pod yet. With --follow, a rank without a pod, a pod that is not scheduled or whose container
 is still starting is waited for, saying why (the log endpoint answers an empty body or 400 until then), and
@@ -43,6 +46,7 @@ from kubetrain.k8s.workloads import BY_KIND, finished
 
 Emit = Callable[[str], None]
 _DONE = object()
+_RANK_PREFIX = re.compile(r"\[rank (\d+)\] ")  # the trainer's prefix of a worker's line (train/trainer.py)
 
 
 class LogsIncomplete(KubetrainError):
@@ -51,6 +55,10 @@ class LogsIncomplete(KubetrainError):
 
 class JobFailed(KubetrainError):
     """The followed job ended, and its controller says it failed."""
+
+
+class ReaderFailed(KubetrainError):
+    """A rank's reader ended on an error of our own (a bug, an answer it could not read): said, never dropped."""
 
 
 def _not_started(pod: dict[str, Any]) -> str | None:
@@ -83,6 +91,7 @@ class _RankReader:
         self.printed_then: set[str] = set()  # the lines printed with that stamp
         self.broken = ""  # our last status line about this rank's stream (said once)
         self.unread = False  # the last stream did not end with its container: its pod's log may hold more
+        self.left: set[str] = set()  # pods this rank was followed out of: never followed (nor printed) again
 
     def run(self) -> None:
         try:
@@ -103,8 +112,22 @@ class _RankReader:
                     self._back_off()
         except KubetrainError as e:
             self.lines.put(e)
+        except Exception as e:  # any other end of this thread would drop the rank without a word
+            self.lines.put(ReaderFailed(f"rank {'?' if self.number is None else self.number}: reading its log "
+                                        f"failed: {type(e).__name__}: {e}"))
         finally:
             self.lines.put(_DONE)
+
+    def _labelled(self, text: str) -> str:
+        """A container's line under one label: the reader's is the pod's index (its node rank), the trainer's own
+        `[rank R] ` the worker's global rank, which differs after a rendezvous gave the ranks out again (or with
+        several workers per pod): `[pod 1 · rank 0] `, or the one `[rank 1] ` where they agree."""
+        found = _RANK_PREFIX.match(text)
+        if found is None or self.number is None:
+            return self.prefix + text
+        if int(found.group(1)) == self.number:
+            return text
+        return f"[pod {self.number} · rank {found.group(1)}] {text[found.end():]}"
 
     def _note(self, text: str) -> None:
         """One of our own status lines for this rank, said once while it stays the same."""
@@ -118,9 +141,13 @@ class _RankReader:
         time.sleep(wait)
 
     def _refresh(self) -> Rank | None:
+        """This rank's newest pod, or None while it has none the job runs now: a Job keeps a pod that failed (one
+        that exited 75, replaced), which is the rank's newest again once the pod that replaced it is deleted; its
+        lines were printed, and the pod the controller makes next is the one to follow."""
         found = job_ranks(self.cluster, self.job, self.namespace)
         self.outage.answered()
-        return next((r for r in found if r.rank == self.number), None)
+        rank = next((r for r in found if r.rank == self.number), None)
+        return None if rank is None or rank.name in self.left else rank
 
     def _workload(self) -> dict[str, Any] | None:
         config_map = self.cluster.find("ConfigMap", f"{self.job}-config", self.namespace)
@@ -138,6 +165,8 @@ class _RankReader:
                 self.lines.put(LogsIncomplete(f"rank {self.number}: no pod: {why}"))
                 return None
             if obj is None or finished(obj) is not None:
+                if (found := self._refresh()) is not None:  # made, and done, between the two looks: its lines
+                    return found
                 self.lines.put(f"{self.prefix}(no pod: {why})")
                 return None
             if why != noted:
@@ -175,7 +204,7 @@ class _RankReader:
                 self.outage.answered()
                 text = self._unseen(line) if self.follow else line
                 if text is not None:
-                    self.lines.put(self.prefix + text)
+                    self.lines.put(self._labelled(text))
             self.unread = False
         except NotFound:
             if not self.follow:
@@ -222,6 +251,8 @@ class _RankReader:
         """Follow another container (a replacement pod, a restart): its log starts afresh."""
         if self.unread and self.rank is not None:
             self._rest_of(self.rank.name)
+        if self.rank is not None and (rank is None or rank.name != self.rank.name):  # not a restart in place
+            self.left.add(self.rank.name)
         self.rank, self.tail, self.printed, self.printed_then, self.broken = rank, None, None, set(), ""
         self.unread = False
 
@@ -235,7 +266,7 @@ class _RankReader:
                                                read_timeout=self.patience.idle):
                 text = self._unseen(line)
                 if text is not None:
-                    self.lines.put(self.prefix + text)
+                    self.lines.put(self._labelled(text))
         except ClusterError:
             pass
 
@@ -345,7 +376,7 @@ def stream_logs(
             errors.append(item)
         else:
             emit(item)
-    fatal = [e for e in errors if isinstance(e, ClusterError | GaveUp)]
+    fatal = [e for e in errors if isinstance(e, ClusterError | GaveUp | ReaderFailed)]
     if fatal:
         raise fatal[0]
     if errors:

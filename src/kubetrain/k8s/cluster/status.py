@@ -8,12 +8,14 @@ each live pod's log, of its previous container (a restart) and of the pod it rep
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from kubetrain.k8s.cluster.api import Cluster, ClusterError
 from kubetrain.k8s.cluster.failures import last_failure, oom_advice, oom_incident
 from kubetrain.k8s.cluster.waiting import Waiting, expected_ranks, workload_object
+from kubetrain.k8s.render.indexed_job import pod_failure_policy
 from kubetrain.k8s.workloads import (
     IDLE_MARKER,
     JOB_LABEL,
@@ -29,13 +31,14 @@ from kubetrain.runs.incidents import log_line, parse_log_line
 from kubetrain.track.console import duration, parse_progress
 
 TAIL_LINES = 1000  # of each log read: enough for an incident an hour old at one progress line every few seconds
+_RESUMED = re.compile(r"resuming from \S+ \(step (\d+)")  # train/checkpointing.py, rank 0's line on a resume
 
 
 @dataclass
 class Rank:
     rank: int | None
     pod: dict[str, Any]  # the newest pod of this rank: the one that runs (or ran last)
-    earlier_failed: int  # pods of this rank the controller replaced after they failed
+    earlier_failed: int  # pods of this rank the controller replaced after failures it counts (podFailurePolicy)
     replaced: dict[str, Any] | None = None  # the pod this one replaced (its log may hold the incident that ended it)
 
     @property
@@ -48,16 +51,50 @@ class Rank:
 
 
 def ranks(pods: list[dict[str, Any]]) -> list[Rank]:
-    """One entry per rank from its newest pod; a Job keeps the failed pods it replaced, which are counted."""
+    """One entry per rank from its newest pod; a Job keeps the failed pods it replaced: those its
+    podFailurePolicy counts are counted (a pod that stopped resumable, 75, or lost its rendezvous host, 69, is not)."""
     by_rank: dict[int | None, list[dict[str, Any]]] = {}
     for pod in pods:
         by_rank.setdefault(node_rank(pod), []).append(pod)
     out = []
     for rank, group in by_rank.items():
         group.sort(key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"]))
-        failed = sum((p.get("status") or {}).get("phase") == "Failed" for p in group[:-1])
+        failed = sum(counted_failure(p) for p in group[:-1])
         out.append(Rank(rank, group[-1], failed, group[-2] if len(group) > 1 else None))
     return sorted(out, key=lambda r: (r.rank is None, r.rank or 0, r.name))
+
+
+def counted_failure(pod: dict[str, Any]) -> bool:
+    """A failed pod the Job controller counts against backoffLimit under the podFailurePolicy kubetrain renders
+    (render/indexed_job.py): its first matching rule decides, and `Ignore` is not counted; no rule matching: counted.
+
+    Matched as the controller does (batch/v1 PodFailurePolicyRule): onPodConditions by type and status;
+    onExitCodes on `state.terminated.exitCode` of the named container (every container when unnamed), where
+    containers that exited 0 are left out.
+    """
+    status = pod.get("status") or {}
+    if status.get("phase") != "Failed":
+        return False
+    for rule in pod_failure_policy(main_container(pod))["rules"]:
+        if _matches(rule, status):
+            return bool(rule["action"] != "Ignore")
+    return True
+
+
+def _matches(rule: dict[str, Any], status: dict[str, Any]) -> bool:
+    if "onPodConditions" in rule:
+        have = {(c.get("type"), c.get("status")) for c in status.get("conditions") or []}
+        return any((want["type"], want.get("status", "True")) in have for want in rule["onPodConditions"])
+    exits = rule.get("onExitCodes")
+    if not exits:
+        return False
+    containers = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+    codes = [int(c["state"]["terminated"]["exitCode"]) for c in containers
+             if (c.get("state") or {}).get("terminated") and exits.get("containerName") in (None, c.get("name"))]
+    codes = [code for code in codes if code != 0]
+    if exits["operator"] == "In":
+        return any(code in exits["values"] for code in codes)
+    return exits["operator"] == "NotIn" and any(code not in exits["values"] for code in codes)
 
 
 def job_ranks(cluster: Cluster, name: str, namespace: str) -> list[Rank]:
@@ -139,12 +176,26 @@ def state(obj: dict[str, Any] | None, live: list[Rank], tails: dict[str, list[st
 
 
 def last_progress(live: list[Rank], tails: dict[str, list[str]]) -> dict[str, Any] | None:
-    """The newest progress line of the live pods, parsed (global rank 0 logs progress, on whichever pod it runs)."""
+    """The newest progress line of the live pods, parsed (global rank 0 logs progress, on whichever pod it runs).
+
+    A progress line older than an incident or a resume in the same log is from before the workers were ended: its
+    rate and ETA are not the run's now. After a resume the step is the resumed one, until the next progress line.
+    """
     for rank in live:
+        resumed: int | None = None
+        ended = False
         for line in reversed(tails.get(rank.name, [])):
             progress = parse_progress(line)
             if progress is not None:
-                return progress
+                if resumed is None and not ended:
+                    return progress
+                step = progress["step"] if resumed is None else resumed
+                return {**progress, "step": step, "tokens_per_second": None, "eta_seconds": None,
+                        "slowest_rank": None, "straggler_ratio": None}
+            found = _RESUMED.search(line)
+            if found is not None and resumed is None and not ended:
+                resumed = int(found.group(1))
+            ended = ended or parse_log_line(line) is not None
     return None
 
 

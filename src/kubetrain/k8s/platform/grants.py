@@ -7,11 +7,14 @@ admin, another job) created, and the job trains on without tracking. What works:
 experiment for that user. This does it as the admin, through MLflow's own clients (mlflow/server/auth/client.py:
 create_user; grant_user_permission, `POST /api/3.0/mlflow/users/permissions/grant` with resource_type
 `experiment`; MlflowClient for the experiment), with the admin's credentials in MLFLOW_TRACKING_USERNAME and
-MLFLOW_TRACKING_PASSWORD as every MLflow client reads them. Each step is idempotent, so it can run again.
+MLFLOW_TRACKING_PASSWORD as every MLflow client reads them. Each step is idempotent, so it can run again. A grant
+the user already has is kept when it lets the user write (EDIT, MANAGE), and raised to EDIT when it does not (READ,
+USE): MLflow refuses a second grant on the same experiment (RESOURCE_ALREADY_EXISTS), so it is revoked and granted.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 from kubetrain.errors import KubetrainError, UserInputError
@@ -29,8 +32,12 @@ def grant_edit(tracking_uri: str, user: str, experiment: str, password: str | No
     returns the experiment's id."""
     try:
         from mlflow.exceptions import MlflowException
-        from mlflow.server.auth.client import AuthServiceClient
         from mlflow.tracking import MlflowClient
+
+        with warnings.catch_warnings():  # the client imports MLflow's server app, whose starlette import warns
+            warnings.filterwarnings("ignore", message=r"starlette\.middleware\.wsgi is deprecated")
+            from mlflow.server.auth.client import AuthServiceClient
+        from mlflow.server.auth.permissions import get_permission
     except ImportError:
         raise UserInputError("granting needs the mlflow package: pip install 'kubetrain[mlflow]'") from None
 
@@ -52,7 +59,13 @@ def grant_edit(tracking_uri: str, user: str, experiment: str, password: str | No
         except MlflowException as e:
             if e.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-            say(f"{user} had a grant on it already: kept as it is")
+            had = auth.get_user_permission(user, "experiment", experiment_id).permission
+            if get_permission(had).can_update:
+                say(f"{user} had {had} on it already: kept as it is")
+                return str(experiment_id)
+            auth.revoke_user_permission(user, "experiment", experiment_id)
+            auth.grant_user_permission(user, "experiment", experiment_id, EDIT)
+            say(f"raised {user}'s {had} on experiment {experiment} to {EDIT}: its jobs can create runs there")
             return str(experiment_id)
         say(f"granted {EDIT} on experiment {experiment} to {user}: its jobs can create runs there")
     except MlflowException as e:

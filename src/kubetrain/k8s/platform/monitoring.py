@@ -47,6 +47,9 @@ def pod_monitor(cfg: PlatformConfig) -> dict[str, Any]:
     }
 
 
+LAUNCHER_GONE_FOR = "2m"  # four scrapes at the PodMonitor's 30 s: a failed scrape or two is not a lost launcher
+
+
 def _alert(name: str, expr: str, for_: str, summary: str, description: str, severity: str) -> dict[str, Any]:
     return {"alert": name, "expr": expr, "for": for_, "labels": {"severity": severity},
             "annotations": {"summary": summary, "description": description}}
@@ -92,20 +95,22 @@ def rule_groups(alerts: AlertsConfig) -> list[dict[str, Any]]:
                f"{{{{ $labels.namespace }}}}/{{{{ $labels.run }}}}'s launcher gave up within the last "
                f"{a.restart_window_minutes} minutes (no restarts left): the job is not training. Its last incident "
                "is in `kubetrain k8s status` and <run>/incidents/.", sev),
-        # a launcher that ended on its own said so to its last scrape (job_failed, job_finished); one whose series
-        # vanished without that was killed from outside (the OOM killer, kill -9) or lost with its node: a failed
-        # scrape marks its series stale, and so does a pod gone from the PodMonitor's targets
+        # a launcher that ended on its own said so to its last scrape (job_failed, job_finished, job_stopped: a
+        # SIGTERM, `kubetrain k8s stop` or a preemption); one whose series vanished without that was killed from
+        # outside (the OOM killer, kill -9) or lost with its node: a pod gone from the PodMonitor's targets marks
+        # its series stale. So does one failed scrape, which the next one undoes: `for` outlasts a few of them
         _alert("KubetrainLauncherGone",
                f"max by (namespace, run, pod) (max_over_time(kubetrain_worker_restarts[{restart_window}])) "
                "unless on (namespace, run, pod) kubetrain_worker_restarts "
                f"unless on (namespace, run, pod) (max_over_time(kubetrain_job_failed[{restart_window}]) > 0 or "
-               f"max_over_time(kubetrain_job_finished[{restart_window}]) > 0)", "0m",
+               f"max_over_time(kubetrain_job_finished[{restart_window}]) > 0 or "
+               f"max_over_time(kubetrain_job_stopped[{restart_window}]) > 0)", LAUNCHER_GONE_FOR,
                "A training pod's launcher vanished without ending its job",
                "The launcher of {{ $labels.namespace }}/{{ $labels.run }} in pod {{ $labels.pod }} stopped answering "
-               "scrapes without saying it finished or gave up: killed from outside (OOM killer, kill -9), its node "
-               "lost, or stopped (SIGTERM: `kubetrain k8s stop`, preemption). Runbook: `kubectl describe pod "
-               "{{ $labels.pod }}` (OOMKilled, node NotReady), `kubetrain k8s status {{ $labels.run }}`; a "
-               "replaced pod resumes from the newest checkpoint (KubetrainRestarted).", sev),
+               "scrapes without saying it finished, gave up or was stopped: killed from outside (OOM killer, "
+               "kill -9) or its node lost. Runbook: `kubectl describe pod {{ $labels.pod }}` (OOMKilled, node "
+               "NotReady), `kubetrain k8s status {{ $labels.run }}`; a replaced pod resumes from the newest "
+               "checkpoint (KubetrainRestarted).", sev),
         # the geometric mean over the window: a steady straggler's ratio wanders (1.2x to 2.4x window to window),
         # so the raw gauge crossed the threshold back and forth and `for:` restarted; with two ranks each window's
         # ratios are inverses, and so are their geometric means: only the rank slower over the window can cross.
