@@ -231,7 +231,7 @@ def test_a_background_save_is_recorded_once_written_with_its_timings(tmp_path: P
     trainer.train_step()
     assert trainer.save(background=True) is None  # written by a thread from a host copy
     trainer.train_step()  # training goes on; the copy does not change
-    trainer.collect_saves(wait=True)
+    trainer.checkpointer.collect_saves(wait=True)
     assert trainer.last_checkpoint is not None and trainer.last_checkpoint.path.name == "step-000001"
     lines = [json.loads(line) for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()]
     [ckpt] = [r for r in lines if r["kind"] == "checkpoint"]
