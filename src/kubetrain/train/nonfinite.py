@@ -101,8 +101,9 @@ class NonFiniteGuard:
         if n >= self.limit or (last and n > 0):
             first = step - n + 1
             self.settle()  # a background save of a step before `first` is one to name
-            raise RepeatableFailure(f"the loss was not finite (NaN or inf) for {n} steps in a row, since step {first}: "
-                                    f"stopped at step {step}, those steps changed no weight; {self.last_good(first)}")
+            raise RepeatableFailure(f"the loss or its gradients were not finite (NaN or inf) for {n} steps in a row, "
+                                    f"since step {first}: stopped at step {step} (those steps changed no weight); "
+                                    f"{self.last_good(first)}")
         return n == 0
 
     def last_good(self, first_bad: int) -> str:
