@@ -262,3 +262,21 @@ def parameters_on_meta() -> Iterator[None]:
     finally:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
+
+
+def step_unless_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """`optimizer.step()`, unless `found_inf` (a 0-dim float tensor on the parameters' device, 1.0 or 0.0) is set.
+
+    Optimizers marked `_step_supports_amp_scaling` (fused Adam/AdamW, what optim.py builds on the CPU and CUDA; 2.8
+    to 2.13) read the `found_inf` attribute GradScaler sets on them, in their kernel: a set flag leaves weights,
+    moments and step counts as they were (the step count is raised and lowered again), with no host sync. Any other
+    optimizer (foreach AdamW on MPS): the flag is read on the host (one sync per step), and the step is not taken.
+    """
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+    elif not bool(found_inf):
+        optimizer.step()

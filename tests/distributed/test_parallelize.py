@@ -121,10 +121,10 @@ def _bf16_fsdp_step(rank: int, world: int, root: Path) -> dict[str, Any]:
     scale = trainer.scaler.get_scale()
     trainer.train_step()
     overflow.remove()
-    trainer.loss_sum.zero_()
+    trainer.logged_loss.sums.zero_()
     seen["fp16_skipped"] = [optimizer_steps(trainer.optimizer), trainer.scaler.get_scale() / scale]
     trainer.train_step()
-    seen["fp16_stepped"] = [optimizer_steps(trainer.optimizer), bool(torch.isfinite(trainer.loss_sum))]
+    seen["fp16_stepped"] = [optimizer_steps(trainer.optimizer), bool(torch.isfinite(trainer.logged_loss.sums).all())]
     return seen
 
 

@@ -25,24 +25,26 @@ from kubetrain.models.loss import lm_loss
 from kubetrain.train.evaluate import eval_batches, evaluate, perplexity
 
 BLOCK, VOCAB = 8, 64
-# (validation windows, micro-batch, eval batches): uneven splits, a short last batch, more ranks than windows
-CASES = [(7, 2, 8), (7, 3, 2), (2, 2, 8), (1, 4, 1)]
+# (validation windows, micro-batch, eval.batches: windows evaluated): uneven splits, a short last batch, more ranks
+# than windows, fewer windows asked than there are
+CASES = [(7, 2, 16), (7, 3, 6), (2, 2, 16), (1, 4, 4), (7, 4, 5)]
 
 
 def test_perplexity_of_a_huge_loss_is_finite() -> None:
     assert 0 < perplexity(1000.0) < float("inf")
 
 
-@pytest.mark.parametrize("n_windows, batch, n_batches", CASES)
+@pytest.mark.parametrize("n_windows, batch, n_eval", CASES)
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
 def test_every_rank_runs_the_same_forwards_and_all_windows_are_counted_once(
-    n_windows: int, batch: int, n_batches: int, world: int
+    n_windows: int, batch: int, n_eval: int, world: int
 ) -> None:
-    plans = [eval_batches(n_windows, batch, n_batches, rank, world) for rank in range(world)]
+    plans = [eval_batches(n_windows, batch, n_eval, rank, world) for rank in range(world)]
     assert len({tuple(len(b) for b in plan) for plan in plans}) == 1  # same number and sizes of forwards
     assert all(plan for plan in plans)  # even a rank without a window runs them
+    assert all(len(b) <= batch for plan in plans for b in plan)  # a forward holds a micro-batch at most
     real = sorted(i for plan in plans for b in plan for i in b if i is not None)
-    assert real == list(range(min(n_windows, batch * n_batches)))
+    assert real == list(range(min(n_windows, n_eval)))  # eval.batches counts windows, whatever the micro-batch
 
 
 PART = "parts/00000"  # one part of the shard index holds the windows
@@ -77,20 +79,30 @@ def _losses(root: Path, rank: int, world: int, strategy: str) -> list[float]:
         cfg = validate({"dist": {"strategy": strategy}})
         model = parallelize(model, cfg, ProcessEnv(rank, world), torch.device("cpu"), "fp32")
     cpu = torch.device("cpu")
-    return [evaluate(model, _windows(root / str(n), n), batch, n_batches, cpu, contextlib.nullcontext, rank, world)
-            for n, batch, n_batches in CASES]
+    return [evaluate(model, _windows(root / str(n), n), batch, n_eval, cpu, contextlib.nullcontext, rank, world)
+            for n, batch, n_eval in CASES]
 
 
 def test_one_process_loss_is_the_token_weighted_mean_over_the_windows(tmp_path: Path) -> None:
     _write_windows(tmp_path)
     model = _model().eval()
     expected = []
-    for n, batch, n_batches in CASES:
+    for n, _, n_eval in CASES:
         windows = _windows(tmp_path / str(n), n)
-        every = windows.batch(list(range(min(n, batch * n_batches))))
+        every = windows.batch(list(range(min(n, n_eval))))
         with torch.no_grad():
             expected.append(float(lm_loss(model(every.input_ids), every.labels)))
     assert _losses(tmp_path, 0, 1, "ddp") == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_val_loss_does_not_move_with_the_micro_batch(tmp_path: Path) -> None:
+    """eval.batches counts windows: micro_batch_size (auto's choice, a resume's) changes the forwards, not the loss,
+    so `best` compares across them. Masked windows count unequal tokens: a mean of per-batch means would move."""
+    _write_windows(tmp_path)
+    model, cpu = _model(), torch.device("cpu")
+    windows = _windows(tmp_path / "7", 7)
+    losses = [evaluate(model, windows, batch, 5, cpu, contextlib.nullcontext) for batch in (1, 2, 3, 5, 8)]
+    assert losses == pytest.approx([losses[0]] * len(losses), rel=1e-6)
 
 
 def _worker(rank: int, world: int, root: Path) -> None:

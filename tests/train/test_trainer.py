@@ -95,12 +95,12 @@ def test_train_step_moves_weights_counters_and_the_loss_window(tmp_path: Path) -
     before = {k: v.clone() for k, v in trainer.base.state_dict().items()}
     trainer.train_step()
     assert (trainer.state.step, trainer.state.tokens) == (1, 2 * 2 * 16)
-    assert trainer.loss_count == 1 and float(trainer.loss_sum) > 0
+    loss_sum, counted = trainer.logged_loss.sums.tolist()
+    assert trainer.logged_loss.steps == 1 and loss_sum > 0 and counted == 2 * 2 * 16  # unmasked: every token counts
     assert any(not torch.equal(before[k], v) for k, v in trainer.base.state_dict().items())
-    window = float(trainer.loss_sum)
     trainer.log_train()
-    assert trainer.state.last_train_loss == pytest.approx(window)
-    assert trainer.loss_count == 0 and float(trainer.loss_sum) == 0.0
+    assert trainer.state.last_train_loss == pytest.approx(loss_sum / counted)
+    assert trainer.logged_loss.steps == 0 and not trainer.logged_loss.sums.any()
     records = [json.loads(line) for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "train"] == [1]
 
@@ -119,7 +119,7 @@ def test_gradient_checkpointing_of_our_gpt_trains_the_same_weights(tmp_path: Pat
         trainer.train_step()
         trainers.append(trainer)
     plain, checkpointed_run = trainers
-    assert float(plain.loss_sum) == float(checkpointed_run.loss_sum)
+    assert torch.equal(plain.logged_loss.sums, checkpointed_run.logged_loss.sums)
     for name, weight in plain.base.state_dict().items():
         torch.testing.assert_close(checkpointed_run.base.state_dict()[name], weight, rtol=0, atol=1e-6)
     from torch.distributed._composable import checkpoint
@@ -231,7 +231,7 @@ def test_a_background_save_is_recorded_once_written_with_its_timings(tmp_path: P
     trainer.train_step()
     assert trainer.save(background=True) is None  # written by a thread from a host copy
     trainer.train_step()  # training goes on; the copy does not change
-    trainer.collect_saves(wait=True)
+    trainer.checkpointer.collect_saves(wait=True)
     assert trainer.last_checkpoint is not None and trainer.last_checkpoint.path.name == "step-000001"
     lines = [json.loads(line) for line in (tmp_path / "parts" / "metrics.jsonl").read_text().splitlines()]
     [ckpt] = [r for r in lines if r["kind"] == "checkpoint"]

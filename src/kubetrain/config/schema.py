@@ -219,9 +219,10 @@ class TrainConfig(Section):
     )
     log_every_steps: int = Field(10, ge=1, description="Steps between metric lines.")
     max_nonfinite_steps: int = Field(
-        5, ge=1, description="Stop the run (exit 1) once its loss has been NaN or inf for this many steps in a row, "
-        "naming the step and the last checkpoint saved before; read at the steps that log, evaluate or save (no sync "
-        "per step), and while the loss is not finite nothing is evaluated or saved."
+        5, ge=1, description="A step whose loss or gradients are NaN or inf changes no weight and no optimizer state "
+        "(skipped on the device, no sync per step, counted as skipped_steps); once this many steps in a row were "
+        "skipped the run stops (exit 1), naming the newest checkpoint whose weights gave a finite loss. Read at the "
+        "steps that log, evaluate or save; while steps are skipped nothing is evaluated or saved."
     )
     deterministic: bool | None = Field(
         None, description="Deterministic kernels (null: on for CPU, where runs and resumes are bitwise "
@@ -255,8 +256,9 @@ class TrainConfig(Section):
 class EvalConfig(Section):
     every_steps: int = Field(50, ge=1, description="Steps between evaluations (validation loss, sample).")
     batches: int = Field(
-        8, ge=1, description="Validation batches of train.micro_batch_size windows per evaluation, over all ranks "
-        "together: the same windows and the same loss at any world size."
+        128, ge=1, description="Validation windows (sequences of model.block_size tokens) per evaluation, over all "
+        "ranks together: the first ones of the validation split, the same windows and the same token-weighted loss "
+        "at any world size and micro-batch (train.micro_batch_size only sets how many go through one forward)."
     )
     sample_prompt: str | None = Field(
         "And God said", min_length=1,

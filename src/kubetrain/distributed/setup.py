@@ -123,12 +123,21 @@ def barrier() -> None:
         td.barrier()
 
 
-def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
-    """Average of a tensor over ranks (itself for one process)."""
-    if td.is_initialized():
-        value = value.clone()
+def start_all_reduce_sum(value: torch.Tensor) -> td.Work | None:
+    """Start summing `value` over ranks in place (its device's backend runs it while the host goes on); None alone.
+
+    Wait on the returned work before reading `value`; on NCCL that wait only orders the GPU stream (no host sync).
+    """
+    if not td.is_initialized() or td.get_world_size() == 1:
+        return None
+    return td.all_reduce(value, op=td.ReduceOp.SUM, async_op=True)
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    """Sum of a tensor over ranks, in a new tensor (a copy of it for one process)."""
+    value = value.clone()
+    if td.is_initialized() and td.get_world_size() > 1:
         td.all_reduce(value, op=td.ReduceOp.SUM)
-        value /= td.get_world_size()
     return value
 
 

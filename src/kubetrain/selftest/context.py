@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kubetrain.config.schema import Config
-from kubetrain.train.state import TrainResult
+from kubetrain.train.result import TrainResult
 
 
 @dataclass(frozen=True)

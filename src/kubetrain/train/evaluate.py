@@ -1,4 +1,4 @@
-"""Validation loss and perplexity on a fixed set of windows, and text samples.
+"""Validation loss and perplexity on a fixed set of windows.
 
 Collective-safe: every rank runs the same number of forwards (under FSDP each forward is a collective), a rank
 with fewer windows pads with windows whose every label is ignored, and the loss is the token-weighted mean over
@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any
 
 import torch
 import torch.distributed as td
@@ -20,14 +19,14 @@ from kubetrain.data.loader import IGNORE_INDEX, Batch, TokenWindows
 from kubetrain.train.loss import LossStep, loss_step
 
 
-def eval_batches(n_windows: int, batch_size: int, n_batches: int, rank: int = 0, world: int = 1
+def eval_batches(n_windows: int, batch_size: int, n_eval: int, rank: int = 0, world: int = 1
                  ) -> list[list[int | None]]:
     """This rank's batches of validation window indices; None marks a padding window that counts for nothing.
 
-    The first `batch_size * n_batches` windows (all of them when there are fewer), whatever the world size,
-    dealt round-robin; every rank gets the same number of batches of the same sizes.
+    The first `n_eval` windows (all of them when there are fewer), whatever the world size and the micro-batch,
+    dealt round-robin; every rank gets the same number of batches of the same sizes (`batch_size` windows at most).
     """
-    total = min(n_windows, batch_size * n_batches)
+    total = min(n_windows, n_eval)
     per_rank = -(-total // world)
     mine: list[int | None] = list(range(rank, total, world))
     mine += [None] * (per_rank - len(mine))
@@ -47,14 +46,15 @@ def evaluate(
     model: nn.Module,
     windows: TokenWindows,
     batch_size: int,
-    n_batches: int,
+    n_eval: int,
     device: torch.device,
     autocast: Callable[[], AbstractContextManager[None]],
     rank: int = 0,
     world: int = 1,
     loss_of: LossStep | None = None,
 ) -> float:
-    """Token-weighted mean validation loss over the same windows every time (collective when distributed).
+    """Token-weighted mean validation loss over the first `n_eval` windows (collective when distributed): the same
+    number at any world size and micro-batch (`batch_size`, which only sets the windows per forward).
 
     `loss_of` (input_ids, labels) -> summed loss: the training step's (compiled with it); default the eager model's.
     """
@@ -63,7 +63,7 @@ def evaluate(
     model.eval()
     # float64 sums: the total over ranks is the same as one process's to ~1e-12, whatever the order (MPS has none)
     acc = torch.zeros(2, device=device, dtype=torch.float32 if device.type == "mps" else torch.float64)
-    for batch in _batches(windows, eval_batches(windows.n_windows, batch_size, n_batches, rank, world)):
+    for batch in _batches(windows, eval_batches(windows.n_windows, batch_size, n_eval, rank, world)):
         batch = batch.to(device)
         with autocast():
             loss_sum = loss_of(batch.input_ids, batch.labels)
@@ -80,22 +80,3 @@ def evaluate(
 
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
-
-
-def sample_text(model: nn.Module, tokenizer: Any, prompt: str, n: int, block_size: int, seed: int,
-                autocast_ctx: Callable[[], AbstractContextManager[Any]], every_rank: bool = False,
-                progress: Callable[[int, int], None] | None = None) -> str:
-    """`prompt` continued by `n` tokens of `model` (temperature 0.8, top-k 50, `seed`).
-
-    `every_rank` (FSDP/HSDP, where each forward all-gathers the weights): every rank runs all `n` forwards, with no
-    stop at end-of-text, which a rank could reach at another token than its peers and leave them waiting in a
-    collective; the text is cut there after."""
-    from kubetrain.data.tokenizers import prompt_ids
-    from kubetrain.models.sampling import generate
-
-    eos = tokenizer.eos_id
-    out = generate(model, prompt_ids(tokenizer, prompt), n, block_size, temperature=0.8, top_k=50,
-                   eos_id=None if every_rank else eos, seed=seed, autocast_ctx=autocast_ctx, progress=progress)
-    if eos is not None and eos in out:
-        out = out[:out.index(eos)]
-    return prompt + tokenizer.decode(out)

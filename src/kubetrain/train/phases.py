@@ -16,7 +16,8 @@ from kubetrain.runs.lock import hold as hold_run
 from kubetrain.runs.lock import job_identity
 from kubetrain.track.console import console_log
 from kubetrain.train.compile import reset_compiled
-from kubetrain.train.trainer import TrainResult, train
+from kubetrain.train.result import TrainResult
+from kubetrain.train.trainer import train
 
 
 def train_all(

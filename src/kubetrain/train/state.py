@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,24 +16,6 @@ from kubetrain.errors import IncompatibleCheckpointError
 
 
 @dataclass
-class TrainResult:
-    run_dir: str
-    steps: int
-    tokens: int
-    final_train_loss: float | None
-    final_val_loss: float | None
-    best_val_loss: float | None
-    tokens_per_second: float
-    status: str
-    resumed_from: int | None = None
-    sample: str | None = None
-    checkpoint: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
 class TrainState:
     """Everything besides weights and optimizer that a resume needs."""
 
@@ -43,11 +25,19 @@ class TrainState:
     best_saved_val_loss: float | None = None  # the val loss of the checkpoint `best` names
     last_train_loss: float | None = None
     last_val_loss: float | None = None
-    # The running sum of the current logging window, so a resumed run logs the same averages.
+    # The current logging window over every rank: its summed loss, steps and counted tokens, so a resumed run logs
+    # the same token-weighted loss. (A checkpoint of an earlier version holds no tokens: its window is dropped.)
     window_loss_sum: float = 0.0
     window_steps: int = 0
-    # fp16: optimizer steps the gradient scaler skipped because a gradient overflowed
+    window_tokens: int = 0
+    # steps that changed no weight: a loss or gradient that was not finite (fp16: also a gradient that overflowed)
     skipped_steps: int = 0
+
+    def improves_best_saved(self, evaluated_step: int) -> bool:
+        """Whether a checkpoint of this step becomes `best`: evaluated at this step, with a lower val loss than
+        every saved checkpoint's."""
+        return evaluated_step == self.step and self.last_val_loss is not None and (
+            self.best_saved_val_loss is None or self.last_val_loss < self.best_saved_val_loss)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

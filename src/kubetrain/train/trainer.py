@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sys
 import time
@@ -22,13 +21,12 @@ from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import Prepared, prepare
 from kubetrain.distributed import setup as dist
 from kubetrain.errors import CheckpointError, TrainingFailed, TrainingStopped, resume_hint
-from kubetrain.models.loss import counted_tokens, lm_loss
-from kubetrain.models.sampling import Progress
-from kubetrain.secrets import redact_text
+from kubetrain.models.loss import lm_loss
 from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
 from kubetrain.track.console import console_log, count
 from kubetrain.track.jsonl import truncate_after
+from kubetrain.train.accumulation import Window
 from kubetrain.train.checkpointing import Checkpointer, tokenizer_fingerprint
 from kubetrain.train.clock import RunClock
 from kubetrain.train.device import (
@@ -42,23 +40,19 @@ from kubetrain.train.device import (
     peak_flops,
     select_device,
 )
-from kubetrain.train.evaluate import evaluate, perplexity, sample_text
+from kubetrain.train.evaluate import evaluate, perplexity
 from kubetrain.train.heartbeat import Heartbeat
 from kubetrain.train.loss import loss_step
+from kubetrain.train.loss_window import LossWindow
 from kubetrain.train.memory_check import check_memory, report_peak
 from kubetrain.train.micro_batch import MicroBatchChoice, confirm_on_model, resolve_here
 from kubetrain.train.model_for_world import build_model_for_world
-from kubetrain.train.nonfinite import NonFiniteLoss
+from kubetrain.train.nonfinite import NonFiniteGuard
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
 from kubetrain.train.profile import StepProfiler
-from kubetrain.train.state import (
-    TrainResult,
-    TrainState,
-    load_optimizer,
-    optimizer_steps,
-    unwrap,
-    weight_shapes,
-)
+from kubetrain.train.result import TrainResult, record_end
+from kubetrain.train.samples import Samples
+from kubetrain.train.state import TrainState, load_optimizer, unwrap, weight_shapes
 from kubetrain.train.stop import GracefulStop, StopVote
 from kubetrain.train.straggler import ComputeTimer
 
@@ -141,7 +135,7 @@ class Trainer:
         profiler = StepProfiler.for_rank(cfg.train.profile, self.path, self.penv.rank, self.device, state.step,
                                          self.out)  # train.profile: a trace of a few steps, rank 0 by default
         try:
-            with stop:
+            with stop, self.out_of_memory_is_one_line(None):
                 while state.step < self.max_steps:
                     self.train_step()
                     if profiler:
@@ -156,11 +150,11 @@ class Trainer:
                     if state.step % cfg.train.log_every_steps == 0 or final:
                         self.log_train()
                     with self.clock.side_work():
-                        # a loss that is not finite: no evaluation, no save of these weights; the run stops if it lasts
-                        finite = self.loss_watch.finite(state.step, final)
+                        # steps being skipped (not finite): no evaluation, no save; the run stops if it lasts
+                        finite = self.guard.finite(state.step, final)
                         improved = finite and (state.step % cfg.eval.every_steps == 0 or final) and self.evaluate()
                         stopping = vote.poll(stop.requested)
-                        finite = self.loss_watch.finite(state.step, last=True) if stopping else finite
+                        finite = self.guard.finite(state.step, last=True) if stopping else finite
                         if finite and (final or stopping or state.step % cfg.checkpoint.every_steps == 0
                                        or (improved and cfg.checkpoint.save_best)):
                             self.save(background=not (final or stopping))
@@ -175,15 +169,8 @@ class Trainer:
                         )
                 vote.close()
                 self.clock.stop()
-                if (self.main or self.sharded) and cfg.eval.sample_prompt is not None:  # null: off
-                    sample = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens * 3,
-                                         Progress("end-of-training sample", self.say))
+                sample = self.samples.at_end(self.say)
                 status = "finished"
-        except (torch.OutOfMemoryError, RuntimeError) as e:  # one line naming what to change; exit 1
-            if not is_out_of_memory(e):
-                raise
-            advice = out_of_memory_advice(cfg, self.device.type, f"after step {state.step}", self.penv.world_size)
-            raise TrainingFailed(advice) from e
         except OSError as e:  # bad input was refused before the first step: this is the machine, not the config
             where = f": {e.filename}" if e.filename else ""
             raise TrainingFailed(f"failed while running at step {state.step}: {e.strerror or e}{where}") from e
@@ -196,7 +183,10 @@ class Trainer:
             if self.uploader:  # wait for the uploads; after a stop, only within what is left of the grace period
                 self.uploader.close(stop.time_left())
             self.finish(status)
-        return self.result(status, sample)
+        return TrainResult.of_run(self.path, state, status, start_step=self.start_step,
+                                  resumed=self.resumed is not None, sample=sample, last_checkpoint=self.last_checkpoint,
+                                  trained_tokens=(state.step - self.start_step) * self.tokens_per_step,
+                                  training_seconds=self.clock.training_seconds())
 
     def first_step_done(self) -> None:
         """The first step compiled and warmed up: its time counts in the run's, not in tokens/s nor the ETA's rate
@@ -208,13 +198,14 @@ class Trainer:
             self.say(f"first step (compiling) took {seconds:.1f} s")
 
     @contextlib.contextmanager
-    def out_of_memory_is_one_line(self, where: str) -> Iterator[None]:
-        """Out of memory before the loop (loading, wrapping) is one line naming what to change, exit 1."""
+    def out_of_memory_is_one_line(self, where: str | None) -> Iterator[None]:
+        """Out of memory is one line naming what to change, exit 1. `where`: None for "after step N" (the loop)."""
         try:
             yield
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not is_out_of_memory(e):
                 raise
+            where = where or f"after step {self.state.step}"
             raise TrainingFailed(out_of_memory_advice(self.cfg, self.device.type, where,
                                                       self.penv.world_size)) from e
 
@@ -258,6 +249,7 @@ class Trainer:
         if t.max_tokens:
             self.max_steps = min(self.max_steps, math.ceil(t.max_tokens / self.tokens_per_step))
         self.amp = autocast(self.precision, self.device, self.sharded)  # none under FSDP's policy
+        self.samples = Samples(cfg, self.base, self.tokenizer, self.amp, self.main, self.sharded)
         # frozen weights (LoRA's base) get no weight gradient: counted, not assumed (device.py)
         self.flops_per_token = model_flops_per_token(self.base, cfg.model.block_size)
         self.peak = peak_flops(self.device, self.precision, self.torch_settings.tf32)
@@ -315,11 +307,10 @@ class Trainer:
         self.checkpointer.attach(self.model, self.base, self.optimizer, self.loader, self.scaler, self.sinks,
                                  self.uploader)
         self.memory_peak = MemoryPeak(self.device)
-        self.loss_watch = NonFiniteLoss(cfg, self.device, self.ckpt_root, self.checkpointer.wait_for_saves)
-        self.counted_at = (self.state.step, optimizer_steps(self.optimizer))  # (step, optimizer steps) last counted
+        self.guard = NonFiniteGuard(cfg, self.device, self.ckpt_root, self.checkpointer.wait_for_saves,
+                                    self.state.step, self.optimizer)
         self.clock = RunClock(self.start_step, self.state.tokens)  # tokens/s, the ETA, the result's training time
-        self.loss_sum = torch.tensor(self.state.window_loss_sum, device=self.device)
-        self.loss_count = self.state.window_steps
+        self.logged_loss = LossWindow(self.device, self.state, resumes=self.main)
 
     def start_run_files(self) -> None:
         """Rank 0: meta.json, metrics and samples cut back to the resumed step, the tokenizer, the sinks."""
@@ -350,41 +341,34 @@ class Trainer:
     # --- the parts of a step ---------------------------------------------------------------------------------
 
     def train_step(self) -> None:
-        """One optimizer step over grad_accum_steps micro-batches; gradients all-reduced on the last one."""
+        """One optimizer step over the accumulation window: its loss is the sum over the window's micro-batches and
+        every rank over their counted tokens (train/accumulation.py); gradients all-reduced on the last micro-batch.
+        A step whose loss or gradients are not finite changes nothing (train/nonfinite.py)."""
         accum = self.cfg.train.grad_accum_steps
-        model, optimizer, scaler = self.model, self.optimizer, self.scaler
+        model = self.model
         # DDP all-reduces only the last micro-batch. FSDP reduce-scatters every one (torchtitan does too): skipping
         # it would keep unsharded gradients, the whole model's, between micro-batches.
-        ddp_sync = getattr(model, "no_sync", None)
-        set_lr(optimizer, lr_at(self.state.step, self.cfg.train, self.max_steps))
-        for micro in range(accum):
-            self.compute_timer.start()
-            batch = self.loader.next_batch().to(self.device)
-            self.compute_timer.batch_ready()
+        no_grad_sync = getattr(model, "no_sync", None)
+        set_lr(self.optimizer, lr_at(self.state.step, self.cfg.train, self.max_steps))
+        self.compute_timer.start()
+        window = Window.fetch(self.loader, accum, self.device, self.penv.world_size)  # its count's all-reduce starts
+        self.compute_timer.batch_ready()
+        for micro, batch in enumerate(window.batches):
             last = micro == accum - 1
-            sync = ddp_sync() if ddp_sync is not None and not last else contextlib.nullcontext()
+            sync = no_grad_sync() if no_grad_sync is not None and not last else contextlib.nullcontext()
             with sync, self.amp():
-                loss = self.loss_of(batch.input_ids, batch.labels) / counted_tokens(batch.labels) / accum
+                loss_sum = self.loss_of(batch.input_ids, batch.labels)
             self.compute_timer.stop()
-            scaler.scale(loss).backward()
-            self.loss_sum += loss.detach()
-            self.loss_watch.observe(loss)
+            self.scaler.scale(self.guard.loss_to_backward(loss_sum, window.loss_scale())).backward()
+            self.logged_loss.add(loss_sum)
+        self.logged_loss.step_done(window.counted)
         self.checkpointer.wait_for_staging()  # a background save copies the weights until here; the optimizer
         # changes them
-        if self.cfg.train.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.train.grad_clip)
-        if scaler.is_enabled():
-            scaler.step(optimizer)  # skipped when a gradient is inf/nan (counted in count_skipped_steps)
-            scaler.update()
-        else:
-            optimizer.step()
+        self.guard.step(self.optimizer, self.scaler, model.parameters())
         self.memory_peak.sample()  # CPU: resident memory with gradients and optimizer state in place
-        optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.tokens += self.tokens_per_step
-        self.loss_count += 1
-        self.loss_watch.step_done()
         if self.sinks:
             self.sinks.heartbeat(self.state.step)
         if self.heartbeat:
@@ -397,18 +381,15 @@ class Trainer:
         val loss than every saved one (`is_best` overrides that).
         """
         state = self.state
-        self.count_skipped_steps()
+        state.skipped_steps += self.guard.skipped_since_counted(state.step, self.optimizer)
+        if not self.guard.savable(self.model, self.optimizer, state.step, last=not background, say=self.say):
+            return None  # an update overflowed: the next step's loss is not finite, and the guard counts it
         if is_best is None:
-            is_best = self.evaluated_step == state.step and state.last_val_loss is not None and (
-                state.best_saved_val_loss is None or state.last_val_loss < state.best_saved_val_loss)
+            is_best = state.improves_best_saved(self.evaluated_step)
         if is_best:
             state.best_saved_val_loss = state.last_val_loss
-        state.window_loss_sum, state.window_steps = float(self.loss_sum), self.loss_count
+        self.logged_loss.save_into(state)
         return self.checkpointer.save(state, is_best, background)
-
-    def collect_saves(self, wait: bool = False) -> None:
-        """Rank 0: record the background saves that finished (waiting for the one in flight when asked)."""
-        self.checkpointer.collect_saves(wait)
 
     @property
     def resumed(self) -> checkpoint.Checkpoint | None:
@@ -418,26 +399,12 @@ class Trainer:
     def last_checkpoint(self) -> checkpoint.Checkpoint | None:
         return self.checkpointer.last_checkpoint
 
-    def count_skipped_steps(self) -> None:
-        """fp16: add the steps since the last count that the scaler skipped (inf/nan gradients).
-
-        Read from the optimizer's own step counter at log and save time only: comparing the loss scale before
-        and after every step (scaler.get_scale) synchronised the host with the GPU twice per step.
-        """
-        if not self.scaler.is_enabled():
-            return
-        taken = optimizer_steps(self.optimizer)
-        steps, last_taken = self.state.step - self.counted_at[0], taken - self.counted_at[1]
-        self.state.skipped_steps += steps - last_taken
-        self.counted_at = (self.state.step, taken)
-
     def log_train(self) -> None:
-        """The mean loss of the window since the last log (over every rank), throughput, MFU, memory, ETA."""
+        """The loss of the window since the last log (its summed loss over its counted tokens, every rank's),
+        throughput, MFU, memory, ETA."""
         state = self.state
-        self.count_skipped_steps()
-        state.last_train_loss = float(dist.all_reduce_mean(self.loss_sum / self.loss_count))
-        self.loss_sum.zero_()
-        self.loss_count = 0
+        state.skipped_steps += self.guard.skipped_since_counted(state.step, self.optimizer)  # a host sync: here only
+        state.last_train_loss = self.logged_loss.read_and_reset()
         rate = self.clock.window(state.tokens)
         stragglers = self.compute_timer.gather()  # one all_gather, at log steps only
         if not self.sinks:
@@ -449,8 +416,8 @@ class Trainer:
             "memory_gib": self.memory_peak.read_and_reset(),  # the peak since the previous log line
             "eta_seconds": self.clock.eta(state.step, self.max_steps),
             "epoch": self.loader.epoch, "phase": self.opts.phase, "time": time.time(),
-            **({"skipped_steps": state.skipped_steps, "loss_scale": self.scaler.get_scale()}
-               if self.scaler.is_enabled() else {}),
+            "skipped_steps": state.skipped_steps,
+            **({"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}),
             **(stragglers.record() if stragglers else {}),
             **({"upload_failures": len(self.uploader.failed)} if self.uploader else {}),
         })
@@ -469,56 +436,14 @@ class Trainer:
         if self.sinks:
             self.sinks.log({"kind": "eval", "step": state.step, "val_loss": val, "val_ppl": perplexity(val),
                             "tokens": state.tokens, "phase": self.opts.phase, "time": time.time()})
-        self.write_sample()
+        self.samples.write(self.path, state.step)
         return improved
 
     def finish(self, status: str) -> None:
         """Record how the run ended: meta.json first (sinks such as MLflow keep it as an artifact), then sinks."""
-        state = self.state
-        if self.main and self.path.exists():
-            try:
-                runs.update_meta(self.path, status=status, step=state.step, tokens=state.tokens,
-                                 best_val_loss=state.best_val_loss, final_val_loss=state.last_val_loss,
-                                 final_train_loss=state.last_train_loss, finished_at=time.time())
-            except OSError as e:  # the error that ends the run matters more than this record of it
-                self.say(f"warning: could not record the end of the run ({status}) in meta.json: {e}")
+        if self.main:
+            record_end(self.path, self.state, status, self.say)
         if self.sinks:
             self.sinks.finish(status)
         if self.heartbeat:
             self.heartbeat.close(clean=status in ("finished", "stopped"))
-
-    def result(self, status: str, sample: str | None = None) -> TrainResult:
-        state = self.state
-        elapsed = self.clock.training_seconds()
-        trained = (state.step - self.start_step) * self.tokens_per_step
-        return TrainResult(
-            run_dir=str(self.path.resolve()),
-            steps=state.step,
-            tokens=state.tokens,
-            final_train_loss=state.last_train_loss,
-            final_val_loss=state.last_val_loss,
-            best_val_loss=state.best_val_loss,
-            tokens_per_second=trained / elapsed if elapsed > 0 else 0.0,
-            status=status,
-            resumed_from=self.start_step if self.resumed is not None else None,
-            sample=sample,
-            checkpoint=str(self.last_checkpoint.path.resolve()) if self.last_checkpoint else None,
-        )
-
-    # --- samples --------------------------------------------------------------------------------------------
-
-    def sample(self, prompt: str, n: int, progress: Progress | None = None) -> str:
-        """`prompt` continued by `n` tokens: rank 0 alone, or every rank under FSDP/HSDP (evaluate.sample_text)."""
-        return sample_text(self.base, self.tokenizer, prompt, n, self.cfg.model.block_size, self.cfg.run.seed,
-                           self.amp, every_rank=self.sharded, progress=progress)
-
-    def write_sample(self) -> None:
-        """A sample into samples.txt at an evaluation (rank 0 writes; under FSDP every rank takes part)."""
-        cfg = self.cfg
-        if cfg.eval.sample_prompt is None or not (self.main or self.sharded):
-            return
-        text = self.sample(cfg.eval.sample_prompt, cfg.eval.sample_tokens)
-        if not self.main:
-            return
-        with open(self.path / runs.SAMPLES_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": self.state.step, "sample": redact_text(text)}) + "\n")
