@@ -1,4 +1,5 @@
-"""The training step's forward and loss: one compiled graph of the model and its loss, under DDP too."""
+"""The training step's forward and loss: eager, the head and loss fused (GPT, Hugging Face + LoRA) with the loss and
+gradients of the plain head; compiled, one graph of the model and its loss, under DDP too."""
 
 from __future__ import annotations
 
@@ -9,7 +10,82 @@ import torch
 
 from kubetrain.data.loader import IGNORE_INDEX
 from kubetrain.models.loss import lm_loss_sum
-from kubetrain.train.loss import loss_step
+from kubetrain.train.loss import loss_step, takes_labels
+
+def _tiny_gpt(vocab: int = 512) -> torch.nn.Module:
+    from kubetrain.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=vocab, block_size=64, n_layer=2, n_head=2, n_embd=32))
+
+
+def _tiny_llama_lora(vocab: int = 512, targets: str | list[str] = "all-linear") -> torch.nn.Module:
+    """A 2-layer Llama built from its config (nothing downloaded) with LoRA (all-linear: every linear but the head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kubetrain.config.schema import LoraConfig
+    from kubetrain.models.hf import HFCausalLM
+    from kubetrain.models.lora import apply_lora
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      initializer_range=0.2)
+    model = apply_lora(HFCausalLM(LlamaForCausalLM(cfg), 64), LoraConfig(r=4, alpha=8, target_modules=targets))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero: give the adapters something to differentiate through
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+def _batch(vocab: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    ids, labels = torch.randint(0, vocab, (2, 64)), torch.randint(0, vocab, (2, 64))
+    labels[0, :20] = IGNORE_INDEX  # a prompt
+    return ids, labels
+
+
+def _loss_and_grads(model: torch.nn.Module, fn: object) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    ids, labels = _batch()
+    loss = fn(ids, labels)  # type: ignore[operator]
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("build", [_tiny_gpt, _tiny_llama_lora], ids=["gpt", "hf-llama-lora"])
+def test_the_eager_step_fuses_the_head_with_the_plain_heads_loss_and_gradients(build: object) -> None:
+    model = build()  # type: ignore[operator]
+    assert takes_labels(model)
+    fused, fused_grads = _loss_and_grads(model, loss_step(model, compiled=False))
+    plain, plain_grads = _loss_and_grads(model, lambda ids, labels: lm_loss_sum(model(ids), labels))
+    assert torch.allclose(fused, plain, rtol=1e-5, atol=0)
+    assert fused_grads.keys() == plain_grads.keys() and fused_grads
+    for name, grad in fused_grads.items():
+        assert torch.allclose(grad, plain_grads[name], rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.parametrize("build", [_tiny_gpt, _tiny_llama_lora], ids=["gpt", "hf-llama-lora"])
+def test_the_eager_step_keeps_no_tokens_by_vocab_tensor_for_backward(build: object) -> None:
+    model = build()  # type: ignore[operator]
+    ids, labels = _batch()
+    logits_elements = labels.numel() * 512  # 128 tokens x 512: more than any weight (512 x 32)
+    saved: list[torch.Tensor] = []
+
+    def biggest(fn: object) -> int:
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            fn(ids, labels)  # type: ignore[operator]
+        return max(t.numel() for t in saved)
+
+    assert biggest(lambda i, y: lm_loss_sum(model(i), y)) >= logits_elements  # the plain head keeps its logits
+    assert biggest(loss_step(model, compiled=False)) < logits_elements
+
+
+def test_a_head_with_adapters_on_it_gets_the_whole_logits_and_the_same_loss() -> None:
+    head = _tiny_llama_lora(targets=["q_proj", "lm_head"])
+    ids, labels = _batch()
+    assert torch.allclose(loss_step(head, compiled=False)(ids, labels), lm_loss_sum(head(ids), labels), rtol=1e-6)
 
 
 def test_loss_step_is_the_summed_loss_of_the_models_logits() -> None:

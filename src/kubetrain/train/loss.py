@@ -8,6 +8,7 @@ the compiled region, which Inductor fuses.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,8 +30,8 @@ def takes_labels(model: nn.Module) -> bool:
     return isinstance(inner, GPT | HFCausalLM)
 
 
-def loss_step(model: nn.Module, compiled: bool, blocks_compiled: bool = False, backend: str = "inductor"
-              ) -> LossStep:
+def loss_step(model: nn.Module, compiled: bool, blocks_compiled: bool = False,
+              backend: str | Callable[..., Any] = "inductor") -> LossStep:
     """(input_ids, labels) -> the summed loss of `model`'s logits (fp32): what a training step and an evaluation run.
 
     compiled: one graph of the model and its loss (one process; under DDP a graph per gradient bucket, see
