@@ -10,7 +10,9 @@ import torch
 
 from kubetrain.data.loader import IGNORE_INDEX
 from kubetrain.models.loss import lm_loss_sum
+from kubetrain.torch_compat import dynamo_counts
 from kubetrain.train.loss import loss_step, takes_labels
+
 
 def _tiny_gpt(vocab: int = 512) -> torch.nn.Module:
     from kubetrain.models.gpt import GPT, GPTConfig
@@ -96,19 +98,38 @@ def test_loss_step_is_the_summed_loss_of_the_models_logits() -> None:
     assert torch.equal(step(ids, labels), lm_loss_sum(model(ids), labels))
 
 
-def test_compiled_loss_step_is_one_graph_of_model_and_loss() -> None:
-    # the "eager" backend runs Dynamo's real capture without Inductor's code generation (slow on the CPU)
-    from torch._dynamo.testing import CompileCounter
+class GraphCounter:
+    """A Dynamo backend that keeps each graph it is given and runs it as captured (no code generation: Inductor's C++
+    takes minutes on a CPU)."""
 
-    torch._dynamo.reset()
-    model = torch.nn.Sequential(torch.nn.Embedding(37, 8), torch.nn.Linear(8, 37))
-    ids, labels = torch.randint(0, 37, (2, 5)), torch.randint(0, 37, (2, 5))
-    labels[0, 0] = IGNORE_INDEX
-    counter = CompileCounter()
-    compiled = torch.compile(loss_step(model, compiled=False), backend=counter)
-    assert torch.allclose(compiled(ids, labels), loss_step(model, compiled=False)(ids, labels), rtol=1e-6)
-    assert counter.frame_count == 1  # no graph break between the model and its loss
-    torch._dynamo.reset()
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: object) -> object:
+        self.graphs.append(gm)
+        return gm.forward
+
+
+def graph_ops(graphs: list[torch.fx.GraphModule]) -> set[str]:
+    """The names of the operations the graphs call (functions, methods and modules alike)."""
+    return {getattr(n.target, "__name__", str(n.target)) for gm in graphs for n in gm.graph.nodes
+            if n.op in ("call_function", "call_method", "call_module")}
+
+
+def test_the_compiled_step_of_our_gpt_is_one_graph_of_model_and_loss() -> None:
+    from kubetrain.train.compile import reset_compiled
+
+    reset_compiled()
+    model, counter = _tiny_gpt(), GraphCounter()
+    eager, eager_grads = _loss_and_grads(model, loss_step(model, compiled=False))
+    with dynamo_counts() as counts:  # the production path: loss_step(compiled=True) compiles and runs it
+        compiled, compiled_grads = _loss_and_grads(model, loss_step(model, compiled=True, backend=counter))
+    assert counts.graphs == 1 and not counts.breaks and len(counter.graphs) == 1  # one graph, no break
+    assert {"embedding", "cross_entropy"} <= graph_ops(counter.graphs)  # from the tokens to the loss
+    assert torch.allclose(compiled, eager, rtol=1e-5)
+    for name, grad in eager_grads.items():
+        assert torch.allclose(compiled_grads[name], grad, rtol=1e-4, atol=1e-6), name
+    reset_compiled()
 
 
 def _ddp_worker(rank: int, world: int, root: str) -> None:
@@ -116,7 +137,6 @@ def _ddp_worker(rank: int, world: int, root: str) -> None:
     import json
 
     import torch.distributed as td
-    from torch._dynamo.utils import counters
     from torch.nn.parallel import DistributedDataParallel
 
     from kubetrain.distributed.setup import teardown
@@ -126,24 +146,30 @@ def _ddp_worker(rank: int, world: int, root: str) -> None:
     torch.set_num_threads(1)
     td.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=world,
                           timeout=datetime.timedelta(seconds=120))
-    grads = []
+    grads, counter = [], GraphCounter()
     for compiled in (False, True):
         torch.manual_seed(0)
-        # the compiled step meets DDP inside: Dynamo compiles the wrapped model with its DDP optimizer
-        model = DistributedDataParallel(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)))
+        # n_embd 128: 1.7 MB of parameters, more than DDP's first bucket (1 MiB), so its buckets are two
+        model = DistributedDataParallel(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2,
+                                                      n_embd=128)))
         torch.manual_seed(rank)  # each rank its own batch, uneven prompts
         ids, labels = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
         labels[0, : rank + 1] = IGNORE_INDEX
-        step = loss_step(model, compiled, backend="aot_eager")
-        (step(ids, labels) / counted_tokens(labels)).backward()
+        step = loss_step(model, compiled, backend=counter)
+        with dynamo_counts() as counts:
+            (step(ids, labels) / counted_tokens(labels)).backward()
         grads.append([p.grad.tolist() for p in model.parameters()])
-    (Path(root) / f"grads-{rank}.json").write_text(json.dumps({"eager": grads[0], "compiled": grads[1],
-                                                                 "graphs": counters["stats"]["unique_graphs"]}))
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    (Path(root) / f"grads-{rank}.json").write_text(json.dumps({
+        "eager": grads[0], "compiled": grads[1], "graphs": counts.graphs, "breaks": list(counts.breaks),
+        "pieces": len(counter.graphs), "ops": sorted(graph_ops(counter.graphs)),
+        "first_graph_inputs": [n.name for n in counter.graphs[0].graph.nodes if n.op == "placeholder"],
+        "param_bytes": param_bytes, "bucket_cap": model.bucket_bytes_cap}))
     teardown()
 
 
 @pytest.mark.slow
-def test_ddp_compiled_step_all_reduces_the_same_gradients_as_eager_at_3_ranks(tmp_path: Path) -> None:
+def test_ddp_compiled_step_is_the_models_graph_split_at_the_buckets_with_eagers_gradients(tmp_path: Path) -> None:
     import json
 
     import torch.multiprocessing as mp
@@ -151,7 +177,15 @@ def test_ddp_compiled_step_all_reduces_the_same_gradients_as_eager_at_3_ranks(tm
     mp.start_processes(_ddp_worker, args=(3, str(tmp_path)), nprocs=3, start_method="spawn")
     found = [json.loads((tmp_path / f"grads-{rank}.json").read_text()) for rank in range(3)]
     for rank_found in found:
-        assert rank_found["graphs"] >= 1
+        # Dynamo does not trace DistributedDataParallel.forward (torch skips it on purpose): the step breaks there,
+        # and the wrapped GPT's forward, which takes the labels and so holds the head and the loss, is one graph...
+        assert rank_found["graphs"] == 1 and rank_found["breaks"]
+        assert any("DistributedDataParallel" in reason for reason in rank_found["breaks"])
+        assert any("input_ids" in name for name in rank_found["first_graph_inputs"])
+        assert {"embedding", "cross_entropy"} <= set(rank_found["ops"])
+        # ... which Dynamo's DDP optimizer splits at DDP's gradient buckets: the first holds 1 MiB, the rest fit one
+        assert 2**20 < rank_found["param_bytes"] <= 2**20 + rank_found["bucket_cap"]
+        assert rank_found["pieces"] == 2
         for eager, compiled in zip(rank_found["eager"], rank_found["compiled"], strict=True):
             assert torch.allclose(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-6)
     assert found[0]["compiled"] == found[2]["compiled"]  # all-reduced: every rank holds the same gradients
