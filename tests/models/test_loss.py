@@ -158,6 +158,14 @@ def test_the_fused_head_leaves_its_inputs_alone_and_a_frozen_head_gets_no_gradie
     assert torch.equal(hidden.detach(), before[0]) and torch.equal(weight, before[1])
 
 
+def test_the_fused_head_without_grad_mode_gives_the_loss_alone() -> None:
+    hidden, weight, b, labels = _head(True)
+    with torch.no_grad():  # evaluation
+        ours = linear_loss_sum(hidden, weight, b, labels)
+        theirs = F.cross_entropy(F.linear(hidden, weight, b), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    assert ours.grad_fn is None and torch.allclose(ours, theirs, rtol=1e-6)
+
+
 def test_the_fused_head_under_bf16_autocast_is_the_bf16_linears_loss() -> None:
     hidden, weight, _, labels = _head(False)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -4,8 +4,8 @@ with the head taken in, never holds them at all.
 - `ChunkedCrossEntropy` (logits given): cross-entropy in chunks of tokens with a hand-written backward, so no fp32
   copy of the whole logits is ever held (with bf16 autocast on a 50k vocabulary at 16 x 1024 tokens, that copy, its
   log-softmax and their gradients were 7 GiB on an H200).
-- `LinearCrossEntropy` (hidden states and the head's weight given): the head's matmul and the cross-entropy chunk
-  by chunk, forward and backward, so no tokens x vocab tensor exists beyond one chunk (Liger's and Apple's
+- `LinearCrossEntropy` (hidden states and the head's weight given): the head's matmul, the cross-entropy and their
+  gradients chunk by chunk, so no tokens x vocab tensor exists beyond one chunk (Liger's and Apple's
   cut-cross-entropy idea; a Llama-3.2 vocabulary of 128,256 at 2,048 tokens is 1 GiB of fp32 logits, more with their
   gradient). `head_loss_kernel` picks torch's own fused kernel or an installed one where it is the faster.
 - Compiled: the plain formulation inside the compiled region, where Inductor fuses the upcast into the softmax's
@@ -97,57 +97,67 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.float()
 
 
+def _head_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+               chunk: int, want: tuple[bool, bool, bool]
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The summed loss of the head `hidden @ weight.T + bias` and, for the inputs `want` names, its gradients (for an
+    upstream gradient of 1), `chunk` rows at a time: each chunk's logits are made, reduced and dropped. The matmuls
+    run in autocast's dtype where it is on, like nn.Linear's; the gradients of the weight and bias are fp32 sums."""
+    dtype = _compute_dtype(hidden)
+    counted, safe = _targets(labels)
+    n = hidden.shape[0]
+    lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    target = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    grad_h = torch.empty_like(hidden) if want[0] else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want[1] else None
+    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want[2] else None
+    with torch.autocast(hidden.device.type, enabled=False):
+        h, w = hidden.to(dtype), weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        one = torch.ones((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, n, chunk):
+            part = slice(start, start + chunk)
+            logits = _logits(h[part], w, b)
+            lse[part] = torch.logsumexp(logits, dim=-1)
+            target[part] = logits.gather(1, safe[part].unsqueeze(1)).squeeze(1)
+            if not any(want):
+                continue
+            g = _softmax_minus_onehot(logits, lse[part], safe[part], counted[part], one).to(dtype)
+            if grad_h is not None:
+                grad_h[part] = g @ w
+            if grad_w is not None:
+                grad_w += (g.t() @ h[part]).float()
+            if grad_b is not None:
+                grad_b += g.float().sum(0)
+    return torch.where(counted, lse - target, 0.0).sum(), grad_h, grad_w, grad_b
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of `hidden @ weight.T + bias` ((N, d) hidden, (V, d) weight) against (N,) labels, `chunk`
-    rows at a time: each chunk's logits are made, reduced to a log-sum-exp and the target's logit, and dropped.
-    Saves the inputs (no new big tensor) and one fp32 log-sum-exp per row; backward recomputes each chunk's logits,
-    then grad_hidden = g @ W and grad_W += g.T @ h (fp32 sums) with g = softmax - onehot. The matmuls run in autocast's
-    dtype where it is on, like nn.Linear's; a frozen head (LoRA) gets no weight gradient computed."""
+    rows at a time, so no tokens x vocab tensor exists beyond one chunk. The loss is a scalar whose upstream gradient
+    is a scalar too, so the gradients are made in the same pass (Liger's way: no second matmul to recompute the
+    logits in backward), with g = softmax - onehot per chunk: grad_hidden = g @ W, grad_W += g.T @ h. Backward only
+    scales them. Saved: the gradients (hidden's size, and the weight's where the head trains), never the logits; a
+    frozen head (LoRA) gets no weight gradient made."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 labels: torch.Tensor, chunk: int) -> torch.Tensor:
-        dtype = _compute_dtype(hidden)
-        counted, safe = _targets(labels)
-        n = hidden.shape[0]
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        target = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        with torch.autocast(hidden.device.type, enabled=False):
-            h, w = hidden.to(dtype), weight.to(dtype)
-            b = None if bias is None else bias.to(dtype)
-            for start in range(0, n, chunk):
-                part = slice(start, start + chunk)
-                logits = _logits(h[part], w, b)
-                lse[part] = torch.logsumexp(logits, dim=-1)
-                target[part] = logits.gather(1, safe[part].unsqueeze(1)).squeeze(1)
-        ctx.save_for_backward(hidden, weight, bias, safe, counted, lse)
-        ctx.chunk, ctx.dtype = chunk, dtype
-        return torch.where(counted, lse - target, 0.0).sum()
+        want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        total, grad_h, grad_w, grad_b = _head_loss(hidden, weight, bias, labels, chunk, want)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = weight.dtype, None if bias is None else bias.dtype
+        return total
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_total: torch.Tensor
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
-        hidden, weight, bias, safe, counted, lse = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
-        with torch.autocast(hidden.device.type, enabled=False):
-            h, w = hidden.to(ctx.dtype), weight.to(ctx.dtype)
-            b = None if bias is None else bias.to(ctx.dtype)
-            for start in range(0, hidden.shape[0], ctx.chunk):
-                part = slice(start, start + ctx.chunk)
-                g = _softmax_minus_onehot(_logits(h[part], w, b), lse[part], safe[part], counted[part], grad_total)
-                g = g.to(ctx.dtype)
-                if grad_h is not None:
-                    grad_h[part] = g @ w
-                if grad_w is not None:
-                    grad_w += (g.t() @ h[part]).float()
-                if grad_b is not None:
-                    grad_b += g.float().sum(0)
-        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None or bias is None else grad_b.to(bias.dtype), None, None)
+        grad_h, grad_w, grad_b = ctx.saved_tensors  # out of place: a second backward (retain_graph) reads them again
+        weight_dtype, bias_dtype = ctx.dtypes
+        return (None if grad_h is None else grad_h * grad_total.to(grad_h.dtype),
+                None if grad_w is None else (grad_w * grad_total).to(weight_dtype),
+                None if grad_b is None else (grad_b * grad_total).to(bias_dtype), None, None)
 
 
 def head_loss_kernel(device: torch.device) -> str:
@@ -180,7 +190,10 @@ def linear_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         summed: torch.Tensor = fused(flat, weight, targets, linear_bias=bias, reduction="sum",
                                      ignore_index=IGNORE_INDEX, options=options())
         return summed.float()
-    total: torch.Tensor = LinearCrossEntropy.apply(flat, weight, bias, targets, chunk_tokens(weight.shape[0]))
+    chunk = chunk_tokens(weight.shape[0])
+    if not torch.is_grad_enabled():  # evaluation: the loss alone, no gradients made
+        return _head_loss(flat, weight, bias, targets, chunk, (False, False, False))[0]
+    total: torch.Tensor = LinearCrossEntropy.apply(flat, weight, bias, targets, chunk)
     return total
 
 
