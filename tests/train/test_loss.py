@@ -21,6 +21,18 @@ def _tiny_gpt(vocab: int = 512) -> torch.nn.Module:
     return GPT(GPTConfig(vocab_size=vocab, block_size=64, n_layer=2, n_head=2, n_embd=32))
 
 
+def _tiny_gpt_lora() -> torch.nn.Module:
+    """Our GPT under PEFT's LoRA (a PeftModel that hands the labels on to the GPT)."""
+    from kubetrain.config.schema import LoraConfig
+    from kubetrain.models.lora import apply_lora
+
+    model = apply_lora(_tiny_gpt(), LoraConfig(r=4, alpha=8))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero: give the adapters something to differentiate through
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
 def _tiny_llama_lora(vocab: int = 512, targets: str | list[str] = "all-linear") -> torch.nn.Module:
     """A 2-layer Llama built from its config (nothing downloaded) with LoRA (all-linear: every linear but the head)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -55,7 +67,8 @@ def _loss_and_grads(model: torch.nn.Module, fn: object) -> tuple[torch.Tensor, d
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("build", [_tiny_gpt, _tiny_llama_lora], ids=["gpt", "hf-llama-lora"])
+@pytest.mark.parametrize("build", [_tiny_gpt, _tiny_gpt_lora, _tiny_llama_lora],
+                         ids=["gpt", "gpt-lora", "hf-llama-lora"])
 def test_the_eager_step_fuses_the_head_with_the_plain_heads_loss_and_gradients(build: object) -> None:
     model = build()  # type: ignore[operator]
     assert takes_labels(model)
