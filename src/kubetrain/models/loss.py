@@ -125,7 +125,9 @@ def _head_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             g = _softmax_minus_onehot(logits, lse[part], safe[part], counted[part], one).to(dtype)
             if grad_h is not None:
                 grad_h[part] = g @ w
-            if grad_w is not None:
+            if grad_w is not None and dtype == torch.float32:
+                grad_w.addmm_(g.t(), h[part])  # no chunk-sized temporary of the weight's size
+            elif grad_w is not None:
                 grad_w += (g.t() @ h[part]).float()
             if grad_b is not None:
                 grad_b += g.float().sum(0)
