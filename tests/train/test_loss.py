@@ -219,3 +219,17 @@ def test_a_llama_3_2_1b_shaped_lora_step_peaks_at_least_1_5_gib_lower_with_the_s
     found = json.loads(out.stdout)
     assert found["drop_bytes"] >= 1.5 * 2**30, (found["before"], found["fused"])
     assert found["loss_rel_diff"] <= 1e-5
+
+
+def test_a_model_that_changes_its_logits_after_the_head_gets_them_whole_and_the_same_loss() -> None:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from kubetrain.models.hf import HFCausalLM
+
+    torch.manual_seed(0)  # Gemma 2 soft-caps its logits (tanh) after the head: the fused head would skip that
+    cfg = Gemma2Config(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=16, max_position_embeddings=64, final_logit_softcapping=2.0,
+                       initializer_range=0.5)  # logits far past the cap: skipping it would double this loss
+    model = HFCausalLM(Gemma2ForCausalLM(cfg), 64)
+    ids, labels = _batch()
+    assert torch.allclose(loss_step(model, compiled=False)(ids, labels), lm_loss_sum(model(ids), labels), rtol=1e-6)

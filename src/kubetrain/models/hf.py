@@ -74,12 +74,14 @@ class HFCausalLM(nn.Module):
     def _loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The transformers model's decoder (under LoRA: the base model's, its layers adapted in place), then the
         head and loss together. A head that is more than a linear (LoRA or modules_to_save on it, a quantized head,
-        Gemma's logit soft-capping, Cohere's logit scale) gets the whole logits and the chunked loss."""
+        logits changed after it: Gemma's soft-capping, Cohere's scale, Granite's scaling; remote code, which nobody
+        here has read) gets the whole logits and the chunked loss."""
         base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
         head = base.get_output_embeddings()
         config = base.config
-        plain = (type(head) is nn.Linear and getattr(config, "final_logit_softcapping", None) is None
-                 and getattr(config, "logit_scale", None) in (None, 1.0) and base.base_model is not base)
+        plain = (type(head) is nn.Linear and type(base).__module__.startswith("transformers.")
+                 and base.base_model is not base and getattr(config, "final_logit_softcapping", None) is None
+                 and all(getattr(config, name, None) in (None, 1.0) for name in ("logit_scale", "logits_scaling")))
         if not plain:
             return lm_loss_sum(self(input_ids), labels)
         hidden = base.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
