@@ -1,5 +1,6 @@
 """The loss alone: kubetrain's chunked cross-entropy against cross-entropy on an fp32 copy of the logits (the loop
-before issue 34) and, where the installed torch has it (2.13+), torch's chunked F.linear_cross_entropy.
+before issue 34), kubetrain's head + loss fused chunk by chunk (models/loss.py `LinearCrossEntropy`, issue 40) and,
+where the installed torch has it (2.13+), torch's chunked F.linear_cross_entropy.
 
 Forward and backward of the loss (with the head's matmul, so the three do the same work), rounds interleaved;
 the median round's seconds, and the peak memory each adds (CUDA: the allocator's; the CPU: none, reported 0).
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kubetrain.models.loss import lm_loss_sum
+from kubetrain.models.loss import LinearCrossEntropy, chunk_tokens, lm_loss_sum
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,6 +30,7 @@ def candidates() -> dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor
     found: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
         "chunked (kubetrain)": lambda h, w, y: lm_loss_sum(h @ w.T, y),
         "fp32 copy (before)": lambda h, w, y: F.cross_entropy((h @ w.T).float(), y, reduction="sum"),
+        "fused head (kubetrain)": lambda h, w, y: LinearCrossEntropy.apply(h, w, None, y, chunk_tokens(w.shape[0])),
     }
     fused = getattr(F, "linear_cross_entropy", None)
     options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
@@ -44,9 +46,12 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     h = torch.randn(args.tokens, args.width, device=device, requires_grad=True)
     w = (torch.randn(args.vocab, args.width, device=device) * 0.05).requires_grad_()

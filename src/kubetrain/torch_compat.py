@@ -280,3 +280,54 @@ def step_unless_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Ten
             del optimizer.found_inf  # type: ignore[attr-defined]
     elif not bool(found_inf):
         optimizer.step()
+
+
+# --- kernels --------------------------------------------------------------------------------------------------
+
+
+def fused_linear_cross_entropy() -> tuple[Callable[..., torch.Tensor], Callable[[], Any]] | None:
+    """torch's fused head + loss and its options class, `(F.linear_cross_entropy, nn.LinearCrossEntropyOptions)`,
+    or None where this torch has neither (before 2.13).
+
+    Without options it is the reference (the whole logits); with `LinearCrossEntropyOptions()` it chunks over
+    tokens. Whether it runs is models/loss.py `head_loss_kernel`'s decision (measured per device).
+    """
+    fused = getattr(torch.nn.functional, "linear_cross_entropy", None)
+    options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    if fused is None or options is None:
+        return None
+    return fused, options
+
+
+# --- Dynamo ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class DynamoCounts:
+    """What Dynamo did inside `dynamo_counts()`: graphs captured (one per frame traced without a break, before any
+    split a backend makes) and graph breaks by reason (Dynamo's message)."""
+
+    graphs: int = 0
+    breaks: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def dynamo_counts() -> Iterator[DynamoCounts]:
+    """Count Dynamo's graphs and graph breaks while inside (filled in on exit): the proof of a one-graph claim.
+
+    Dynamo's process-wide `torch._dynamo.utils.counters` (2.0 to 2.13: `stats.unique_graphs`, `graph_break`) is read
+    before and after. Where it is gone, nothing is counted (both stay 0): the tests that prove the claim then fail
+    on their graph count, never pass by accident.
+    """
+    counters = _optional("torch._dynamo.utils", "counters")
+    found = DynamoCounts()
+    before = ({} if counters is None else dict(counters["graph_break"]),
+              0 if counters is None else counters["stats"]["unique_graphs"])
+    try:
+        yield found
+    finally:
+        if counters is not None:
+            found.graphs = counters["stats"]["unique_graphs"] - before[1]
+            for reason, n in counters["graph_break"].items():
+                if n > before[0].get(reason, 0):
+                    found.breaks[reason] = n - before[0].get(reason, 0)

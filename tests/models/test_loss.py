@@ -1,4 +1,5 @@
-"""The loss: the same numbers as cross-entropy on fp32 logits, without an fp32 copy of them."""
+"""The loss: the same numbers as cross-entropy on fp32 logits, without an fp32 copy of them (and, with the head
+taken in, without the logits at all); the inputs left as they were."""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from kubetrain.data.loader import IGNORE_INDEX
-from kubetrain.models.loss import ChunkedCrossEntropy, chunk_tokens, lm_loss
+from kubetrain.models.loss import (
+    ChunkedCrossEntropy,
+    LinearCrossEntropy,
+    chunk_tokens,
+    head_loss_kernel,
+    linear_loss_sum,
+    lm_loss,
+    lm_loss_sum,
+)
+from kubetrain.torch_compat import fused_linear_cross_entropy
 
 
 def reference_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -63,6 +73,142 @@ def test_a_batch_without_counted_positions_gives_zero_not_nan() -> None:
     loss.backward()
     assert logits.grad is not None
     assert loss.item() == 0.0 and torch.isfinite(logits.grad).all()
+
+
+def test_backward_leaves_fp32_logits_as_they_were_and_runs_twice_alike() -> None:
+    logits, labels = _batch(torch.float32)
+    flat = logits.view(-1, 37).requires_grad_()
+    before = flat.detach().clone()
+    total = ChunkedCrossEntropy.apply(flat, labels.view(-1), 4)
+    total.backward(retain_graph=True)
+    assert torch.equal(flat.detach(), before)  # the caller's logits, not a softmax written over them
+    assert flat.grad is not None
+    first = flat.grad.clone()
+    flat.grad = None
+    total.backward()  # a second backward (retain_graph) reads the same saved logits
+    assert torch.equal(flat.grad, first)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_logit_in_an_ignored_row_reaches_neither_loss_nor_gradient(bad: float) -> None:
+    logits, labels = _batch(torch.float32)
+    logits[0, 1, 3] = bad  # position 1 of window 0 is prompt: IGNORE_INDEX
+    flat = logits.view(-1, 37).requires_grad_()
+    total = ChunkedCrossEntropy.apply(flat, labels.view(-1), 4)
+    total.backward()
+    assert flat.grad is not None and torch.isfinite(total) and torch.isfinite(flat.grad).all()
+    assert not flat.grad[1].any()
+    clean = logits.clone()
+    clean[0, 1, 3] = 0.0
+    expected = F.cross_entropy(clean.view(-1, 37), labels.view(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    assert torch.allclose(total, expected, rtol=1e-6)
+
+
+def test_the_summed_loss_is_cross_entropys_sum() -> None:
+    logits, labels = _batch(torch.float32, vocab=1000)
+    expected = F.cross_entropy(logits.view(-1, 1000), labels.view(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    assert torch.allclose(lm_loss_sum(logits, labels), expected, rtol=1e-6, atol=0)
+
+
+def _head(bias: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """hidden (50, 16), a head (37, 16) (and bias), labels with a prompt: leaves that want gradients."""
+    torch.manual_seed(seed)
+    hidden = torch.randn(50, 16).requires_grad_()
+    weight = torch.randn(37, 16).requires_grad_()
+    b = torch.randn(37).requires_grad_() if bias else None
+    labels = torch.randint(0, 37, (50,))
+    labels[:9] = IGNORE_INDEX
+    return hidden, weight, b, labels
+
+
+def _grads(*tensors: torch.Tensor | None) -> list[torch.Tensor]:
+    found = [t.grad for t in tensors if t is not None]
+    assert all(g is not None for g in found)
+    return [g.clone() for g in found if g is not None]
+
+
+@pytest.mark.parametrize(("chunk", "bias"), [(1, False), (7, True), (50, False), (1000, True)])
+def test_the_fused_head_gives_the_loss_and_gradients_of_linear_then_cross_entropy(chunk: int, bias: bool) -> None:
+    hidden, weight, b, labels = _head(bias)
+    ours = LinearCrossEntropy.apply(hidden, weight, b, labels, chunk)
+    ours.backward()
+    fused = _grads(hidden, weight, b)
+    for t in (hidden, weight, b):
+        if t is not None:
+            t.grad = None
+    theirs = F.cross_entropy(F.linear(hidden, weight, b), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    theirs.backward()
+    assert torch.allclose(ours, theirs, rtol=1e-6)
+    for mine, reference in zip(fused, _grads(hidden, weight, b), strict=True):
+        assert torch.allclose(mine, reference, rtol=1e-5, atol=1e-5)
+    assert not fused[0][:9].any()  # prompt rows get no gradient
+
+
+def test_the_fused_head_leaves_its_inputs_alone_and_a_frozen_head_gets_no_gradient() -> None:
+    hidden, weight, _, labels = _head(False)
+    weight.requires_grad_(False)  # LoRA: the base's head is frozen
+    before = hidden.detach().clone(), weight.clone()
+    total = linear_loss_sum(hidden, weight, None, labels)
+    total.backward(retain_graph=True)
+    assert hidden.grad is not None and weight.grad is None
+    first = hidden.grad.clone()
+    hidden.grad = None
+    total.backward()
+    assert torch.equal(hidden.grad, first)
+    assert torch.equal(hidden.detach(), before[0]) and torch.equal(weight, before[1])
+
+
+def test_the_fused_head_without_grad_mode_gives_the_loss_alone() -> None:
+    hidden, weight, b, labels = _head(True)
+    with torch.no_grad():  # evaluation
+        ours = linear_loss_sum(hidden, weight, b, labels)
+        theirs = F.cross_entropy(F.linear(hidden, weight, b), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    assert ours.grad_fn is None and torch.allclose(ours, theirs, rtol=1e-6)
+
+
+def test_the_fused_head_under_bf16_autocast_is_the_bf16_linears_loss() -> None:
+    hidden, weight, _, labels = _head(False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = linear_loss_sum(hidden, weight, None, labels)
+        theirs = F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=IGNORE_INDEX,
+                                 reduction="sum")
+    ours.backward()
+    assert hidden.grad is not None and hidden.grad.dtype == torch.float32  # the leaves' dtype, as autocast gives
+    assert torch.allclose(ours, theirs, rtol=1e-5)  # the same bf16 logits, reduced in fp32
+
+
+def test_the_fused_head_keeps_no_tokens_by_vocab_tensor_for_backward() -> None:
+    tokens, width, vocab = 256, 16, 1000
+    hidden = torch.randn(tokens, width, requires_grad=True)
+    weight = torch.randn(vocab, width, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    saved: list[torch.Tensor] = []
+
+    def biggest(loss_fn: object) -> int:
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            loss_fn()  # type: ignore[operator]
+        return max(t.numel() for t in saved)
+
+    assert biggest(lambda: lm_loss_sum(F.linear(hidden, weight), labels)) >= tokens * vocab  # logits kept before
+    assert biggest(lambda: linear_loss_sum(hidden, weight, None, labels)) < tokens * vocab
+
+
+def test_the_head_kernel_is_ours_on_the_cpu_where_torchs_measured_slower() -> None:
+    assert head_loss_kernel(torch.device("cpu")) == "kubetrain"
+    assert head_loss_kernel(torch.device("meta")) == "kubetrain"  # nothing measured: ours
+
+
+def test_torchs_fused_kernel_where_present_agrees_with_ours() -> None:
+    # what linear_loss_sum would call on a device where torch's is measured faster: its arguments, checked here
+    found = fused_linear_cross_entropy()
+    if found is None:
+        pytest.skip(f"torch {torch.__version__} has no F.linear_cross_entropy")
+    fused, options = found
+    hidden, weight, b, labels = _head(True)
+    theirs = fused(hidden, weight, labels, linear_bias=b, reduction="sum", ignore_index=IGNORE_INDEX,
+                   options=options())
+    assert torch.allclose(linear_loss_sum(hidden, weight, b, labels), theirs.float(), rtol=1e-5)
 
 
 def _saved_bytes(loss_fn: object, logits: torch.Tensor, labels: torch.Tensor) -> int:

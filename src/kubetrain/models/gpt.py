@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kubetrain.models.loss import linear_loss_sum
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -214,8 +216,18 @@ class GPT(nn.Module):
             else:
                 init(name, p, "normal", self.init_std(name))
 
-    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab) for token ids (B, T), which follow the tokens in `kv_cache` when one is given."""
+    def forward(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids (B, T), which follow the tokens in `kv_cache` when one is given; with
+        `labels` (B, T) instead the summed cross-entropy of those logits (fp32), made chunk by chunk with the head
+        so the whole logits never exist (models/loss.py `linear_loss_sum`)."""
+        x = self.hidden(input_ids, kv_cache)
+        if labels is not None:
+            return linear_loss_sum(x, self.lm_head.weight, self.lm_head.bias, labels)
+        return self.lm_head(x)
+
+    def hidden(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """The final norm's output (B, T, n_embd): what the head turns into logits."""
         start = kv_cache.length if kv_cache is not None else 0
         end = start + input_ids.shape[1]
         if end > self.config.block_size:
@@ -228,7 +240,8 @@ class GPT(nn.Module):
             x = block(x, cos, sin, None if kv_cache is None else (kv_cache, i))
         if kv_cache is not None:
             kv_cache.length = end
-        return self.lm_head(self.norm(x))
+        normed: torch.Tensor = self.norm(x)
+        return normed
 
     def new_kv_cache(self) -> KVCache:
         """An empty cache for `forward(ids, kv_cache=...)` (sampling)."""

@@ -16,6 +16,7 @@ from torch import nn
 
 from kubetrain.config.schema import ModelConfig
 from kubetrain.errors import ConfigError, UserInputError
+from kubetrain.models.loss import linear_loss_sum, lm_loss_sum
 from kubetrain.secrets import redact_text
 
 # Trainable weights stay fp32 under "auto": AdamW updates vanish in bf16 weights; autocast gives bf16 compute.
@@ -57,13 +58,34 @@ class HFCausalLM(nn.Module):
         layers = getattr(self.lm.get_decoder(), "layers", None)
         return layers if isinstance(layers, nn.ModuleList) else nn.ModuleList()
 
-    def forward(self, input_ids: torch.Tensor, kv_cache: Any = None) -> torch.Tensor:
-        """Logits (B, T, vocab) for token ids (B, T), which follow the tokens in `kv_cache` when one is given."""
+    def forward(self, input_ids: torch.Tensor, kv_cache: Any = None, labels: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Logits (B, T, vocab) for token ids (B, T), which follow the tokens in `kv_cache` when one is given; with
+        `labels` (B, T) instead the summed cross-entropy of those logits (fp32), made with the head chunk by chunk
+        where the head is a plain linear (models/loss.py `linear_loss_sum`)."""
+        if labels is not None:
+            return self._loss_sum(input_ids, labels)
         if kv_cache is None:
             logits: torch.Tensor = self.lm(input_ids=input_ids, use_cache=False).logits
             return logits
         cached: torch.Tensor = self.lm(input_ids=input_ids, past_key_values=kv_cache, use_cache=True).logits
         return cached
+
+    def _loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The transformers model's decoder (under LoRA: the base model's, its layers adapted in place), then the
+        head and loss together. A head that is more than a linear (LoRA or modules_to_save on it, a quantized head,
+        logits changed after it: Gemma's soft-capping, Cohere's scale, Granite's scaling; remote code, which nobody
+        here has read) gets the whole logits and the chunked loss."""
+        base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+        head = base.get_output_embeddings()
+        config = base.config
+        plain = (type(head) is nn.Linear and type(base).__module__.startswith("transformers.")
+                 and base.base_model is not base and getattr(config, "final_logit_softcapping", None) is None
+                 and all(getattr(config, name, None) in (None, 1.0) for name in ("logit_scale", "logits_scaling")))
+        if not plain:
+            return lm_loss_sum(self(input_ids), labels)
+        hidden = base.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+        return linear_loss_sum(hidden, head.weight, head.bias, labels)
 
     def new_kv_cache(self) -> Any:
         """An empty transformers cache for `forward(ids, kv_cache=...)` (sampling)."""
