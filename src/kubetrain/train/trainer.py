@@ -21,7 +21,7 @@ from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import Prepared, prepare
 from kubetrain.distributed import setup as dist
 from kubetrain.errors import CheckpointError, TrainingFailed, TrainingStopped, resume_hint
-from kubetrain.models.loss import lm_loss
+from kubetrain.models.loss import counted_tokens
 from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
 from kubetrain.track.console import console_log, count
@@ -268,8 +268,8 @@ class Trainer:
         """One forward pass on the first batch; nothing is written."""
         cfg = self.cfg
         batch = TrainLoader(self.train_windows, cfg.train.micro_batch, cfg.run.seed).next_batch().to(self.device)
-        with torch.no_grad(), self.amp():
-            first_loss = float(lm_loss(self.model(batch.input_ids), batch.labels))
+        with torch.no_grad(), self.amp():  # the training step's own loss: never the whole logits
+            first_loss = float(self.loss_of(batch.input_ids, batch.labels) / counted_tokens(batch.labels))
         self.say(f"dry run: one forward pass, loss {first_loss:.4f} (ln(vocab) = "
                  f"{math.log(self.tokenizer.vocab_size):.4f}); no run directory was written")
         return TrainResult("", 0, 0, first_loss, None, None, 0.0, "dry-run")
