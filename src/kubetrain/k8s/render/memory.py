@@ -82,11 +82,11 @@ def check_pod_memory(cfg: Config) -> None:
         return
     raise RenderError(
         f"k8s.resources.memory ({memory}) cannot hold what a pod's processes need: about {size(need)} "
-        f"({what}; `kubetrain doctor CONFIG` shows the estimate); {_what_to_change(cfg, parts)}, or set "
+        f"({what}; `kubetrain doctor CONFIG` shows the estimate); {pod_advice(cfg, parts)}, or set "
         "run.check_memory=false to render anyway")
 
 
-def _what_to_change(cfg: Config, parts: dict[str, int] | None) -> str:
+def pod_advice(cfg: Config, parts: dict[str, int] | None) -> str:
     """More memory first; then what shrinks the largest part (CPU), or the host copies (GPU)."""
     k = cfg.k8s
     fewer = f"run fewer processes per pod (k8s.nproc_per_node {k.nproc_per_node})" if k.nproc_per_node > 1 else None
