@@ -16,17 +16,15 @@ from kubetrain.errors import ConfigError, TrainingFailed, UserInputError
 from kubetrain.memory import Layout, estimate_on
 from kubetrain.train.device import autocast
 from kubetrain.train.micro_batch import (
-    HEADROOM,
-    MicroBatchChoice,
     budget_for,
-    candidates,
-    choose,
     confirm_on_model,
     planning_config,
     resolve_batch,
     step_down,
+    training_step,
     with_batch,
 )
+from kubetrain.train.micro_batch_choice import HEADROOM, MicroBatchChoice, candidates, choose
 from kubetrain.train.trainer import RunOptions, Trainer, train
 from tests.train.conftest import TINY, kubetrain, sets
 
@@ -36,8 +34,11 @@ MIB = 2**20
 
 
 def need_at(cfg_overrides: list[str], size: int, layout: Layout | None = None) -> int:
+    """The estimate of `size` as auto trains it: with the accumulation that keeps the global batch."""
     cfg = load_config(None, None, cfg_overrides)
-    est = estimate_on(with_batch(cfg, size, 1), layout or Layout.of(cfg), CPU)
+    lay = layout or Layout.of(cfg)
+    assert cfg.train.global_batch_size is not None
+    est = estimate_on(with_batch(cfg, size, cfg.train.global_batch_size // lay.world_size // size), lay, CPU)
     assert not isinstance(est, str)
     return est.device_need
 
@@ -90,6 +91,48 @@ def test_on_the_cpu_the_node_processes_share_the_budget() -> None:
     assert (resolved.train.micro_batch, resolved.train.grad_accum_steps) == (8, 2)  # 8 x 2 accum x 4 = 64
     alone, _ = resolve_batch(cfg, Layout.of(cfg), CPU, budget)
     assert alone.train.micro_batch > 8  # one process has the same RAM to itself
+
+
+def test_auto_s_choice_fits_its_budget_with_the_accumulation_it_trains_with() -> None:
+    # Each candidate but the whole share accumulates: its whole gradients exist beside the next micro-batch's
+    # activations. Whatever the budget, the choice that fits must fit as the run (and the memory check) counts it.
+    cfg = load_config(None, None, AUTO)
+    layout = Layout.of(cfg)
+    for size in candidates(64):
+        budget = need_at(AUTO, size)  # exactly what `size` needs as trained: it fits, nothing larger does
+        resolved, choice = resolve_batch(cfg, layout, CPU, budget)
+        assert choice is not None and choice.fits and choice.micro_batch == size
+        est = estimate_on(resolved, layout, CPU)
+        assert not isinstance(est, str) and est.device_need <= budget
+        if size > 1:  # one byte less and `size` no longer fits, its accumulation's gradients included
+            assert resolve_batch(cfg, layout, CPU, budget - 1)[0].train.micro_batch < size
+
+
+def test_the_confirming_step_holds_whole_gradients_when_it_accumulates() -> None:
+    from kubetrain.data.loader import Batch
+    from kubetrain.models import build_model
+    from kubetrain.train.loss import loss_step
+
+    cfg = load_config(None, None, AUTO)
+    model = build_model(cfg.model, 256)
+    seen: list[bool] = []
+    plain = loss_step(model, compiled=False)
+
+    def loss_of(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # at the forward of the confirming micro-batch: are the gradients of the ones before it in place?
+        seen.append(all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters()))
+        return plain(input_ids, labels)
+
+    def batch(size: int) -> Batch:
+        ids = torch.randint(0, 256, (size, cfg.model.block_size))
+        return Batch(ids, ids.clone())
+
+    accumulating = training_step(model, batch, CPU, autocast("fp32", CPU), loss_of, accum_of=lambda size: 4)
+    accumulating(2)
+    alone = training_step(model, batch, CPU, autocast("fp32", CPU), loss_of, accum_of=lambda size: 1)
+    alone(8)
+    assert seen == [True, False]
+    assert all(p.grad is None for p in model.parameters())  # nothing left behind for the run's first step
 
 
 def test_the_budget_is_the_config_s_or_a_share_of_the_free_memory() -> None:

@@ -11,7 +11,6 @@ from typing import Annotated
 import typer
 
 from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, at_least, load
-from kubetrain.config.schema import Config
 from kubetrain.distributed.env import process_env
 from kubetrain.errors import UserInputError
 from kubetrain.launch.watch import watch_options

@@ -62,3 +62,31 @@ def measure(args: list[str], timeout: float, env: dict[str, str] | None = None, 
                               timeout=timeout, env=full_env, cwd=cwd, check=False)
         peaks = sorted((json.loads(p.read_text())["maxrss"] for p in reports.glob("*.json")), reverse=True)
     return Measured(proc.returncode, proc.stderr, proc.stdout, tuple(peaks))
+
+
+def estimate_against_peak(config_args: list[str], nproc: int | None = None, timeout: float = 900,
+                          cwd: Path | None = None) -> dict[str, object]:
+    """`kubetrain doctor`'s estimate of what the node's processes hold together (its `device_need`) for
+    CONFIG_ARGS (a config or --preset, and --set items) beside the peak resident memory measured over every process
+    of `kubetrain train` with the same arguments (`nproc`: through the launcher, `--oversubscribe` allowed).
+    Raises RuntimeError with the command's last line when either command fails."""
+    launch = ["--nproc", str(nproc), "--oversubscribe"] if nproc else []
+    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    doctor = subprocess.run([sys.executable, "-m", "kubetrain", "doctor", *config_args, *launch, "--json"],
+                            capture_output=True, text=True, timeout=timeout, env={**os.environ, **env}, cwd=cwd,
+                            check=False)
+    if doctor.returncode:
+        raise RuntimeError(f"kubetrain doctor exited {doctor.returncode}: {_last(doctor.stderr)}")
+    fit = json.loads(doctor.stdout)["fit"]
+    run = measure(["train", *config_args, *launch, "--resume", "never",
+                   *(["--max-restarts", "0"] if nproc else [])], timeout, env, cwd)
+    if run.returncode:
+        raise RuntimeError(f"kubetrain train exited {run.returncode}: {_last(run.stderr)}")
+    return {"estimate_bytes": fit["device_need"], "measured_bytes": run.total,
+            "estimate_over_measured": fit["device_need"] / run.total, "processes": len(run.per_process),
+            "measured_per_process": list(run.per_process), "parts": fit["parts"]}
+
+
+def _last(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
