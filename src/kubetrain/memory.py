@@ -115,6 +115,7 @@ class Estimate:
     host_weights: int  # bytes of one whole copy of the weights on the host, as the model is built
     builds_on_meta: bool = False  # the model is built on the meta device and filled shard by shard (FSDP)
     host_runtime: int = RUNTIME  # one process's runtime in host memory (with a Hugging Face model's imports)
+    host_staging: int = 0  # on GPUs: a background checkpoint's copy in host memory, of the process that stages most
 
     @property
     def per_process(self) -> int:
@@ -153,8 +154,9 @@ class Estimate:
         every process's runtime (a CUDA torch's is larger: this is the least)."""
         if self.device == "cpu":
             return self.device_need
-        runtime = self.layout.local_processes * self.host_runtime + self.launcher_runtime
-        return self.host_copies * self.host_weights + runtime
+        local = self.layout.local_processes
+        staged = self.host_staging * (local if self.layout.sharded else 1)  # unsharded: rank 0 alone
+        return self.host_copies * self.host_weights + local * self.host_runtime + self.launcher_runtime + staged
 
     def to_json(self) -> dict[str, Any]:
         lay = self.layout
@@ -173,9 +175,10 @@ def estimate(cfg: Config, shape: dict[str, Any], layout: Layout, device: str, *,
         compiled = hardware.choose_compile(cfg.train.compile, device).enabled
     parts = estimate_memory(cfg, shape, layout, precision=precision, attention=attention, compiled=compiled)
     runtime = RUNTIME + (HF_RUNTIME if cfg.model.kind == "hf" else 0)
+    staging = 0 if device == "cpu" else parts.pop("checkpoint_staging", 0)  # a GPU's copy goes to host memory
     parts |= {"runtime": runtime} if device == "cpu" else {"cuda_context": CUDA_CONTEXT} if device == "cuda" else {}
     return Estimate(layout, device, parts, shape["params"], shape["params"] * shape["weight_bytes"],
-                    builds_on_meta(cfg.model), runtime)
+                    builds_on_meta(cfg.model), runtime, staging)
 
 
 def estimate_on(cfg: Config, layout: Layout, device: torch.device) -> Estimate | str:

@@ -55,9 +55,9 @@ def measure(args: list[str], timeout: float, env: dict[str, str] | None = None, 
         hook.mkdir()
         reports.mkdir()
         (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH", "")) if p)
-        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {}),
-                    "PYTHONPATH": path, REPORT_ENV: str(reports)}
+        full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        path = os.pathsep.join(p for p in (str(hook), full_env.get("PYTHONPATH", "")) if p)
+        full_env |= {"PYTHONPATH": path, REPORT_ENV: str(reports)}
         proc = subprocess.run([sys.executable, "-m", "kubetrain", *args], capture_output=True, text=True,
                               timeout=timeout, env=full_env, cwd=cwd, check=False)
         peaks = sorted((json.loads(p.read_text())["maxrss"] for p in reports.glob("*.json")), reverse=True)
