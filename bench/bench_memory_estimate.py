@@ -91,7 +91,7 @@ def main() -> None:
             row = estimate_against_peak([*config_args, *run], nproc, cwd=work)
             row = {"case": name, "nproc": nproc or 1, **row, "seconds": round(time.monotonic() - started, 1)}
             rows.append(row)
-            print(f"{name:16} estimate {row['estimate_bytes'] / 2**20:8.0f} MiB  measured "  # type: ignore[operator]
+            print(f"{name:16} estimate {row['estimate_bytes'] / 2**20:8.0f} MiB  measured "
                   f"{row['measured_bytes'] / 2**20:8.0f} MiB  ratio {row['estimate_over_measured']:.3f}", flush=True)
     result = {"bench": "memory_estimate_cpu", "date": datetime.date.today().isoformat(), "commit": _commit(),
               "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),

@@ -215,3 +215,53 @@ def test_compiling_and_the_chunked_loss_lower_the_gpt2_estimate() -> None:
     # no loader, no checkpoint)
     step = sum(size for part, size in compiled.items() if part not in ("data", "checkpoint_staging"))
     assert 0.9 < step / (8.8 * GIB) < 1.0
+
+
+# --- the estimate against what the machine shows (CPU): doctor's figure vs the processes' peak resident memory ------
+
+# 2 steps, a background checkpoint at step 1 that overlaps step 2, the final evaluation: what a run holds at most
+MEASURED_RUN = ["run.threads=1", "track.console=false", "eval.sample_prompt=null", "train.max_steps=2",
+                "train.log_every_steps=1", "checkpoint.every_steps=1", "eval.every_steps=1000", "eval.batches=1",
+                "train.warmup_steps=1", "train.grad_accum_steps=1"]
+SMALL_GPT = ["model.n_layer=4", "model.n_embd=256", "model.n_head=4", "model.block_size=256",
+             "train.micro_batch_size=8"]
+MEASURED_CASES: dict[str, tuple[list[str], int | None]] = {  # --set items, --nproc
+    "tiny": ([], None),
+    "gpt2-124m-micro-batch-2": (["model.n_layer=12", "model.n_head=12", "model.n_embd=768", "model.block_size=1024",
+                                 "model.vocab_size=50304", "train.micro_batch_size=2"], None),
+    "ddp-2": (SMALL_GPT, 2),
+    "ddp-4": (SMALL_GPT, 4),
+    "fsdp-4": ([*SMALL_GPT, "dist.strategy=fsdp"], 4),
+    "with-eval": (["eval.every_steps=1", "eval.batches=4"], None),
+}
+
+
+def _within_15_percent(tmp_path: Path, items: list[str], nproc: int | None) -> None:
+    from kubetrain.selftest.resident import estimate_against_peak
+    from tests.conftest import cli_env
+
+    sets = [a for item in [f"run.output_dir={tmp_path / 'runs'}", f"data.cache_dir={tmp_path / 'data'}",
+                           *MEASURED_RUN, *items] for a in ("--set", item)]
+    row = estimate_against_peak(["--preset", "tiny", *sets], nproc, timeout=1500, cwd=tmp_path, env=cli_env())
+    assert row["processes"] == (nproc + 1 if nproc else 1)  # every worker and the launcher reported its peak
+    assert 0.85 <= row["estimate_over_measured"] <= 1.15, row
+
+
+@pytest.mark.slow  # real training runs: 1 to 4 processes each, up to ~6 GiB and a few minutes (gpt2-124m)
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("case", list(MEASURED_CASES))
+def test_doctor_s_estimate_is_within_15_percent_of_the_measured_peak(case: str, tmp_path: Path) -> None:
+    items, nproc = MEASURED_CASES[case]
+    _within_15_percent(tmp_path, items, nproc)
+
+
+@pytest.mark.slow  # a real LoRA fine-tune of the tests' small Llama, in its own process
+@pytest.mark.timeout(900)
+def test_the_lora_estimate_is_within_15_percent_of_the_measured_peak(
+    tmp_path: Path, llama_dir: Path, chat_file: Path
+) -> None:
+    lora = ["model.kind=hf", f"model.name_or_path={llama_dir}", "model.block_size=64", "model.lora.r=8",
+            "model.lora.alpha=16", "data.sources.0.kind=chat", f"data.sources.0.path={chat_file}",
+            "data.val_fraction=0.1", "data.tokenizer.kind=hf", f"data.tokenizer.path={llama_dir}",
+            "train.micro_batch_size=4"]
+    _within_15_percent(tmp_path, lora, None)

@@ -71,7 +71,7 @@ def _estimate_on_cpu(ctx: Context, name: str) -> Outcome:
 
     items = run_overrides(ctx, "memory-estimate-cpu", *CPU_SHAPE, tiny=False)
     figures = estimate_against_peak(["--preset", "tiny", *sets(items)], timeout=600)
-    ratio = float(str(figures["estimate_over_measured"]))
+    ratio = float(figures["estimate_over_measured"])
     return judged(name, CPU_LOW <= ratio <= HIGH, "doctor's estimate of a 4 x 256 GPT's run (runtime, training "
                   "state, loader, checkpoint copy, eval) against the peak resident memory of its process",
                   figures, f"{CPU_LOW} <= estimate / measured <= {HIGH}")

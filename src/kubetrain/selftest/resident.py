@@ -16,6 +16,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPORT_ENV = "KUBETRAIN_MAXRSS_DIR"
 # Written at exit by each process (atexit runs on a normal exit and on SystemExit, which is how the CLI exits).
@@ -65,15 +66,15 @@ def measure(args: list[str], timeout: float, env: dict[str, str] | None = None, 
 
 
 def estimate_against_peak(config_args: list[str], nproc: int | None = None, timeout: float = 900,
-                          cwd: Path | None = None) -> dict[str, object]:
+                          cwd: Path | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
     """`kubetrain doctor`'s estimate of what the node's processes hold together (its `device_need`) for
     CONFIG_ARGS (a config or --preset, and --set items) beside the peak resident memory measured over every process
     of `kubetrain train` with the same arguments (`nproc`: through the launcher, `--oversubscribe` allowed).
     Raises RuntimeError with the command's last line when either command fails."""
     launch = ["--nproc", str(nproc), "--oversubscribe"] if nproc else []
-    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     doctor = subprocess.run([sys.executable, "-m", "kubetrain", "doctor", *config_args, *launch, "--json"],
-                            capture_output=True, text=True, timeout=timeout, env={**os.environ, **env}, cwd=cwd,
+                            capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd,
                             check=False)
     if doctor.returncode:
         raise RuntimeError(f"kubetrain doctor exited {doctor.returncode}: {_last(doctor.stderr)}")

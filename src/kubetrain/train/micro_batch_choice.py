@@ -15,7 +15,7 @@ from kubetrain.errors import UserInputError
 
 GIB = 2**30
 # Of the memory free at start, what `auto` plans to fill: the estimate is within about 10% of the measured peak
-# (issue 34's target), and the allocator's fragmentation and the CUDA context want some room of their own.
+# (issue 34's target; bench/results/memory_estimate_cpu_*.json on the CPU), and the allocator wants room of its own.
 HEADROOM = 0.9
 
 
