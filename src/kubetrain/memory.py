@@ -29,7 +29,7 @@ from kubetrain import hardware
 from kubetrain.config.schema import Config
 
 MIB = 2**20
-# Resident memory a CPU process holds before its first tensor, measured on torch 2.13.0+cpu (Python 3.12, Linux):
+# Resident memory a CPU process holds before its first tensor, measured on torch 2.13.0+cpu (Python 3.11, Linux):
 # the peak resident set (getrusage ru_maxrss, kubetrain/selftest/resident.py) of `kubetrain train` with a
 # 1-layer GPT of width 8, block 8, micro-batch 1 and 3 steps, so that nearly all of it is the interpreter, torch,
 # kubetrain's imports, data preparation and the process group: 356 MiB in one process, 344-361 MiB per worker under
