@@ -268,11 +268,11 @@ def estimate_memory(cfg: Config, shape: dict[str, Any], layout: Layout, *, preci
         if layout.world_size > 1:
             parts["ddp_buckets"] = trainable * 4
     parts |= {"activations": activations, "loss": loss}
-    return parts | other_parts(cfg, parts, tokens, vocab, act, compiled, layout)
+    return parts | other_parts(cfg, parts, tokens, vocab, act, compiled)
 
 
-def other_parts(cfg: Config, parts: dict[str, int], tokens: int, vocab: int, act: int, compiled: bool,
-                layout: Layout) -> dict[str, int]:
+def other_parts(cfg: Config, parts: dict[str, int], tokens: int, vocab: int, act: int, compiled: bool
+                ) -> dict[str, int]:
     """Beside the step's tensors: the data loader's batches, a background checkpoint's host copy, the eval pass.
 
     The loader holds one micro-batch of int64 input ids and labels, and its copy on the device (the next one is
