@@ -1,4 +1,4 @@
-"""`train.micro_batch_size: auto` and `train.global_batch_size`: the pure choice (candidates, estimate, budget), the
+"""`train.micro_batch_size: auto` and `train.global_batch_size`: the estimate of each candidate and the budget, the
 boundary that resolves a config to ints, the confirming step stepping down on a real out-of-memory, and runs of
 the real trainer, whose losses equal those of the same micro-batch given by hand."""
 
@@ -24,7 +24,7 @@ from kubetrain.train.micro_batch import (
     training_step,
     with_batch,
 )
-from kubetrain.train.micro_batch_choice import HEADROOM, MicroBatchChoice, candidates, choose
+from kubetrain.train.micro_batch_choice import HEADROOM, candidates
 from kubetrain.train.trainer import RunOptions, Trainer, train
 from tests.train.conftest import TINY, kubetrain, sets
 
@@ -41,27 +41,6 @@ def need_at(cfg_overrides: list[str], size: int, layout: Layout | None = None) -
     est = estimate_on(with_batch(cfg, size, cfg.train.global_batch_size // lay.world_size // size), lay, CPU)
     assert not isinstance(est, str)
     return est.device_need
-
-
-# --- pure ---------------------------------------------------------------------------------------------------
-
-
-def test_the_candidates_divide_the_batch_of_one_process() -> None:
-    assert candidates(64) == [64, 32, 16, 8, 4, 2, 1]  # powers of two: halving
-    assert candidates(12) == [12, 6, 4, 3, 2, 1]  # otherwise each step down keeps the accumulation whole
-    assert candidates(1) == [1]
-
-
-def test_choose_takes_the_largest_that_fits_and_says_when_none_does() -> None:
-    need = {16: 1600, 8: 800, 4: 400, 2: 200, 1: 100}.__getitem__
-    assert choose([1, 2, 4, 8, 16], need, 1000) == MicroBatchChoice(8, (16, 8, 4, 2, 1), 800, 1000, True)
-    assert choose([16, 8, 4, 2, 1], need, 800).micro_batch == 8  # exactly the budget fits
-    asked: list[int] = []
-    sizes = candidates(1024)  # 11 sizes: a binary search asks the estimate 4 times, not 11
-    assert choose(sizes, lambda b: asked.append(b) or b, 100).micro_batch == 64 and len(asked) <= 4
-    none = choose([16, 8, 4, 2, 1], need, 50)
-    assert (none.micro_batch, none.fits, none.need) == (1, False, 100)
-    assert "the smallest of 16, 8, 4, 2, 1, though its memory estimate" in none.describe()
 
 
 # --- the boundary: auto -> ints, by the real estimate and a budget given ---------------------------------------
