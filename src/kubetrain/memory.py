@@ -6,9 +6,15 @@ world under FSDP, the node's processes under HSDP (sharded within a node, replic
 device must then hold (`Estimate.device_need`) is one process's share on its own GPU, and all the node's
 processes together on the CPU, whose RAM they share. Everything is made on the meta device: nothing is allocated.
 
+Every process also holds memory before its first tensor: the interpreter, torch and kubetrain's imports (the
+`runtime` part, measured below), on CUDA the context on its GPU; the launcher of `--nproc` holds its own runtime
+beside its workers. The data loader's batches, a background checkpoint's host copy and the evaluation pass are
+parts too, so that on the CPU the estimate is what the node's processes hold at most, together: bench/
+bench_memory_estimate.py checks it against their measured peak resident memory (within 15%).
+
 Who compares what: planning a node (the `--nproc` launcher, `kubetrain doctor`, `k8s render` for a pod's
-request) compares `device_need` (and on GPU pods `host_need`); a worker that is already running compares its own
-share (`per_process`), since its siblings may hold theirs already.
+request) compares `device_need` (and on GPU pods `host_need`); a worker that is already running compares what it
+has still to allocate (`to_allocate`), since its runtime is already in place and its siblings may hold theirs.
 """
 
 from __future__ import annotations
@@ -21,6 +27,33 @@ import torch
 
 from kubetrain import hardware
 from kubetrain.config.schema import Config
+
+MIB = 2**20
+# Resident memory a CPU process holds before its first tensor, measured on torch 2.13.0+cpu (Python 3.11, Linux):
+# the peak resident set (getrusage ru_maxrss, kubetrain/selftest/resident.py) of `kubetrain train` with a
+# 1-layer GPT of width 8, block 8, micro-batch 1 and 3 steps, so that nearly all of it is the interpreter, torch,
+# kubetrain's imports, data preparation and the process group: 356 MiB in one process, 344-361 MiB per worker under
+# `--nproc 2` (DDP and FSDP, gloo). `import torch` alone is 221 MiB of it.
+RUNTIME = 356 * MIB
+# The `--nproc` launcher (torch.distributed.run's elastic agent in `kubetrain train`), measured the same way:
+# 331-409 MiB over the bench's launched runs (bench/bench_memory_estimate.py); the larger is kept.
+LAUNCHER_RUNTIME = 409 * MIB
+# What glibc's malloc keeps resident after autograd frees the activations, as a share of them (CPU only): past its
+# first free of a large block, malloc serves blocks below 32 MiB (one layer's activations) from its heap, whose
+# holes it does not return to the kernel. Measured: a 4 x 256 GPT at 8 x 256 tokens (156 MiB of activations) peaks
+# at 672 MiB resident, and at 572 MiB with MALLOC_MMAP_THRESHOLD_=131072 (every such block mapped and unmapped);
+# across the bench's cases the difference is 0.48-0.64 of the activations. FSDP's workers showed none (545 MiB
+# measured per worker of 4, 547 MiB estimated without it), for a reason not yet known: not counted there.
+CPU_ALLOCATOR_RETAINED = 0.5
+# What a Hugging Face model adds to a process's runtime: importing transformers and peft and a model's module
+# (resident memory after them less before, in a process that had imported kubetrain's trainer): 131 MiB.
+HF_RUNTIME = 131 * MIB
+# A CUDA context on each process's GPU: the driver's state and torch's loaded kernels. Not seen by
+# torch.cuda.memory_allocated (PyTorch's CUDA semantics notes: the context is not managed by the caching
+# allocator); about 0.5 GiB with CUDA 12's lazy module loading, which loads only the kernels a run uses.
+CUDA_CONTEXT = 512 * MIB
+# Parts that a running process already holds when it checks what is free.
+RUNTIME_PARTS = ("runtime", "cuda_context")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FUSED_ATTENTION = ("flash", "memory-efficient", "cudnn")
@@ -44,18 +77,23 @@ class Layout:
     strategy: str  # dist.strategy: ddp, fsdp or hsdp
     world_size: int = 1
     local_processes: int = 1  # processes on one node: they share its RAM
+    launcher: bool = False  # a launcher process (torch.distributed.run's agent) runs beside them on the node
 
     @classmethod
-    def of(cls, cfg: Config, world_size: int = 1, local_processes: int | None = None) -> Layout:
-        """`cfg`'s strategy over `world_size` processes, `local_processes` of them per node (default: all)."""
+    def of(cls, cfg: Config, world_size: int = 1, local_processes: int | None = None,
+           launcher: bool | None = None) -> Layout:
+        """`cfg`'s strategy over `world_size` processes, `local_processes` of them per node (default: all);
+        `launcher` default: when the node runs more than one process (`--nproc`)."""
         world = max(1, world_size)
-        return cls(str(cfg.dist.strategy), world, max(1, min(local_processes or world, world)))
+        local = max(1, min(local_processes or world, world))
+        return cls(str(cfg.dist.strategy), world, local, local > 1 if launcher is None else launcher)
 
     @classmethod
     def of_pods(cls, cfg: Config) -> Layout:
-        """The layout `k8s render` gives the config: k8s.nnodes pods of k8s.nproc_per_node processes."""
+        """The layout `k8s render` gives the config: k8s.nnodes pods of k8s.nproc_per_node processes, each pod's
+        started by its launcher (the entrypoint runs torch.distributed.run)."""
         procs = cfg.k8s.nproc_per_node
-        return cls.of(cfg, cfg.k8s.nnodes * procs, procs)
+        return cls.of(cfg, cfg.k8s.nnodes * procs, procs, launcher=True)
 
     @property
     def sharded(self) -> bool:
@@ -84,15 +122,32 @@ class Estimate:
     params: int
     host_weights: int  # bytes of one whole copy of the weights on the host, as the model is built
     builds_on_meta: bool = False  # the model is built on the meta device and filled shard by shard (FSDP)
+    host_runtime: int = RUNTIME  # one process's runtime in host memory (with a Hugging Face model's imports)
+    host_staging: int = 0  # on GPUs: a background checkpoint's copy in host memory, of the process that stages most
 
     @property
     def per_process(self) -> int:
+        """Bytes of the process that holds the most (rank 0, which alone stages an unsharded checkpoint)."""
         return sum(self.parts.values())
 
     @property
+    def to_allocate(self) -> int:
+        """What a running process has still to allocate: its estimate less the runtime it already holds."""
+        return self.per_process - sum(self.parts.get(name, 0) for name in RUNTIME_PARTS)
+
+    @property
     def device_need(self) -> int:
-        """Bytes one device must hold: a process's share on its own GPU; on the CPU every local process's."""
-        return self.per_process * (self.layout.local_processes if self.device == "cpu" else 1)
+        """Bytes one device must hold: a process's share on its own GPU; on the CPU every local process's and the
+        launcher's runtime (an unsharded checkpoint is staged by rank 0 alone, a sharded one by every rank)."""
+        if self.device != "cpu":
+            return self.per_process
+        local = self.layout.local_processes
+        staged_once = 0 if self.layout.sharded else self.parts.get("checkpoint_staging", 0)
+        return local * self.per_process - (local - 1) * staged_once + self.launcher_runtime
+
+    @property
+    def launcher_runtime(self) -> int:
+        return LAUNCHER_RUNTIME if self.layout.launcher else 0
 
     @property
     def host_copies(self) -> int:
@@ -103,8 +158,13 @@ class Estimate:
 
     @property
     def host_need(self) -> int:
-        """Bytes of host memory one node needs: the training state on the CPU, the weights' copies on GPUs."""
-        return self.device_need if self.device == "cpu" else self.host_copies * self.host_weights
+        """Bytes of host memory one node needs: the training state on the CPU; with GPUs the weights' copies and
+        every process's runtime (a CUDA torch's is larger: this is the least)."""
+        if self.device == "cpu":
+            return self.device_need
+        local = self.layout.local_processes
+        staged = self.host_staging * (local if self.layout.sharded else 1)  # unsharded: rank 0 alone
+        return self.host_copies * self.host_weights + local * self.host_runtime + self.launcher_runtime + staged
 
     def to_json(self) -> dict[str, Any]:
         lay = self.layout
@@ -122,8 +182,15 @@ def estimate(cfg: Config, shape: dict[str, Any], layout: Layout, device: str, *,
     if compiled is None:
         compiled = hardware.choose_compile(cfg.train.compile, device).enabled
     parts = estimate_memory(cfg, shape, layout, precision=precision, attention=attention, compiled=compiled)
+    runtime = RUNTIME + (HF_RUNTIME if cfg.model.kind == "hf" else 0)
+    staging = 0 if device == "cpu" else parts.pop("checkpoint_staging", 0)  # a GPU's copy goes to host memory
+    if device == "cpu":
+        retained = 0.0 if layout.sharded else CPU_ALLOCATOR_RETAINED
+        parts |= {"allocator": int(retained * parts["activations"]), "runtime": runtime}
+    elif device == "cuda":
+        parts["cuda_context"] = CUDA_CONTEXT
     return Estimate(layout, device, parts, shape["params"], shape["params"] * shape["weight_bytes"],
-                    builds_on_meta(cfg.model))
+                    builds_on_meta(cfg.model), runtime, staging)
 
 
 def estimate_on(cfg: Config, layout: Layout, device: torch.device) -> Estimate | str:
@@ -203,12 +270,36 @@ def estimate_memory(cfg: Config, shape: dict[str, Any], layout: Layout, *, preci
         if layout.world_size > 1:
             parts["ddp_buckets"] = trainable * 4
     parts |= {"activations": activations, "loss": loss}
-    return parts
+    return parts | other_parts(cfg, parts, tokens, vocab, act, compiled)
+
+
+def other_parts(cfg: Config, parts: dict[str, int], tokens: int, vocab: int, act: int, compiled: bool
+                ) -> dict[str, int]:
+    """Beside the step's tensors: the data loader's batches, a background checkpoint's host copy, the eval pass.
+
+    The loader holds one micro-batch of int64 input ids and labels, and its copy on the device (the next one is
+    read after the step). With checkpoint.async_save the weights and the optimizer's state are copied to host
+    memory while the next step runs (write.stage; each rank its shards when sharded). The evaluation runs after
+    the optimizer step has freed the gradients, without autograd: one micro-batch's logits (and, eager, the loss's
+    fp32 chunk); it is a part only where it exceeds the training step's peak (a model whose gradients are small
+    beside a large vocabulary's logits)."""
+    from kubetrain.models.loss import chunk_tokens
+
+    extra = {"data": 2 * tokens * 8 * 2}
+    if cfg.checkpoint.async_save:
+        extra["checkpoint_staging"] = parts["weights"] + parts["optimizer"]
+    evaluation = tokens * vocab * act + (0 if compiled else min(tokens, chunk_tokens(vocab)) * vocab * 4)
+    step = parts["gradients"] + parts["activations"] + parts["loss"] + parts.get("half_weights", 0)
+    if evaluation > step:
+        extra["eval"] = evaluation - step
+    return extra
 
 
 def what_to_change(parts: dict[str, int], layout: Layout | None = None) -> str:
     """The settings that shrink the largest part of the estimate."""
     largest = max(parts, key=lambda name: parts[name])
+    if largest in RUNTIME_PARTS:  # what each process holds before its first tensor: only fewer processes help
+        return "run fewer processes per node (--nproc, k8s.nproc_per_node)"
     if largest in ("activations", "loss"):
         return ("lower train.micro_batch_size (raise train.grad_accum_steps to keep the batch) or "
                 "model.block_size, or set model.gradient_checkpointing=true")

@@ -66,7 +66,8 @@ def test_shards_written_by_every_rank_resume_exactly_and_export(tmp_path: Path) 
     (watch / "sitecustomize.py").write_text(WATCH)
     env = cli_env(KT_GATHERS=str(tmp_path / "gathers"))
     env["PYTHONPATH"] = os.pathsep.join([str(watch), env["PYTHONPATH"]])
-    train = [sys.executable, "-m", "kubetrain", "train", *sets("run.name=ref", cache, *COMMON), "--nproc", "4"]
+    train = [sys.executable, "-m", "kubetrain", "train", *sets("run.name=ref", cache, *COMMON), "--nproc", "4",
+             "--oversubscribe"]
     done = subprocess.run(train, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert not (tmp_path / "gathers").exists(), (tmp_path / "gathers").read_text()  # no whole model, not even once
@@ -87,7 +88,7 @@ def test_shards_written_by_every_rank_resume_exactly_and_export(tmp_path: Path) 
 
     # killed after the checkpoint of step 4, resumed at 4 ranks: the same run, bit for bit
     _rewind(ref, tmp_path / "runs" / "cut", 4)
-    kubetrain("train", *sets("run.name=cut", cache, *COMMON), "--nproc", "4", cwd=tmp_path)
+    kubetrain("train", *sets("run.name=cut", cache, *COMMON), "--nproc", "4", "--oversubscribe", cwd=tmp_path)
     assert _losses(tmp_path / "runs" / "cut") == _losses(ref)
     final = checkpoint.step_name(6)
     mine = checkpoint.verify(tmp_path / "runs" / "cut" / "checkpoints" / final).model_state()

@@ -118,6 +118,8 @@ def setup_case(case: str, tmp: Path) -> list[str]:
     if case == "the null device as config":
         return ["config", "validate", "/dev/null"]
     if case == "more processes than memory allows":
+        return ["train", *tiny, "--nproc", "100000", "--dry-run", "--oversubscribe"]
+    if case == "more processes than cores":
         return ["train", *tiny, "--nproc", "100000", "--dry-run"]
     if case == "runs sync to a store with no bucket":
         (tmp / "r").mkdir()
@@ -184,6 +186,7 @@ CASES = {
     "a FIFO as data": "fifo (a FIFO); name a file, a folder or a glob",
     "the null device as config": "/dev/null is not a regular file (a character device)",
     "more processes than memory allows": "error: --nproc 100000: this run needs about ",
+    "more processes than cores": "error: --nproc 100000: more CPU processes than the ",
     "runs sync to a store with no bucket": "error: 's3://' names no bucket: give s3://BUCKET/PREFIX",
     "runs sync to a store URL with one slash": "error: 'bogus:/x' is not a store kubetrain can use (bogus:/)",
     "an unknown flag": "error: no such option: --bogus (see 'kubetrain train -h')",

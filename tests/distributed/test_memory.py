@@ -32,7 +32,8 @@ MODEL = ["model.n_layer=6", "model.n_head=8", "model.n_embd=512", "model.block_s
 def _peak_mib(tmp_path: Path, *sets: str) -> float:
     args = [x for s in (*MODEL, f"data.cache_dir={tmp_path / 'cache'}", *sets) for x in ("--set", s)]
     proc = subprocess.run([sys.executable, "-c", PEAK, sys.executable, "-m", "kubetrain", "train", *args,
-                           "--nproc", "4"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=600)
+                           "--nproc", "4", "--oversubscribe"], cwd=tmp_path, env=cli_env(), capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     return int(proc.stdout.split()[-1]) / 1024
 

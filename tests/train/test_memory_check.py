@@ -79,14 +79,15 @@ def test_a_476m_gpt_on_4_processes_is_accepted_under_fsdp_and_refused_under_ddp(
     if not needs["fsdp"] <= free < needs["ddp"]:
         pytest.skip(f"{free / 2**30:.1f} GiB free: the two runs are told apart between "
                     f"{needs['fsdp'] / 2**30:.1f} and {needs['ddp'] / 2**30:.1f} GiB")
-    ddp = _train(tmp_path, "--nproc", "4", "--set", "dist.strategy=ddp", "--dry-run", model=GPT_476M)
+    ddp = _train(tmp_path, "--nproc", "4", "--oversubscribe", "--set", "dist.strategy=ddp", "--dry-run",
+                 model=GPT_476M)
     assert ddp.returncode == EXIT_BAD_INPUT and ddp.stderr.count("\n") == 1, ddp.stderr[-2000:]
     assert ddp.stderr.startswith(f"error: --nproc 4: this run needs about {needs['ddp'] / 2**30:.1f} GiB")
     assert "per process of 4 (ddp), x4 processes on this node" in ddp.stderr
     # FSDP: the launcher and its 4 workers accept; the workers then stop at the data (a path that is not there)
     # rather than spend minutes building 476M parameters on this CPU for the dry run's forward pass
     missing = f"data.sources=[{{kind: text, path: {tmp_path / 'missing.txt'}}}]"
-    fsdp = _train(tmp_path, "--nproc", "4", "--set", "dist.strategy=fsdp", "--set", "run.threads=1",
+    fsdp = _train(tmp_path, "--nproc", "4", "--oversubscribe", "--set", "dist.strategy=fsdp", "--set", "run.threads=1",
                   "--set", missing, "--dry-run", model=GPT_476M, guard=False)
     # the first worker to fail is refused by the data, not by the memory check, and the agent stops the others
     # (exit 2, or 1 when it names a rank it had to stop before that rank's own exit)

@@ -1,4 +1,4 @@
-"""`train.micro_batch_size: auto` and `train.global_batch_size`: the pure choice (candidates, estimate, budget), the
+"""`train.micro_batch_size: auto` and `train.global_batch_size`: the estimate of each candidate and the budget, the
 boundary that resolves a config to ints, the confirming step stepping down on a real out-of-memory, and runs of
 the real trainer, whose losses equal those of the same micro-batch given by hand."""
 
@@ -16,17 +16,15 @@ from kubetrain.errors import ConfigError, TrainingFailed, UserInputError
 from kubetrain.memory import Layout, estimate_on
 from kubetrain.train.device import autocast
 from kubetrain.train.micro_batch import (
-    HEADROOM,
-    MicroBatchChoice,
     budget_for,
-    candidates,
-    choose,
     confirm_on_model,
     planning_config,
     resolve_batch,
     step_down,
+    training_step,
     with_batch,
 )
+from kubetrain.train.micro_batch_choice import HEADROOM, candidates
 from kubetrain.train.trainer import RunOptions, Trainer, train
 from tests.train.conftest import TINY, kubetrain, sets
 
@@ -36,31 +34,13 @@ MIB = 2**20
 
 
 def need_at(cfg_overrides: list[str], size: int, layout: Layout | None = None) -> int:
+    """The estimate of `size` as auto trains it: with the accumulation that keeps the global batch."""
     cfg = load_config(None, None, cfg_overrides)
-    est = estimate_on(with_batch(cfg, size, 1), layout or Layout.of(cfg), CPU)
+    lay = layout or Layout.of(cfg)
+    assert cfg.train.global_batch_size is not None
+    est = estimate_on(with_batch(cfg, size, cfg.train.global_batch_size // lay.world_size // size), lay, CPU)
     assert not isinstance(est, str)
     return est.device_need
-
-
-# --- pure ---------------------------------------------------------------------------------------------------
-
-
-def test_the_candidates_divide_the_batch_of_one_process() -> None:
-    assert candidates(64) == [64, 32, 16, 8, 4, 2, 1]  # powers of two: halving
-    assert candidates(12) == [12, 6, 4, 3, 2, 1]  # otherwise each step down keeps the accumulation whole
-    assert candidates(1) == [1]
-
-
-def test_choose_takes_the_largest_that_fits_and_says_when_none_does() -> None:
-    need = {16: 1600, 8: 800, 4: 400, 2: 200, 1: 100}.__getitem__
-    assert choose([1, 2, 4, 8, 16], need, 1000) == MicroBatchChoice(8, (16, 8, 4, 2, 1), 800, 1000, True)
-    assert choose([16, 8, 4, 2, 1], need, 800).micro_batch == 8  # exactly the budget fits
-    asked: list[int] = []
-    sizes = candidates(1024)  # 11 sizes: a binary search asks the estimate 4 times, not 11
-    assert choose(sizes, lambda b: asked.append(b) or b, 100).micro_batch == 64 and len(asked) <= 4
-    none = choose([16, 8, 4, 2, 1], need, 50)
-    assert (none.micro_batch, none.fits, none.need) == (1, False, 100)
-    assert "the smallest of 16, 8, 4, 2, 1, though its memory estimate" in none.describe()
 
 
 # --- the boundary: auto -> ints, by the real estimate and a budget given ---------------------------------------
@@ -90,6 +70,48 @@ def test_on_the_cpu_the_node_processes_share_the_budget() -> None:
     assert (resolved.train.micro_batch, resolved.train.grad_accum_steps) == (8, 2)  # 8 x 2 accum x 4 = 64
     alone, _ = resolve_batch(cfg, Layout.of(cfg), CPU, budget)
     assert alone.train.micro_batch > 8  # one process has the same RAM to itself
+
+
+def test_auto_s_choice_fits_its_budget_with_the_accumulation_it_trains_with() -> None:
+    # Each candidate but the whole share accumulates: its whole gradients exist beside the next micro-batch's
+    # activations. Whatever the budget, the choice that fits must fit as the run (and the memory check) counts it.
+    cfg = load_config(None, None, AUTO)
+    layout = Layout.of(cfg)
+    for size in candidates(64):
+        budget = need_at(AUTO, size)  # exactly what `size` needs as trained: it fits, nothing larger does
+        resolved, choice = resolve_batch(cfg, layout, CPU, budget)
+        assert choice is not None and choice.fits and choice.micro_batch == size
+        est = estimate_on(resolved, layout, CPU)
+        assert not isinstance(est, str) and est.device_need <= budget
+        if size > 1:  # one byte less and `size` no longer fits, its accumulation's gradients included
+            assert resolve_batch(cfg, layout, CPU, budget - 1)[0].train.micro_batch < size
+
+
+def test_the_confirming_step_holds_whole_gradients_when_it_accumulates() -> None:
+    from kubetrain.data.loader import Batch
+    from kubetrain.models import build_model
+    from kubetrain.train.loss import loss_step
+
+    cfg = load_config(None, None, AUTO)
+    model = build_model(cfg.model, 256)
+    seen: list[bool] = []
+    plain = loss_step(model, compiled=False)
+
+    def loss_of(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # at the forward of the confirming micro-batch: are the gradients of the ones before it in place?
+        seen.append(all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters()))
+        return plain(input_ids, labels)
+
+    def batch(size: int) -> Batch:
+        ids = torch.randint(0, 256, (size, cfg.model.block_size))
+        return Batch(ids, ids.clone())
+
+    accumulating = training_step(model, batch, CPU, autocast("fp32", CPU), loss_of, accum_of=lambda size: 4)
+    accumulating(2)
+    alone = training_step(model, batch, CPU, autocast("fp32", CPU), loss_of, accum_of=lambda size: 1)
+    alone(8)
+    assert seen == [True, False]
+    assert all(p.grad is None for p in model.parameters())  # nothing left behind for the run's first step
 
 
 def test_the_budget_is_the_config_s_or_a_share_of_the_free_memory() -> None:

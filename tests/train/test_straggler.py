@@ -64,7 +64,7 @@ def test_the_timer_counts_data_wait_and_forward_not_the_rest(monkeypatch: pytest
 def test_a_worker_stopped_and_continued_in_a_loop_is_named_the_slowest_rank(tmp_path: Path) -> None:
     proc = start("train", *sets("run.name=slow", "train.max_steps=100000", "checkpoint.every_steps=100000",
                                 "eval.every_steps=100000", "train.log_every_steps=5", "train.grad_accum_steps=4"),
-                 "--nproc", "3", cwd=tmp_path)
+                 "--nproc", "3", "--oversubscribe", cwd=tmp_path)
     metrics = tmp_path / "runs" / "slow" / "metrics.jsonl"
     wait_until(lambda: lines_in(metrics) >= 2, proc)
     target = next(pid for pid in children(proc.pid) if rank_of(pid) == 1)

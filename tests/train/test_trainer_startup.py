@@ -25,7 +25,7 @@ def test_three_ranks_train_when_preparing_takes_longer_than_the_collective_timeo
                        "data.tokenizer.kind=bpe",
                        "data.tokenizer.vocab_size=2048", "data.part_mb=1", "data.sources.0.kind=text",
                        f"data.sources.0.path={corpus}"),
-        "--nproc", "3", "--json", cwd=tmp_path, timeout=600,
+        "--nproc", "3", "--oversubscribe", "--json", cwd=tmp_path, timeout=600,
     )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["status"] == "finished" and result["steps"] == 3

@@ -28,6 +28,8 @@ def doctor(
                                                 "report to this file.")] = None,
     only: Annotated[str | None, typer.Option("--only", help="With --check: these groups only, comma-separated "
                                              "(correctness, speed, memory, distributed, hf).")] = None,
+    oversubscribe: Annotated[bool, typer.Option("--oversubscribe", help="Allow --nproc above this machine's CPU "
+                                                "cores on a CPU run, as `kubetrain train --oversubscribe`.")] = False,
 ) -> None:
     """Check this machine: device, memory, bf16, attention kernels, versions, disk, extras; with a CONFIG,
     whether the model and a micro-batch fit (an estimate) and the settings a run here would pick.
@@ -42,6 +44,10 @@ def doctor(
     from kubetrain.memory import Layout
 
     cfg = load(config, preset, set_) if (config or preset or set_) else None
+    if cfg is not None:
+        from kubetrain.launch.admission import check_cores
+
+        check_cores(cfg, nproc, oversubscribe)  # what `kubetrain train --nproc` would refuse, refused here too
     report = describe(cfg, Layout.of(cfg, nproc * nnodes, nproc) if cfg else None)
     typer.echo(json.dumps(report) if json_ else render(report))
 

@@ -11,7 +11,6 @@ from typing import Annotated
 import typer
 
 from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, at_least, load
-from kubetrain.config.schema import Config
 from kubetrain.distributed.env import process_env
 from kubetrain.errors import UserInputError
 from kubetrain.launch.watch import watch_options
@@ -47,6 +46,10 @@ def train(
         int, typer.Option("--max-restarts", callback=at_least(0, "--max-restarts"),
                           help="Times the agent restarts the workers after one dies; each restart resumes.")
     ] = 3,
+    oversubscribe: Annotated[
+        bool, typer.Option("--oversubscribe", help="Allow --nproc above this machine's CPU cores on a CPU run "
+                           "(refused otherwise: each process waits for a core and holds its own memory).")
+    ] = False,
 ) -> None:
     """Train a model from a config (the embedded 'tiny' preset when none is given).
 
@@ -57,6 +60,7 @@ def train(
     check_resume_path(resume)
     if nproc is not None or nnodes != "1" or rdzv_endpoint is not None or node_rank is not None:
         from kubetrain import runs
+        from kubetrain.launch.admission import admit
         from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
         from kubetrain.runs.lock import hold_for_workers
         from kubetrain.train.device import check_launch
@@ -71,7 +75,7 @@ def train(
                              rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
                              shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30, **watch_options(cfg))
         torchrun_args(opts, forwarded)  # bad launch options are refused before the run directory is held
-        check_node_memory(cfg, opts.nproc_per_node, nnodes)  # before any worker starts
+        admit(cfg, opts.nproc_per_node, nnodes, oversubscribe)  # cores and memory, before any worker starts
         one_node = nnodes == "1" and rdzv_endpoint is None  # several nodes: rank 0 holds it, wherever it runs
         held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         if one_node and not dry_run:  # the launcher holds it across the agent's restarts of its workers
@@ -104,19 +108,6 @@ def check_torch() -> None:
     """A torch older than kubetrain supports is one line (exit 2), not an ImportError deep in the run."""
     if problem := unsupported_torch():
         raise UserInputError(problem)
-
-
-def check_node_memory(cfg: Config, nproc: int, nnodes: str) -> None:
-    """The launcher's memory check: `nproc` processes on this node, of `nproc` x the fewest nodes (an elastic
-    job's MIN leaves each process the most under FSDP)."""
-    from kubetrain.launch.elastic import parse_nnodes
-    from kubetrain.memory import Layout
-    from kubetrain.train.memory_check import check_memory
-
-    try:
-        check_memory(cfg, Layout.of(cfg, nproc * parse_nnodes(nnodes)[0], nproc), launcher=True)
-    except UserInputError as e:  # the count comes first: it is what the user typed, and one thing to change
-        raise UserInputError(f"--nproc {nproc}: {e}") from None
 
 
 def check_resume_path(resume: str) -> None:

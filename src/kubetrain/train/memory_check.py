@@ -24,7 +24,8 @@ def check_memory(cfg: Config, layout: Layout | None = None, launcher: bool = Fal
     `layout`: the run's processes (default: this worker's, from torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE).
     `launcher`: the check of `--nproc`'s launcher, before its workers start, for CPU runs only (each GPU worker
     checks its own device; the launcher must not take a GPU context for the whole job): it asks for the node's
-    processes together. A worker asks for its own share, since its siblings may already hold theirs. Off with
+    processes together, with their runtime. A worker asks for what it has still to allocate, since its runtime is
+    in place and its siblings may already hold theirs. Off with
     run.check_memory=false; silent when the size or the free memory is not known.
     """
     if not cfg.run.check_memory:
@@ -49,7 +50,7 @@ def check_memory(cfg: Config, layout: Layout | None = None, launcher: bool = Fal
     free = device_info(device).memory_free
     if isinstance(est, str) or free is None:
         return
-    need = est.device_need if launcher else est.per_process
+    need = est.device_need if launcher else est.to_allocate  # a worker already holds its runtime
     if need > free:
         raise UserInputError(refusal(est, need, free, together=launcher))
 
@@ -91,7 +92,8 @@ def report_peak(cfg: Config, device: torch.device, out: Callable[[str], None]) -
     est = estimate_on(cfg, Layout.of(cfg, penv.world_size, penv.local_world_size), device)
     if isinstance(est, str):
         return
-    line, off = peak_against_estimate(torch.cuda.max_memory_allocated(device), est.per_process)
+    # the allocator sees tensors only: not the CUDA context, not the host's runtime
+    line, off = peak_against_estimate(torch.cuda.max_memory_allocated(device), est.to_allocate)
     out(line)
     if off:
         out(f"warning: the memory estimate is off by more than {ESTIMATE_TOLERANCE:.0%} for this run: `kubetrain "

@@ -5,10 +5,12 @@ batch: the worker (`train`), the launcher's memory check, `kubetrain doctor` and
 reader after it (the loader, the memory estimate, the loop) sees ints.
 
 `auto` picks, among the micro-batches that divide this process's share of the global batch (so accumulation is
-whole), the largest whose memory estimate (`memory.estimate_on`, for the run's layout) fits the device: a pure
-choice (`choose`). The Trainer then confirms it with one forward and backward on the real model (`confirm`),
-stepping down to the next smaller candidate on out-of-memory, as DeepSpeed's and Lightning's batch-size finders do;
-the global batch stays, grad_accum_steps grows.
+whole), the largest whose memory estimate (`memory.estimate_on`, for the run's layout, with the accumulation that
+candidate trains with) fits the device: the pure choice is train/micro_batch_choice.py's `choose`. The Trainer
+then confirms it with one forward and backward on the real model (`confirm`), with gradient-sized buffers in place
+when it accumulates, stepping down to the next smaller candidate on out-of-memory, as DeepSpeed's and Lightning's
+batch-size finders do; the global batch stays, grad_accum_steps grows. Here: the config plumbing, the estimate's
+questions, the confirming step and its collectives.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,95 +29,19 @@ from kubetrain.errors import TrainingFailed, UserInputError
 from kubetrain.memory import Layout, estimate_on
 from kubetrain.models.loss import counted_tokens
 from kubetrain.train.loss import LossStep, loss_step
+from kubetrain.train.micro_batch_choice import (
+    GIB,
+    HEADROOM,
+    MicroBatchChoice,
+    accum_steps,
+    candidates,
+    choose,
+    per_process_batch,
+    size_text,
+)
 
-GIB = 2**30
-# Of the memory free at start, what `auto` plans to fill: the estimate is within about 10% of the measured peak
-# (issue 34's target), and the allocator's fragmentation and the CUDA context want some room of their own.
-HEADROOM = 0.9
-
-
-@dataclass(frozen=True)
-class MicroBatchChoice:
-    """What `auto` chose, and why: the candidates it looked at, the estimate of the choice and the budget."""
-
-    micro_batch: int
-    candidates: tuple[int, ...]  # largest first
-    need: int  # bytes the estimate gives the choice (what the device must hold: `Estimate.device_need`)
-    budget: int  # bytes it had to fit in
-    fits: bool  # False: not even the smallest candidate fits (the memory check then refuses the run)
-    budget_from: str = ""  # where the budget comes from, in words
-
-    def describe(self) -> str:
-        """Why: `the largest of 32, 16, 8 whose memory estimate (3.1 GiB) fits the budget (4.0 GiB: ...)`."""
-        sizes = ", ".join(str(c) for c in self.candidates)
-        if self.fits:
-            return (f"the largest of {sizes} whose memory estimate ({_size(self.need)}) fits the budget "
-                    f"({_size(self.budget)}: {self.budget_from})")
-        return (f"the smallest of {sizes}, though its memory estimate ({_size(self.need)}) exceeds the budget "
-                f"({_size(self.budget)}: {self.budget_from})")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"micro_batch_size": self.micro_batch, "candidates": list(self.candidates), "need": self.need,
-                "budget": self.budget, "fits": self.fits, "budget_from": self.budget_from}
-
-
-def _size(n: int) -> str:
-    """Bytes in GiB, or MiB below a tenth of one (a tiny model is not "0.00 GiB")."""
-    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
-
-
-# --- pure: the plan of a batch, the candidates, the choice ---------------------------------------------------
-
-
-def per_process_batch(global_batch: int, world_size: int) -> int:
-    """Sequences per optimizer step of one process; a global batch the processes cannot share evenly is bad input."""
-    if global_batch % world_size:
-        raise UserInputError(f"train.global_batch_size {global_batch} is not a multiple of the {world_size} "
-                             f"processes; use a multiple of {world_size}")
-    return global_batch // world_size
-
-
-def accum_steps(per_process: int, micro_batch: int, global_batch: int, world_size: int) -> int:
-    """grad_accum_steps that keeps the global batch with this micro-batch; one that does not divide it is bad input."""
-    if per_process % micro_batch:
-        raise UserInputError(f"train.micro_batch_size {micro_batch} does not divide the {per_process} sequences per "
-                             f"process of train.global_batch_size {global_batch} over {world_size} processes")
-    return per_process // micro_batch
-
-
-def candidates(per_process: int) -> list[int]:
-    """The micro-batches `auto` may choose, largest first: those that divide one process's share of the global
-    batch, so that grad accumulation keeps it exactly (a power of two steps down by halving)."""
-    return [b for b in range(per_process, 0, -1) if per_process % b == 0]
-
-
-def choose(sizes: Sequence[int], need: Callable[[int], int], budget: int, budget_from: str = ""
-           ) -> MicroBatchChoice:
-    """The largest of `sizes` whose `need` (bytes) is at most `budget`; the smallest, marked as not fitting, when
-    none is. `need` grows with the micro-batch, so a binary search asks it a few times (an estimate builds the model
-    on the meta device each time)."""
-    ordered = tuple(sorted(set(sizes), reverse=True))
-    if not ordered:
-        raise ValueError("no micro-batch sizes to choose from")
-    asked: dict[int, int] = {}
-
-    def need_of(size: int) -> int:
-        if size not in asked:
-            asked[size] = need(size)
-        return asked[size]
-
-    ascending = ordered[::-1]
-    lo, hi, best = 0, len(ascending) - 1, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if need_of(ascending[mid]) <= budget:
-            best, lo = ascending[mid], mid + 1
-        else:
-            hi = mid - 1
-    if best is None:
-        return MicroBatchChoice(ascending[0], ordered, need_of(ascending[0]), budget, False, budget_from)
-    return MicroBatchChoice(best, ordered, need_of(best), budget, True, budget_from)
-
+__all__ = ["MicroBatchChoice", "budget_for", "confirm", "confirm_on_model", "planning_config", "resolve_batch",
+           "resolve_here", "step_down", "with_batch"]
 
 def with_batch(cfg: Config, micro_batch: int, grad_accum: int) -> Config:
     """A copy of `cfg` that trains with this micro-batch and accumulation (validated as a user's value would be)."""
@@ -148,11 +73,14 @@ def resolve_batch(cfg: Config, layout: Layout, device: torch.device, budget: int
 
 def choose_by_estimate(cfg: Config, layout: Layout, device: torch.device, sizes: Sequence[int],
                        budget: int | None = None) -> MicroBatchChoice:
-    """`choose` with the memory estimate of `cfg` at each size, on `device` for `layout`, against the budget."""
+    """`choose` with the memory estimate of `cfg` at each size, on `device` for `layout`, against the budget. Each
+    size is estimated with the accumulation it would train with: from a second micro-batch on, whole gradients
+    exist beside its activations."""
     budget, budget_from = budget_for(cfg, device, budget)
+    per_process = per_process_batch(cfg.train.global_batch_size or max(sizes), layout.world_size)
 
     def need(size: int) -> int:
-        est = estimate_on(with_batch(cfg, size, 1), layout, device)
+        est = estimate_on(with_batch(cfg, size, max(1, per_process // size)), layout, device)
         if isinstance(est, str):
             raise UserInputError(f"train.micro_batch_size auto chooses by the memory estimate, which is not known "
                                  f"here: {est}; set a number")
@@ -173,7 +101,7 @@ def budget_for(cfg: Config, device: torch.device, budget: int | None = None) -> 
     if free is None:
         raise UserInputError(f"train.micro_batch_size auto needs the memory free on {device.type}, which is not "
                              "known here; set train.memory_budget_gib")
-    return int(free * HEADROOM), f"{HEADROOM:.0%} of the {_size(free)} free on {device.type}"
+    return int(free * HEADROOM), f"{HEADROOM:.0%} of the {size_text(free)} free on {device.type}"
 
 
 def planning_config(cfg: Config, layout: Layout) -> Config:
@@ -229,9 +157,12 @@ def min_over_ranks(value: int, device: torch.device) -> int:
 
 def training_step(model: nn.Module, batch: Callable[[int], Any], device: torch.device,
                   autocast_ctx: Callable[[], contextlib.AbstractContextManager[None]],
-                  loss_of: LossStep | None = None) -> Callable[[int], None]:
+                  loss_of: LossStep | None = None, accum_of: Callable[[int], int] = lambda size: 1
+                  ) -> Callable[[int], None]:
     """One forward and backward of `model` on `batch(size)`, with room for AdamW's two moments held meanwhile: the
-    memory of a training step. No optimizer step, and the RNG is restored: the weights, the dropout draws and the
+    memory of a training step. When `accum_of(size)` > 1 the step accumulates: every gradient is made (zeros)
+    before the forward, as a first micro-batch would have left it, so the backward adds into whole gradients as the
+    second micro-batch's does. No optimizer step, and the RNG is restored: the weights, the dropout draws and the
     data order stay those of a run given that micro-batch by hand. Under DDP without the gradient all-reduce
     (`no_sync`): a rank that runs out of memory leaves no peer waiting in a collective. `loss_of`: the training
     step's forward and loss (train/loss.py `loss_step`, compiled when the run compiles), so the step measured is
@@ -239,12 +170,16 @@ def training_step(model: nn.Module, batch: Callable[[int], Any], device: torch.d
     loss_of = loss_of or loss_step(model, compiled=False)
 
     def attempt(size: int) -> None:
-        moments = sum(2 * _local(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        moments = sum(2 * _local(p).numel() * p.element_size() for p in trainable)
         no_sync = getattr(model, "no_sync", None)
         rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
         try:
             with rng, no_sync() if no_sync is not None else contextlib.nullcontext():
                 held = torch.empty(moments, dtype=torch.uint8, device=device)
+                if accum_of(size) > 1:  # the gradients of the micro-batches before this one
+                    for p in trainable:
+                        p.grad = torch.zeros_like(p)
                 b = batch(size).to(device)
                 with autocast_ctx():
                     loss = loss_of(b.input_ids, b.labels) / counted_tokens(b.labels)
@@ -273,6 +208,8 @@ def confirm(cfg: Config, choice: MicroBatchChoice, attempt: Callable[[int], None
     size, failed = step_down(attempt, sizes, lambda ok: min_over_ranks(ok, device))
     if failed:  # a compiled model recompiled for each size (and went dynamic): compile once more, for this one
         torch.compiler.reset()
+    if device.type == "cuda":  # the peak the run reports (report_peak) is its own, not the out-of-memory tries'
+        torch.cuda.reset_peak_memory_stats(device)
     per_process = per_process_batch(t.global_batch_size, world_size)
     accum = accum_steps(per_process, size, t.global_batch_size, world_size)
     why = choice.describe()
@@ -315,4 +252,7 @@ def confirm_on_model(cfg: Config, choice: MicroBatchChoice, model: nn.Module, wi
     if dry_run:
         return cfg, start_line(cfg, choice, world_size)
     batch = lambda size: TrainLoader(windows, size, cfg.run.seed).next_batch()  # noqa: E731
-    return confirm(cfg, choice, training_step(model, batch, device, autocast_ctx, loss_of), device, world_size)
+    assert cfg.train.global_batch_size is not None  # `auto` needs it (the schema's validator)
+    per_process = per_process_batch(cfg.train.global_batch_size, world_size)
+    attempt = training_step(model, batch, device, autocast_ctx, loss_of, lambda size: per_process // size)
+    return confirm(cfg, choice, attempt, device, world_size)

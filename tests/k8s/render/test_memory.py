@@ -11,11 +11,11 @@ from kubetrain.config import load_config
 from kubetrain.config.schema import Config
 from kubetrain.k8s.render.context import RenderError
 from kubetrain.k8s.render.manifest import pod_templates, render
-from kubetrain.k8s.render.memory import GIB, host_need, size
-from kubetrain.memory import Layout, estimate_memory, model_shape
+from kubetrain.k8s.render.memory import GIB, host_need, pod_estimate, size
+from kubetrain.memory import LAUNCHER_RUNTIME, RUNTIME, model_shape
 
 Cli = Callable[..., tuple[int, str, str]]
-# GPT-2 small's shape at micro-batch 16: about 20.6 GiB of training state per process on the CPU (doctor)
+# GPT-2 small's shape at micro-batch 16: about 25.4 GiB per process on the CPU, runtime included (doctor)
 GPT2 = ["model.n_layer=12", "model.n_head=12", "model.n_embd=768", "model.block_size=1024",
         "model.vocab_size=50304", "data.tokenizer.kind=bpe", "data.tokenizer.vocab_size=50304",
         "train.micro_batch_size=16"]
@@ -26,25 +26,28 @@ def gpt2(*overrides: str) -> Config:
 
 
 def test_a_cpu_pod_holds_every_process_s_training_state() -> None:
-    cfg = gpt2("k8s.resources.memory=24Gi")
+    cfg = gpt2("k8s.resources.memory=28Gi")
     shape = model_shape(cfg)
-    each = sum(estimate_memory(cfg, shape, Layout.of(cfg), precision="fp32", attention="flash").values())
-    assert 18 * GIB < each < 19 * GIB  # doctor's estimate: weights, gradients, AdamW, activations, the loss
-    assert host_need(cfg, shape)[0] == each
-    render(cfg)  # one process fits in 24Gi
+    one = pod_estimate(cfg, shape)
+    state = one.per_process - one.parts["runtime"] - one.parts["allocator"]
+    assert 18 * GIB < state < 21 * GIB  # weights, gradients, AdamW, activations, the logits, a checkpoint's copy
+    assert host_need(cfg, shape)[0] == one.per_process + LAUNCHER_RUNTIME  # the process and its launcher
+    render(cfg)  # one process (and its launcher) fits in 28Gi
 
-    two = gpt2("k8s.resources.memory=24Gi", "k8s.nproc_per_node=2")
-    both = sum(estimate_memory(two, shape, Layout.of(two, 2), precision="fp32", attention="flash").values())
+    two = gpt2("k8s.resources.memory=28Gi", "k8s.nproc_per_node=2")
+    each = pod_estimate(two, shape)
+    both = 2 * each.per_process - each.parts["checkpoint_staging"] + LAUNCHER_RUNTIME  # rank 0 alone stages
     with pytest.raises(RenderError) as refused:
         render(two)
     assert str(refused.value) == (
-        f"k8s.resources.memory (24Gi) cannot hold what a pod's processes need: about {2 * both / GIB:.1f} GiB "
-        f"(2 x {both / GIB:.1f} GiB of training state on the CPU; `kubetrain doctor CONFIG` shows the estimate); "
+        f"k8s.resources.memory (28Gi) cannot hold what a pod's processes need: about {both / GIB:.1f} GiB "
+        f"(2 x up to {each.per_process / GIB:.1f} GiB on the CPU: training state and runtime; the launcher's "
+        f"{size(LAUNCHER_RUNTIME)}; `kubetrain doctor CONFIG` shows the estimate); "
         "raise k8s.resources.memory; run fewer processes per pod (k8s.nproc_per_node 2); lower train.micro_batch_size "
         "(raise train.grad_accum_steps to keep the batch) or model.block_size, or set "
         "model.gradient_checkpointing=true, or set run.check_memory=false to render anyway")
-    render(gpt2("k8s.resources.memory=24Gi", "k8s.nproc_per_node=2", "train.micro_batch_size=4"))  # what it says
-    render(gpt2("k8s.resources.memory=24Gi", "k8s.nproc_per_node=2", "run.check_memory=false"))  # the opt-out
+    render(gpt2("k8s.resources.memory=28Gi", "k8s.nproc_per_node=2", "train.micro_batch_size=4"))  # what it says
+    render(gpt2("k8s.resources.memory=28Gi", "k8s.nproc_per_node=2", "run.check_memory=false"))  # the opt-out
 
 
 def test_a_gpu_pod_holds_the_host_copies_of_the_weights_only() -> None:
@@ -57,10 +60,13 @@ def test_a_gpu_pod_holds_the_host_copies_of_the_weights_only() -> None:
     weights = model_shape(cfg)["params"] * 4
     with pytest.raises(RenderError) as refused:
         render(cfg)
-    assert f"about {4 * weights / GIB:.1f} GiB (4 x {weights / GIB:.1f} GiB of weights in host memory" in str(
+    staged = weights + model_shape(cfg)["params"] * 8  # rank 0's background copy of the weights and AdamW's moments
+    need = 4 * weights + 4 * RUNTIME + LAUNCHER_RUNTIME + staged
+    assert f"about {need / GIB:.1f} GiB (4 x {weights / GIB:.1f} GiB of weights in host memory" in str(
         refused.value)
     assert "build the model sharded with dist.strategy=fsdp" in str(refused.value)
-    render(gpt2(*big, "dist.strategy=fsdp"))  # built on the meta device: only rank 0 gathers a copy, to save
+    # built on the meta device: only rank 0 gathers a copy, to save; no background copy of the shards to the host
+    render(gpt2(*big, "dist.strategy=fsdp", "checkpoint.async_save=false"))
     render(gpt2(*big, "run.check_memory=false"))
 
 
@@ -71,8 +77,10 @@ def test_a_hugging_face_model_is_counted_from_its_config_json(llama_dir: Path) -
     weights = shape["params"] * 2  # bf16 on the host, as from_pretrained loads it
     with pytest.raises(RenderError) as refused:
         render(load_config(None, "tiny", [*hf, "k8s.resources.memory=1Ki"]))
-    assert f"about {size(2 * weights)} (2 x {size(weights)} of weights in host memory" in str(refused.value)
-    render(load_config(None, "tiny", [*hf, f"k8s.resources.memory={-(-2 * weights // 1024)}Ki"]))  # just enough
+    need = host_need(load_config(None, "tiny", hf), shape)[0]
+    assert need > 2 * weights + 2 * RUNTIME + LAUNCHER_RUNTIME  # the runtimes, with transformers' imports
+    assert f"about {size(need)} (2 x {size(weights)} of weights in host memory" in str(refused.value)
+    render(load_config(None, "tiny", [*hf, f"k8s.resources.memory={-(-need // 1024)}Ki"]))  # just enough
 
 
 def test_a_model_of_unknown_size_renders() -> None:

@@ -99,7 +99,7 @@ def oom_advice(config_map: dict[str, Any] | None) -> str:
 
         from kubetrain.config.loading import validate
         from kubetrain.k8s.render.context import CONFIG_FILE
-        from kubetrain.k8s.render.memory import _what_to_change, host_need, size
+        from kubetrain.k8s.render.memory import host_need, pod_advice, size
         from kubetrain.memory import model_shape
 
         raw = yaml.safe_load(((config_map or {}).get("data") or {}).get(CONFIG_FILE, "")) or {}
@@ -111,7 +111,7 @@ def oom_advice(config_map: dict[str, Any] | None) -> str:
     except Exception:  # advice is a courtesy: a config this version cannot read gets the plain word
         return plain
     return (f"a pod's processes need about {size(need)} by kubetrain's estimate ({what}; `kubetrain doctor CONFIG` "
-            f"shows it); {_what_to_change(cfg, parts)}")
+            f"shows it); {pod_advice(cfg, parts)}")
 
 
 def _when(pod: dict[str, Any], ended: dict[str, Any] | None) -> float:

@@ -4,15 +4,17 @@ The pod's memory request is also its limit: a pod that needs more is OOM-killed 
 after it was scheduled. The estimate is the one train, the launcher and `kubetrain doctor` make (kubetrain.memory),
 for the pods' layout (k8s.nnodes x k8s.nproc_per_node processes, dist.strategy), made on the meta device.
 
-- CPU pods train in host memory: each process holds its training state (weights, gradients, AdamW,
-  activations, logits; the first three sharded under FSDP/HSDP), so the pod needs nproc_per_node times that.
+- CPU pods train in host memory: each process holds its runtime (interpreter, torch) and its training state
+  (weights, gradients, AdamW, activations, logits, the loader's batches, a background checkpoint's copy; sharded
+  under FSDP/HSDP), so the pod needs nproc_per_node times that, and its launcher's runtime.
   Counted with a fused attention kernel (torch has one on the CPU): the smaller figure, so a config the pod's
   own check (train/memory_check.py, against its cgroup) would accept is never refused here.
 - GPU pods keep the training state in GPU memory; the host still holds a whole copy of the weights per process
   while the model is built (on the CPU, then moved) and rank 0's gathered copy when it saves. The check asks
   for that much only: nproc_per_node copies of the weights, or one under FSDP where the model is built on the
-  meta device (only rank 0 gathers the whole model, to save it). The GPU side is `kubetrain doctor`'s, in the
-  pod; asking less of the host than it may use (CUDA context, async-save staging) keeps valid configs rendering.
+  meta device (only rank 0 gathers the whole model, to save it), each process's runtime and the launcher's, and
+  a background checkpoint's copy (rank 0's, or every rank's shards). The GPU side is `kubetrain doctor`'s, in
+  the pod; a CUDA torch's runtime is larger than the CPU one counted, so the figure is the least the pod needs.
 
 `run.check_memory: false` turns it off, as it turns off the pod's own check.
 """
@@ -54,11 +56,15 @@ def host_need(cfg: Config, shape: dict[str, Any]) -> tuple[int, str, dict[str, i
     """Bytes of host memory one pod needs, what they are in words, and the per-process parts on the CPU."""
     est = pod_estimate(cfg, shape)
     procs = est.layout.local_processes
+    launcher = f"the launcher's {size(est.launcher_runtime)}"
     if est.device == "cpu":
-        return est.host_need, f"{procs} x {size(est.per_process)} of training state on the CPU", est.parts
+        return est.host_need, (f"{procs} x up to {size(est.per_process)} on the CPU: training state and runtime; "
+                               f"{launcher}"), est.parts
     why = ("under FSDP, rank 0 gathers them to save" if est.host_copies == 1 and est.layout.sharded
            else "each process builds the model on the CPU")
-    return est.host_need, f"{est.host_copies} x {size(est.host_weights)} of weights in host memory ({why})", None
+    staging = f", a checkpoint's copy {size(est.host_staging)}" if est.host_staging else ""
+    return est.host_need, (f"{est.host_copies} x {size(est.host_weights)} of weights in host memory ({why}), "
+                           f"{procs} x {size(est.host_runtime)} of runtime, {launcher}{staging}"), None
 
 
 def on_gpu(cfg: Config) -> bool:
@@ -82,11 +88,11 @@ def check_pod_memory(cfg: Config) -> None:
         return
     raise RenderError(
         f"k8s.resources.memory ({memory}) cannot hold what a pod's processes need: about {size(need)} "
-        f"({what}; `kubetrain doctor CONFIG` shows the estimate); {_what_to_change(cfg, parts)}, or set "
+        f"({what}; `kubetrain doctor CONFIG` shows the estimate); {pod_advice(cfg, parts)}, or set "
         "run.check_memory=false to render anyway")
 
 
-def _what_to_change(cfg: Config, parts: dict[str, int] | None) -> str:
+def pod_advice(cfg: Config, parts: dict[str, int] | None) -> str:
     """More memory first; then what shrinks the largest part (CPU), or the host copies (GPU)."""
     k = cfg.k8s
     fewer = f"run fewer processes per pod (k8s.nproc_per_node {k.nproc_per_node})" if k.nproc_per_node > 1 else None
