@@ -164,6 +164,25 @@ def test_sigterm_to_the_launcher_saves_and_exits_resumable(tmp_path: Path) -> No
     assert (tmp_path / "runs" / "term" / "checkpoints" / f"step-{step:06d}" / "meta.json").is_file()
 
 
+def _listening(endpoint: str) -> bool:
+    host, port = endpoint.split(":")
+    with socket.socket() as s:
+        return s.connect_ex((host, int(port))) == 0
+
+
+@pytest.mark.slow
+def test_sigterm_while_waiting_in_the_rendezvous_exits_resumable_with_its_line(tmp_path: Path) -> None:
+    # A pod stopped while the other nodes are not up yet: nothing is lost, so 75 and the line (it was 143, silent).
+    endpoint = f"127.0.0.1:{_free_port()}"
+    proc = start("train", *sets("run.name=early"), "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", endpoint,
+                 "--node-rank", "0", cwd=tmp_path)
+    wait_until(lambda: _listening(endpoint), proc)  # node 0 hosts the rendezvous store: it waits for node 1 there
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED_RESUMABLE, err
+    assert "SIGTERM: stopped before the first checkpoint" in err and "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_resume_with_another_world_size_continues_the_data_without_replay(tmp_path: Path) -> None:
     common = ("train.max_steps=12", "eval.every_steps=100", "checkpoint.every_steps=100", "train.log_every_steps=1",

@@ -123,6 +123,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         watch.agree = hang_agreement(opts.rdzv_endpoint, opts.rdzv_id, parse_nnodes(opts.nnodes)[0])
     gave_up = finished = stopped = False  # the launcher's /metrics says which to its last scrape
     try:
+        _stop_is_an_exception(SignalException)  # a stop during the rendezvous, before the agent's own handler
         with elastic_agent(FINAL_EXIT_CODES, opts.shutdown_timeout, watch.agent_reaped):
             watch.agent_reports = _agent_extended()
             run(args)
@@ -166,6 +167,18 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         shutil.rmtree(beats, ignore_errors=True)
         _sync_incidents(run_dir)
     return 0
+
+
+def _stop_is_an_exception(exception: type[Exception]) -> None:
+    """SIGTERM/SIGINT raise `exception` (torch's SignalException, with the signal) from now on, as the agent's own
+    handler does once its workers start: a pod stopped while its launcher waits in the rendezvous (the other pods not
+    up yet) then exits 75 with its line, not 143 with none."""
+
+    def raise_stop(signum: int, frame: object) -> None:
+        raise exception(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))  # type: ignore[call-arg]
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, raise_stop)
 
 
 def _agent_extended() -> bool:
