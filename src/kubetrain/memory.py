@@ -225,9 +225,10 @@ def estimate_memory(cfg: Config, shape: dict[str, Any], layout: Layout, *, preci
     it casts.
     Activations: our GPT's blocks as counted in BLOCK_ACTIVATIONS, a Hugging Face model's after Korthikanti et al.
     2022 (34·s·b·h bytes per layer in 16 bit); plus 5·a·s²·b without a fused attention kernel; with gradient
-    checkpointing only each block's fp32 input is kept, and one block is recomputed at a time. The loss keeps the
-    logits in the compute dtype and makes their gradient (compiled, Inductor writes it over the logits) and, eager,
-    one fp32 chunk at a time (train/loss.py).
+    checkpointing only each block's fp32 input is kept, and one block is recomputed at a time. Compiled, the loss
+    keeps the logits in the compute dtype (Inductor writes their gradient over them); eager, the head is fused with
+    the loss (models/loss.py LinearCrossEntropy): the hidden states' gradient and one fp32 chunk at a time, never
+    the whole logits; the head's fp32 gradient is counted with the gradients.
     """
     from kubetrain.models.loss import chunk_tokens
 
@@ -250,9 +251,10 @@ def estimate_memory(cfg: Config, shape: dict[str, Any], layout: Layout, *, preci
     activations = (layers * tokens * h * 4 + per_layer) if checkpointed else layers * per_layer
     activations += tokens * h * (4 + act)  # the final norm's output and the head's input
     half_weights = params * 2 if act == 2 and weight_bytes == 4 and not layout.sharded else 0
-    loss = tokens * vocab * act * (1 if compiled else 2)
-    if not compiled:
-        loss += min(tokens, chunk_tokens(vocab)) * vocab * 4
+    # compiled: the logits in the compute dtype (Inductor writes their gradient over them); eager: the head fused
+    # with the loss, the hidden states' gradient and one chunk's fp32 logits, softmax and gradient
+    fused = tokens * h * act + 3 * min(tokens, chunk_tokens(vocab)) * vocab * 4
+    loss = tokens * vocab * act if compiled else fused
     # Gradients: whole from the second micro-batch of an accumulation on, else the head's at the activations'
     # peak, and whole at the optimizer step, once activations, logits and autocast's copies are gone.
     gradients = trainable * 4
@@ -280,15 +282,16 @@ def other_parts(cfg: Config, parts: dict[str, int], tokens: int, vocab: int, act
     The loader holds one micro-batch of int64 input ids and labels, and its copy on the device (the next one is
     read after the step). With checkpoint.async_save the weights and the optimizer's state are copied to host
     memory while the next step runs (write.stage; each rank its shards when sharded). The evaluation runs after
-    the optimizer step has freed the gradients, without autograd: one micro-batch's logits (and, eager, the loss's
-    fp32 chunk); it is a part only where it exceeds the training step's peak (a model whose gradients are small
+    the optimizer step has freed the gradients, without autograd: one micro-batch's logits compiled, one fp32 chunk
+    of them eager; it is a part only where it exceeds the training step's peak (a model whose gradients are small
     beside a large vocabulary's logits)."""
     from kubetrain.models.loss import chunk_tokens
 
     extra = {"data": 2 * tokens * 8 * 2}
     if cfg.checkpoint.async_save:
         extra["checkpoint_staging"] = parts["weights"] + parts["optimizer"]
-    evaluation = tokens * vocab * act + (0 if compiled else min(tokens, chunk_tokens(vocab)) * vocab * 4)
+    # compiled: the plain loss's logits; eager: the fused head's chunks (no gradient is made without autograd)
+    evaluation = tokens * vocab * act if compiled else 2 * min(tokens, chunk_tokens(vocab)) * vocab * 4
     step = parts["gradients"] + parts["activations"] + parts["loss"] + parts.get("half_weights", 0)
     if evaluation > step:
         extra["eval"] = evaluation - step
