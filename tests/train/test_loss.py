@@ -205,6 +205,7 @@ def test_ddp_compiled_step_is_the_models_graph_split_at_the_buckets_with_eagers_
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # minutes on one thread: run by .ci/run, not the README's test command
 @pytest.mark.timeout(3600)  # two steps of a 128k-vocabulary head on one thread of a shared machine: minutes
 def test_a_llama_3_2_1b_shaped_lora_step_peaks_at_least_1_5_gib_lower_with_the_same_loss() -> None:
     # The target, measured as bench/bench_head_loss.py does (each variant in a fresh process, one after the
