@@ -30,8 +30,8 @@ from kubetrain.distributed.device_check import check_device
 from kubetrain.distributed.env import ProcessEnv
 from kubetrain.errors import PreflightFailed
 from kubetrain.files import write_atomic
+from kubetrain.runs.layout import PREFLIGHT_FILE
 
-PREFLIGHT_FILE = "preflight.json"
 # Set by a rendered pod (k8s/render/podspec.py, the downward API): who this rank is, in the verdict's words.
 POD_NAME_ENV = "KUBETRAIN_POD_NAME"
 NODE_NAME_ENV = "KUBETRAIN_NODE_NAME"
@@ -146,8 +146,11 @@ def judge(report: dict[str, Any], cfg: PreflightConfig) -> dict[str, Any]:
     named: list[int] = []
     floor = cfg.floor_gb_per_second * GB if cfg.floor_gb_per_second else 0.0
 
-    def too_slow(value: float, median: float) -> bool:
-        return value < cfg.min_bandwidth_fraction * median or value < floor
+    def too_slow(value: float, median: float) -> str | None:
+        """None when fast enough, else what it is compared with: the median, or the floor it is under."""
+        if value < floor:
+            return f"under the floor {gbps(floor)}"
+        return f"median {gbps(median)}" if value < cfg.min_bandwidth_fraction * median else None
 
     for entry in ranks:
         device = entry["device"]
@@ -159,8 +162,8 @@ def judge(report: dict[str, Any], cfg: PreflightConfig) -> dict[str, Any]:
     median = statistics.median(e["all_reduce"]["busbw"] for e in ranks)
     report["median_all_reduce_busbw"] = median
     for entry in ranks:
-        if too_slow(entry["all_reduce"]["busbw"], median):
-            problems.append(f"{who(entry)}: all-reduce {gbps(entry['all_reduce']['busbw'])}, median {gbps(median)}")
+        if against := too_slow(entry["all_reduce"]["busbw"], median):
+            problems.append(f"{who(entry)}: all-reduce {gbps(entry['all_reduce']['busbw'])}, {against}")
             named.append(entry["rank"])
     problems += _slow_links(ranks, link_rows, too_slow, report, named)
     warnings = []
@@ -173,7 +176,8 @@ def judge(report: dict[str, Any], cfg: PreflightConfig) -> dict[str, Any]:
     return {"ok": not problems, "problems": problems, "warnings": warnings, "named_ranks": order}
 
 
-def _slow_links(ranks: list[dict[str, Any]], rows: list[dict[str, Any]], too_slow: Callable[[float, float], bool],
+def _slow_links(ranks: list[dict[str, Any]], rows: list[dict[str, Any]],
+                too_slow: Callable[[float, float], str | None],
                 report: dict[str, Any], named: list[int]) -> list[str]:
     """A rank all of whose links (two or more) are slow is the slow one; any other slow link names both ends."""
     if not rows:
@@ -191,14 +195,14 @@ def _slow_links(ranks: list[dict[str, Any]], rows: list[dict[str, Any]], too_slo
         mine = per_rank[r]
         peers = " and ".join(f"rank {next(x for x in row['ranks'] if x != r)}" for row in mine)
         worst = max(row["bandwidth"] for row in mine)
-        problems.append(f"{who(ranks[r])}: send/recv {gbps(worst)} or less to {peers}, median {gbps(median)}")
+        problems.append(f"{who(ranks[r])}: send/recv {gbps(worst)} or less to {peers}, {too_slow(worst, median)}")
         named.append(r)
     for row in slow:
         a, b = row["ranks"]
         if a in culprits or b in culprits:
             continue
         problems.append(f"link {who(ranks[a])} <-> {who(ranks[b])}: send/recv {gbps(row['bandwidth'])}, "
-                        f"median {gbps(median)}")
+                        f"{too_slow(row['bandwidth'], median)}")
         named += [a, b]
     return problems
 
@@ -236,11 +240,3 @@ def table(report: dict[str, Any]) -> list[str]:
                      f"send/recv {gbps(report.get('median_link_bandwidth', float('nan')))})")
     return lines
 
-
-def read(run_dir: Path) -> dict[str, Any] | None:
-    """A run's preflight report, or None when it has none (one process, preflight off, an unreadable file)."""
-    try:
-        found = json.loads((run_dir / PREFLIGHT_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return found if isinstance(found, dict) else None
