@@ -27,14 +27,11 @@ import torch.distributed as td
 from kubetrain.config.preflight import PreflightConfig
 from kubetrain.distributed import links
 from kubetrain.distributed.device_check import check_device
-from kubetrain.distributed.env import ProcessEnv
+from kubetrain.distributed.env import NODE_NAME_ENV, POD_NAME_ENV, ProcessEnv
 from kubetrain.errors import PreflightFailed
 from kubetrain.files import write_atomic
 from kubetrain.runs.layout import PREFLIGHT_FILE
 
-# Set by a rendered pod (k8s/render/podspec.py, the downward API): who this rank is, in the verdict's words.
-POD_NAME_ENV = "KUBETRAIN_POD_NAME"
-NODE_NAME_ENV = "KUBETRAIN_NODE_NAME"
 CLOCK_SKEW_WARN_SECONDS = 1.0  # the hang watch and the ETA compare wall clocks across nodes: a warning, not a stop
 ALL_REDUCE_SHARE, LINK_SHARE = 0.5, 0.35  # of the budget left after the device check; the rest: clocks, gather
 GB = 1e9
