@@ -3,8 +3,8 @@ the loss of a pod (slow tests: real processes, torchrun, gloo)."""
 
 from __future__ import annotations
 
-import socket
 import json
+import socket
 import subprocess
 import sys
 import time

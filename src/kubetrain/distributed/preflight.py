@@ -16,6 +16,7 @@ import json
 import os
 import socket
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,7 +80,8 @@ def check_job(cfg: PreflightConfig, penv: ProcessEnv, device: torch.device, run_
 
         entry = incidents.record(run_dir, "preflight", rank=verdict["named_ranks"][0], step=None, message=message,
                                  ranks=verdict["named_ranks"])
-        log(incidents.log_line(entry))
+        # unprefixed, as the launcher prints its incidents: `k8s status` reads this line from the pod's log
+        print(incidents.log_line(entry), file=sys.stderr, flush=True)
     links.barrier(device)  # every rank is past the last collective before any leaves the group
     raise PreflightFailed(message)
 
