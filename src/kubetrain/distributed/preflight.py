@@ -223,15 +223,15 @@ def table(report: dict[str, Any]) -> list[str]:
     head = (f"preflight: {report['world_size']} ranks over {report['backend']} in {report['seconds']:.1f} s "
             f"(budget {report['budget_seconds']:g} s): all-reduce up to {report['all_reduce_bytes'] // links.MiB} "
             f"MiB, send/recv {report['link_bytes'] // links.MiB} MiB to ring neighbours")
-    lines = [head, f"  {'rank':>4}  {'node':<20} {'matmul err':>10} {'memory':>8} {'all-reduce':>12} "
+    lines = [head, f"  {'rank':>4}  {'pod/node':<28} {'matmul err':>10} {'memory':>8} {'all-reduce':>12} "
                    f"{'latency':>9} {'send/recv min':>14} {'clock':>8}"]
     for entry in report["ranks"]:
         device, reduce = entry["device"], entry["all_reduce"]
         error = device["matmul"].get("relative_error")
         memory = "ok" if device["memory"]["ok"] else "FAILED"
         slowest = min((bw for _, bw in entry["links"]), default=float("nan"))
-        node = (entry.get("pod") or entry["node"])[:20]
-        lines.append(f"  {entry['rank']:>4}  {node:<20} {'-' if error is None else f'{error:.1e}':>10} "
+        where = (f"{entry['pod']}/{entry['node']}" if entry.get("pod") else entry["node"])[:28]
+        lines.append(f"  {entry['rank']:>4}  {where:<28} {'-' if error is None else f'{error:.1e}':>10} "
                      f"{memory:>8} {gbps(reduce['busbw']):>12} {reduce['latency_seconds'] * 1e3:>7.2f}ms "
                      f"{gbps(slowest):>14} {entry['clock_offset_seconds']:>+7.3f}s")
     if verdict["ok"]:
