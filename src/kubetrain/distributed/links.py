@@ -83,6 +83,14 @@ def all_reduce_sweep(device: torch.device, world: int, seconds: float) -> dict[s
     return {"latency_seconds": latency, "sizes": rows}
 
 
+def all_reduce_busbw(device: torch.device, world: int, size: int) -> float:
+    """This rank's all-reduce bus bandwidth at one size (best of a few, after a warm-up)."""
+    buffer = torch.zeros(size // 4, dtype=torch.float32, device=device)
+    td.all_reduce(buffer)
+    _sync(device)
+    return bus_bandwidth(size, _best_time(functools.partial(td.all_reduce, buffer), device, ITERATIONS), world)
+
+
 def neighbour_links(world: int) -> list[tuple[int, int]]:
     """The ring's links (r, r+1): each rank has two neighbours, so a slow rank shows on both of its links and a
     slow link on one."""
