@@ -186,3 +186,42 @@ def test_a_device_that_computes_wrong_stops_the_job_before_training_naming_its_r
     assert "model:" not in proc.stdout + proc.stderr  # stopped before the model was built
     incidents = [json.loads(f.read_text()) for f in tmp_path.rglob("incidents/*.json")]
     assert ("preflight", 2) in [(i["kind"], i["rank"]) for i in incidents]
+
+
+# Started by the test only: rank 2 stalls 0.2 s in every ping-pong of its first link sweep (a busy host), not after.
+STALL_RANK_2_ONCE = '''
+import os
+if os.environ.get("RANK") == "2" and os.environ.get("TORCHELASTIC_RUN_ID"):
+    import time
+    import kubetrain.distributed.links as links
+    sweep, timed, calls = links.link_sweep, links._best_time, []
+
+    def stalled(op, device, iterations):
+        def late():
+            time.sleep(0.2)
+            op()
+        return timed(late, device, iterations)
+
+    def first_stalls(device, rank, world, size):
+        calls.append(size)
+        links._best_time = stalled if len(calls) == 1 else timed
+        try:
+            return sweep(device, rank, world, size)
+        finally:
+            links._best_time = timed
+
+    links.link_sweep = first_stalls
+'''
+
+
+@pytest.mark.slow
+def test_a_rank_stalled_once_is_cleared_by_the_second_look_and_the_job_trains(tmp_path: Path) -> None:
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STALL_RANK_2_ONCE)
+    env = cli_env(PYTHONPATH=os.pathsep.join([str(hook), str(SRC)]))
+    proc = _train(tmp_path, "dist.preflight.on_failure=stop", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = json.loads(next(tmp_path.rglob(PREFLIGHT_FILE)).read_text())
+    assert table["second_look"] is True and table["verdict"]["ok"]  # the first look had named rank 2's links
+    assert table["seconds"] <= table["budget_seconds"]
