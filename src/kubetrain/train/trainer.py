@@ -123,9 +123,10 @@ class Trainer:
         self.prefix = f"[rank {self.penv.rank}] " if self.penv.distributed else ""
         self.out: Log = log or console_log(self.prefix)
         self.say: Log = self.out if self.main else (lambda m: None)
-        # every rank's device and links, before the model is built; a bad one stops the job here (exit 71)
-        preflight.check_job(cfg.dist.preflight, self.penv, self.device, self.opts.run_path or runs.run_dir(cfg),
-                            self.out, write=not self.opts.dry_run)
+        # every rank's device and links, once per job (in the run, not a phase), before the model is built;
+        # a bad one stops the job here (exit 71)
+        preflight.check_job(cfg.dist.preflight, self.penv, self.device, runs.run_dir(cfg), self.out,
+                            write=not self.opts.dry_run)
         self.sharded = self.penv.distributed and cfg.dist.shards_weights  # FSDP or HSDP
         self.state = TrainState()
         self.evaluated_step = -1  # the step of the last evaluation: only a checkpoint of that step can be `best`
