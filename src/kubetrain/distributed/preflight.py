@@ -38,7 +38,9 @@ ALL_REDUCE_SHARE, LINK_SHARE = 0.5, 0.35  # of the budget left after the device 
 GB = 1e9
 
 Log = Callable[[str], None]
-_checked: object | None = None  # the process group already checked: the phases of a run share one
+# Once per process: a worker joins one job's group, which the phases of a run share (an elastic restart is a new
+# process, and checks again). A flag, not the group: holding the group kept its gloo threads alive past teardown.
+_checked = False
 
 
 def stops(cfg: PreflightConfig) -> bool:
@@ -48,15 +50,15 @@ def stops(cfg: PreflightConfig) -> bool:
 
 def check_job(cfg: PreflightConfig, penv: ProcessEnv, device: torch.device, run_dir: Path, log: Log,
               write: bool = True) -> dict[str, Any] | None:
-    """Run the preflight once per process group (collective: every rank calls it); the report, or None when off.
+    """Run the preflight once per process (collective: every rank calls it); the report, or None when off.
 
     Rank 0 prints the table and (`write`) keeps it in `run_dir/preflight.json`; a failure raises PreflightFailed
     on every rank under `stop`, and is printed as a warning under `warn`.
     """
     global _checked
-    if not (cfg.enabled and penv.distributed and td.is_initialized()) or _checked is td.group.WORLD:
+    if not (cfg.enabled and penv.distributed and td.is_initialized()) or _checked:
         return None
-    _checked = td.group.WORLD
+    _checked = True
     report = measure(cfg, device, penv.rank, penv.world_size)
     report["on_failure"] = "stop" if stops(cfg) else "warn"
     verdict = report["verdict"]
