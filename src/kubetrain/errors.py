@@ -22,6 +22,9 @@ def resume_hint() -> str:
 # A worker's failure that a restart from the last checkpoint would only repeat (a loss that went NaN): its elastic
 # launcher restarts nobody and exits EXIT_FAILURE with the worker's line. Only between a worker and its launcher.
 EXIT_FINAL_FAILURE = 65  # EX_DATAERR from sysexits.h
+# The preflight (distributed/preflight.py) found a bad device or a slow link before step 1: the launcher restarts
+# nobody, and a rendered Job's podFailurePolicy fails the Job (the same node would fail again).
+EXIT_PREFLIGHT = 71  # EX_OSERR from sysexits.h: "an operating system error has been detected"
 
 
 class KubetrainError(Exception):
@@ -75,3 +78,9 @@ class TrainingStopped(KubetrainError):
     """Training stopped on a signal after saving a checkpoint; resumable."""
 
     exit_code = EXIT_STOPPED_RESUMABLE
+
+
+class PreflightFailed(KubetrainError):
+    """The preflight named a rank whose device or links fail, before the model was built. Exit 71."""
+
+    exit_code = EXIT_PREFLIGHT

@@ -4,6 +4,7 @@ the loss of a pod (slow tests: real processes, torchrun, gloo)."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -40,6 +41,8 @@ def test_each_pod_reads_its_node_rank_from_its_controllers_env(tmp_path: Path, w
         assert (node.node_rank, node.nnodes, node.nproc_per_node) == (rank, 3, 2), pod.name
         assert (node.master_addr, node.master_port) == ("127.0.0.1", s.port), pod.name
         assert pod.env["KUBETRAIN_POD_IP"] == "127.0.0.1"
+        # the downward API's pod and node names, which the preflight's verdict names a rank by
+        assert pod.env["KUBETRAIN_POD_NAME"] == pod.name and pod.env["KUBETRAIN_NODE_NAME"] == socket.gethostname()
         assert pod.env["HOME"] == str(pod.folder / "tmp")  # emptyDirs are the pod's own folders
         config = pod.argv[pod.argv.index("--config") + 1]
         assert config == str(pod.folder / "configmap" / "config.yaml")  # its copy: its own ports

@@ -46,3 +46,27 @@ def test_runs_list_and_show(tmp_path: Path) -> None:
     bad = kubetrain("runs", "show", "runs/zzz", cwd=tmp_path, check=False)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: no such run directory: runs/zzz"
     assert runs.read_meta(tmp_path / "runs" / "a")["world_size"] == 1
+
+
+def _preflight(ok: bool) -> dict[str, object]:
+    problems = [] if ok else ["rank 1 (pod job-1, node gpu-b): all-reduce 0.9 GB/s, median 11.8 GB/s"]
+    return {"world_size": 2, "backend": "nccl", "seconds": 3.5, "median_all_reduce_busbw": 11.8e9,
+            "median_link_bandwidth": 20e9, "links": [{"ranks": [0, 1], "bandwidth": 20e9}],
+            "verdict": {"ok": ok, "problems": problems, "warnings": [], "named_ranks": [] if ok else [1]}}
+
+
+def test_a_job_the_preflight_stopped_is_a_failed_run_that_names_the_rank(tmp_path: Path) -> None:
+    run = tmp_path / "stopped"
+    run.mkdir()
+    (run / runs.PREFLIGHT_FILE).write_text(json.dumps(_preflight(ok=False)))  # all it wrote before step 1
+    info = describe_run(run)
+    assert info["status"] == "failed" and info["preflight"]["ok"] is False
+    assert info["preflight"]["problems"] == _preflight(ok=False)["verdict"]["problems"]  # type: ignore[index]
+
+
+def test_every_phase_of_a_run_reads_the_jobs_one_preflight(tmp_path: Path) -> None:
+    run = tmp_path / "phased"
+    (run / runs.PHASES / "code").mkdir(parents=True)
+    (run / runs.PREFLIGHT_FILE).write_text(json.dumps(_preflight(ok=True)))
+    assert runs.read_preflight(run / runs.PHASES / "code")["seconds"] == 3.5
+    assert runs.read_preflight(tmp_path) == {}

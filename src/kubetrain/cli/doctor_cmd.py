@@ -16,7 +16,8 @@ from kubetrain.errors import UserInputError
 def doctor(
     config: ConfigArg = None, preset: PresetOpt = None, set_: SetOpt = None, json_: JsonOpt = False,
     nproc: Annotated[int, typer.Option("--nproc", callback=at_least(1, "--nproc"), help="Processes per node, as "
-                                       "`kubetrain train --nproc`: on the CPU they share this machine's memory.")] = 1,
+                                       "`kubetrain train --nproc`: on the CPU they share this machine's memory. "
+                                       "With --check: the processes whose links the preflight measures.")] = 1,
     nnodes: Annotated[int, typer.Option("--nnodes", callback=at_least(1, "--nnodes"), help="Nodes of the run: the "
                                         "memory estimate is per process of nproc x nnodes, sharded under "
                                         "dist.strategy fsdp/hsdp.")] = 1,
@@ -35,7 +36,7 @@ def doctor(
     whether the model and a micro-batch fit (an estimate) and the settings a run here would pick.
     With --check, train for real on this device and report what passed, failed or was skipped, and why."""
     if check:
-        _self_test(quick, json_, output, config is not None or preset is not None or bool(set_), only)
+        _self_test(quick, json_, output, config is not None or preset is not None or bool(set_), only, nproc)
         return
     if quick or output or only:
         raise UserInputError("--quick, --output and --only go with --check")
@@ -52,7 +53,8 @@ def doctor(
     typer.echo(json.dumps(report) if json_ else render(report))
 
 
-def _self_test(quick: bool, json_: bool, output: Path | None, with_config: bool, only: str | None) -> None:
+def _self_test(quick: bool, json_: bool, output: Path | None, with_config: bool, only: str | None,
+               nproc: int = 1) -> None:
     from kubetrain.files import write_atomic
     from kubetrain.selftest import GROUPS
     from kubetrain.selftest.render import item_line, table
@@ -73,7 +75,7 @@ def _self_test(quick: bool, json_: bool, output: Path | None, with_config: bool,
     def progress(outcome: Any) -> None:
         typer.echo(item_line(outcome), err=True)
 
-    report = run_check(quick=True if quick else None, on_item=progress, groups=groups)
+    report = run_check(quick=True if quick else None, on_item=progress, groups=groups, nproc=nproc)
     if output is not None:
         write_atomic(output, json.dumps(report, indent=2) + "\n")
     if json_:

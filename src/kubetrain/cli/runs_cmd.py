@@ -60,12 +60,30 @@ def show(run_dir: Annotated[Path, typer.Argument(help="A run directory.")], json
     from kubetrain.runs.incidents import describe
 
     for key, value in info.items():
-        if key not in ("checkpoints", "incidents"):
+        if key not in ("checkpoints", "incidents", "preflight"):
             typer.echo(f"{key:>16}: {_shown(key, value)}")
+    typer.echo(f"{'preflight':>16}: {preflight_line(info['preflight'])}")
+    for line in (info["preflight"] or {}).get("problems", []):
+        typer.echo(f"{'':>18}{line}")
     typer.echo(f"{'checkpoints':>16}: {', '.join(info['checkpoints']) or '-'}")
     typer.echo(f"{'incidents':>16}: {len(info['incidents']) or '-'}")
     for entry in info["incidents"]:
         typer.echo(f"{'':>18}{describe(entry)}")
+
+
+def preflight_line(summary: dict[str, Any] | None) -> str:
+    """`ok in 1.2 s: all-reduce 0.77 GB/s, send/recv 1.2 GB/s (slowest 1.1 GB/s, ranks 0-1)`, or '-'."""
+    if not summary:
+        return "-"
+    slowest = summary.get("slowest_link")
+    link = (f", send/recv {_gbps(summary['link_bandwidth'])} (slowest {_gbps(slowest['bandwidth'])}, ranks "
+            f"{slowest['ranks'][0]}-{slowest['ranks'][1]})") if slowest else ""
+    return (f"{'ok' if summary['ok'] else 'FAILED'} in {summary['seconds']:.1f} s over {summary['world_size']} "
+            f"ranks: all-reduce {_gbps(summary['all_reduce_busbw'])}{link}")
+
+
+def _gbps(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e9:.3g} GB/s"
 
 
 def _shown(key: str, value: Any) -> str:
@@ -103,7 +121,7 @@ def compare(run_dirs: RunDirsArg, json_: JsonOpt = False) -> None:
         return
     console = Console(width=None if sys.stdout.isatty() else 200)  # a pipe gets whole rows, not 80 columns
     columns = ("run", "status", "steps", "tokens", "final loss", "best loss", "final val", "best val (step)",
-               "tok/s", "mfu")
+               "tok/s", "mfu", "preflight all-reduce")
     table = Table(*columns, title="runs")
     for r in result["runs"]:
         step = r["best_val_step"]
@@ -113,6 +131,8 @@ def compare(run_dirs: RunDirsArg, json_: JsonOpt = False) -> None:
             _loss(r["best_train_loss"]), _loss(r["final_val_loss"]), best_val,
             "-" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:,.0f}",
             "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+            "-" if not r["preflight"] else f"{_gbps(r['preflight']['all_reduce_busbw'])}"
+            f"{'' if r['preflight']['ok'] else ' FAILED'}",
         )
     console.print(table)
     diff = result["config_diff"]

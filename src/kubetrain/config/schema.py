@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from kubetrain.config.k8s import K8sConfig
+from kubetrain.config.preflight import PreflightConfig
 from kubetrain.config.section import Section
 from kubetrain.config.track import TrackConfig
 
@@ -387,6 +388,15 @@ class DistConfig(Section):
         "(--max-restarts) to resume. Must exceed the longest evaluation or checkpoint save; null: off. The collective "
         "timeout, /healthz and the hang alert follow it (config/clocks.py)."
     )
+    preflight: PreflightConfig = Field(
+        default_factory=PreflightConfig, description="Before step 1 of a job of several processes: every rank's "
+        "device, links and clock, checked and named (false: off)."
+    )
+
+    @field_validator("preflight", mode="before")
+    @classmethod
+    def _preflight_switch(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value  # `dist.preflight: false` turns it off
 
     @property
     def shards_weights(self) -> bool:

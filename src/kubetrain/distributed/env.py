@@ -11,6 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 DEFAULT_MASTER_PORT = 29500
+# Set in a pod that kubetrain rendered (the downward API, k8s/render/podspec.py): which pod and node this process
+# is in, for lines that name a rank (the preflight's verdict). Outside Kubernetes the host name stands in.
+POD_NAME_ENV = "KUBETRAIN_POD_NAME"
+NODE_NAME_ENV = "KUBETRAIN_NODE_NAME"
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import kubetrain
 from kubetrain.config.k8s import RESERVED_ENV
 from kubetrain.config.loading import validate as validate_config
 from kubetrain.config.schema import Config
+from kubetrain.distributed.env import POD_NAME_ENV
 from kubetrain.errors import EXIT_BAD_INPUT, EXIT_STOPPED_RESUMABLE, UserInputError
 from kubetrain.k8s.render.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT
 from kubetrain.k8s.render.manifest import pod_templates, render
@@ -282,13 +283,15 @@ class Simulation:
                        PET_MASTER_PORT=str(RUNTIME_PORT))
         return env
 
-    def _env_value(self, item: dict[str, Any]) -> str | None:
+    def _env_value(self, item: dict[str, Any], pod_name: str) -> str | None:
         if "value" in item:
             return str(item["value"])
         source = item.get("valueFrom", {})
         field_path = source.get("fieldRef", {}).get("fieldPath", "")
         if field_path == "status.podIP":
             return LOOPBACK
+        if field_path in ("metadata.name", "spec.nodeName"):  # every simulated pod runs on this one node
+            return pod_name if field_path == "metadata.name" else socket.gethostname()
         if "jobset.sigs.k8s.io/job-index" in field_path:
             return "0"  # one replicated job
         if "secretKeyRef" in source:  # a Secret of the cluster: this machine's variable of that name, if any
@@ -314,14 +317,15 @@ class Simulation:
             self._write_config(folder / "configmap", mounts, ports)
             env = dict(base)
             for item in main["env"]:
-                value = self._env_value(item)
+                value = self._env_value(item, pod_name)
                 if value is not None:
                     env[item["name"]] = value
             env.update(self._controller_env(rank, pod_name))
             if self.kind == "TrainJob":
                 env["PET_MASTER_PORT"] = str(self.port)  # the runtime's fixed port, mapped to a free one
-            # names that must resolve become loopback; the pod's own HOSTNAME stays its name
-            env = {k: v if k == "HOSTNAME" else dns.get(v, _map_path(v, mounts)) for k, v in env.items()}
+            # names that must resolve become loopback; the pod's own name (HOSTNAME, the downward API's) stays
+            env = {k: v if k in ("HOSTNAME", POD_NAME_ENV) else dns.get(v, _map_path(v, mounts))
+                   for k, v in env.items()}
             args = [_map_path(a, mounts) for a in main["args"] if a != "--idle-after-finish"]
             argv = [sys.executable, "-m", "kubetrain", *main["command"][1:], *args]
             probes: dict[str, dict[str, Any]] = {k: main[k] for k in ("startupProbe", "livenessProbe") if k in main}

@@ -27,6 +27,7 @@ from kubetrain.errors import (
     EXIT_BAD_INPUT,
     EXIT_FAILURE,
     EXIT_FINAL_FAILURE,
+    EXIT_PREFLIGHT,
     EXIT_STOPPED_RESUMABLE,
     KubetrainError,
     RepeatableFailure,
@@ -152,6 +153,9 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         if failure.exitcode == EXIT_FINAL_FAILURE:  # failed for good (a NaN loss): its line, exit 1
             _say(f"error: {message}")
             return EXIT_FAILURE
+        if failure.exitcode == EXIT_PREFLIGHT:  # a bad device or link before step 1: its line, and its code
+            _say(f"error: {message}")
+            return EXIT_PREFLIGHT
         _say(f"error: rank {rank} failed with exit code {failure.exitcode}: {message}")
         return EXIT_FAILURE
     except RendezvousConnectionError as e:  # an incident here; the caller decides the exit (pods: 69)
@@ -230,9 +234,10 @@ def _recorded_failure(run_dir: Path) -> bool:
 
 
 # A worker's exit that a restart cannot change: bad input (the same config fails the same way again), a stop it
-# was asked for (a restart would resume and train on) and a failure a resume would repeat (EXIT_FINAL_FAILURE). Any
+# was asked for (a restart would resume and train on), a failure a resume would repeat (EXIT_FINAL_FAILURE) and a
+# preflight that named a bad device or link (the same node fails again; the pod must move). Any
 # other failure restarts the group, up to --max-restarts.
-FINAL_EXIT_CODES = frozenset({EXIT_BAD_INPUT, EXIT_STOPPED_RESUMABLE, EXIT_FINAL_FAILURE})
+FINAL_EXIT_CODES = frozenset({EXIT_BAD_INPUT, EXIT_STOPPED_RESUMABLE, EXIT_FINAL_FAILURE, EXIT_PREFLIGHT})
 
 
 def worker_exit_code(e: KubetrainError) -> int:

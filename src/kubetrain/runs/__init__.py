@@ -10,6 +10,7 @@ from kubetrain.runs.layout import (
     META_FILE,
     METRICS_FILE,
     PHASES,
+    PREFLIGHT_FILE,
     SAMPLES_FILE,
     STATUSES,
     run_dir,
@@ -24,6 +25,7 @@ from kubetrain.runs.reader import (
     read_config,
     read_meta,
     read_metrics,
+    read_preflight,
 )
 from kubetrain.runs.rundir import config_changes, git_sha, record_phases, record_tracker, start, update_meta
 
@@ -33,6 +35,7 @@ __all__ = [
     "META_FILE",
     "METRICS_FILE",
     "PHASES",
+    "PREFLIGHT_FILE",
     "SAMPLES_FILE",
     "STATUSES",
     "RunRecords",
@@ -46,6 +49,7 @@ __all__ = [
     "read_config",
     "read_meta",
     "read_metrics",
+    "read_preflight",
     "record_phases",
     "record_tracker",
     "run_dir",

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kubetrain.config.loading import flatten
-from kubetrain.runs.reader import RunRecords, expand, read_config, read_meta
+from kubetrain.runs.reader import RunRecords, expand, preflight_summary, read_config, read_meta
 from kubetrain.secrets import redact
 
 
@@ -35,6 +35,8 @@ def summarize(rec: RunRecords) -> dict[str, Any]:
         # the median shrugs off the first window (compile, warm-up) and the windows that hold an eval
         "tokens_per_second": statistics.median(rates) if rates else None,
         "mfu": statistics.median(mfus) if mfus else None,
+        # the links the job started on: a run slower than its twin may simply have had a slower network
+        "preflight": preflight_summary(rec.path),
     }
 
 

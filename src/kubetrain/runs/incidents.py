@@ -18,8 +18,9 @@ from typing import Any, Literal
 from kubetrain.files import write_atomic
 
 INCIDENTS = "incidents"
-KINDS = ("hang", "timeout", "worker-exit", "oom", "preempted", "rendezvous-lost", "rendezvous-closed")
-Kind = Literal["hang", "timeout", "worker-exit", "oom", "preempted", "rendezvous-lost", "rendezvous-closed"]
+KINDS = ("hang", "timeout", "worker-exit", "oom", "preempted", "rendezvous-lost", "rendezvous-closed", "preflight")
+Kind = Literal["hang", "timeout", "worker-exit", "oom", "preempted", "rendezvous-lost", "rendezvous-closed",
+               "preflight"]
 # The one line the launcher prints per incident; `k8s status` finds the newest in the pods' logs (the run folder
 # is on a claim it cannot read). Kept stable: log_line writes it, parse_log_line reads it.
 _LINE = re.compile(

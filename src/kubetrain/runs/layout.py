@@ -17,6 +17,7 @@ SAMPLES_FILE = "samples.txt"
 CHECKPOINTS = "checkpoints"
 PHASES = "phases"
 PHASES_FILE = "phases.json"  # a run of phases: their names in order, and how the whole run stands
+PREFLIGHT_FILE = "preflight.json"  # the job's preflight before step 1 (distributed/preflight.py), once per run
 
 STATUSES = ("running", "stopped", "finished", "failed")
 

@@ -17,7 +17,7 @@ import yaml
 from kubetrain import checkpoint
 from kubetrain.errors import UserInputError
 from kubetrain.runs.incidents import read_all as read_incidents
-from kubetrain.runs.layout import CHECKPOINTS, CONFIG_FILE, META_FILE, METRICS_FILE, PHASES, PHASES_FILE
+from kubetrain.runs.layout import CHECKPOINTS, CONFIG_FILE, META_FILE, METRICS_FILE, PHASES, PHASES_FILE, PREFLIGHT_FILE
 
 
 def read_meta(path: Path, name: str = META_FILE) -> dict[str, Any]:
@@ -52,6 +52,27 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         if isinstance(record, dict):
             out.append(record)
     return out
+
+
+def read_preflight(path: Path) -> dict[str, Any]:
+    """The job's preflight report (distributed/preflight.py), or {}; a phase reads its run's (one per job)."""
+    found = read_meta(path, PREFLIGHT_FILE)
+    if not found and path.parent.name == PHASES:
+        found = read_meta(path.parent.parent, PREFLIGHT_FILE)
+    return found
+
+
+def preflight_summary(path: Path) -> dict[str, Any] | None:
+    """What `runs show` and `runs compare` say about the preflight: verdict, time, medians, the slowest link."""
+    report = read_preflight(path)
+    if not report.get("verdict"):
+        return None
+    verdict, rows = report["verdict"], report.get("links") or []
+    return {"ok": bool(verdict.get("ok")), "seconds": report.get("seconds"), "world_size": report.get("world_size"),
+            "backend": report.get("backend"), "all_reduce_busbw": report.get("median_all_reduce_busbw"),
+            "link_bandwidth": report.get("median_link_bandwidth"),
+            "slowest_link": min(rows, key=lambda r: r["bandwidth"]) if rows else None,
+            "problems": verdict.get("problems") or [], "warnings": verdict.get("warnings") or []}
 
 
 def phase_dirs(path: Path) -> list[Path]:
@@ -117,7 +138,8 @@ def _status(meta: dict[str, Any]) -> str:
 
 def is_run_dir(path: Path) -> bool:
     """A run directory (meta.json or config.yaml), or a run of phases (phases/)."""
-    return (path / META_FILE).is_file() or (path / CONFIG_FILE).is_file() or bool(phase_dirs(path))
+    return ((path / META_FILE).is_file() or (path / CONFIG_FILE).is_file() or bool(phase_dirs(path))
+            or (path / PREFLIGHT_FILE).is_file())  # a job the preflight stopped before it wrote anything else
 
 
 def describe_run(path: Path) -> dict[str, Any]:
@@ -137,6 +159,9 @@ def describe_run(path: Path) -> dict[str, Any]:
                 meta = {**meta, "phase": whole["phase"]}
     else:
         root = path / CHECKPOINTS
+    preflight = preflight_summary(path)
+    if not meta and preflight and not preflight["ok"]:
+        status = "failed"  # stopped by the preflight before step 1 (no meta.json yet)
     return {
         "name": path.name,
         "path": str(path),
@@ -153,6 +178,7 @@ def describe_run(path: Path) -> dict[str, Any]:
         "world_size": meta.get("world_size"),
         "started_at": meta.get("started_at"),
         "incidents": read_incidents(path),
+        "preflight": preflight,
     }
 
 

@@ -17,7 +17,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "correctness": ("correctness.cpu_match", "correctness.bf16", "correctness.fp16", "correctness.resume"),
     "speed": ("speed.eager", "speed.compiled", "speed.overhead", "speed.reference"),
     "memory": ("memory.estimate", "memory.oom"),
-    "distributed": ("distributed.launcher", "distributed.async_checkpoint", "distributed.ddp", "distributed.fsdp"),
+    "distributed": ("distributed.launcher", "distributed.async_checkpoint", "distributed.ddp", "distributed.fsdp",
+                    "distributed.links"),
     "hf": ("hf.lora_bf16", "hf.generate", "hf.export_hf", "hf.export_gguf"),
 }
 STATUSES = ("passed", "failed", "skipped")

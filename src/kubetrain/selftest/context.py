@@ -23,9 +23,11 @@ class Context:
     device: str  # the device type a run here trains on: cuda, mps or cpu
     quick: bool  # tiny shapes and few steps (the default on the CPU)
     work: Path  # a scratch folder, removed after the check
+    nproc: int = 1  # `doctor --check --nproc N`: processes whose links distributed.links measures
 
     def argv(self) -> list[str]:
-        return ["--device", self.device, "--work", str(self.work), *(["--quick"] if self.quick else [])]
+        return ["--device", self.device, "--work", str(self.work), "--nproc", str(self.nproc),
+                *(["--quick"] if self.quick else [])]
 
     @property
     def on_gpu(self) -> bool:

@@ -149,6 +149,32 @@ def wrapped(strategy: str) -> Callable[[Context], Outcome]:
     return check
 
 
+def links(ctx: Context) -> Outcome:
+    """`--nproc N` processes run the job's preflight (distributed/preflight.py) as `kubetrain train --nproc N`
+    does before step 1: every device, the all-reduce and send/recv bandwidth, the clocks; failed when it names one."""
+    name = "distributed.links"
+    if ctx.nproc < 2:
+        return Outcome(name, "skipped", "one process has no links: `kubetrain doctor --check --nproc N` measures "
+                       "those of N processes")
+    items = run_overrides(ctx, "links", "train.max_steps=1", "dist.preflight.on_failure=warn")
+    proc = kubetrain("train", "--preset", "tiny", *sets(items), "--nproc", str(ctx.nproc), "--resume", "never",
+                     timeout=600)
+    if proc.returncode != 0:
+        return Outcome(name, "failed", f"`kubetrain train --nproc {ctx.nproc}` exited {proc.returncode}: "
+                       f"{last_line(proc.stderr)}")
+    report = json.loads((ctx.work / "runs" / "links" / "preflight.json").read_text())
+    verdict, per_rank = report["verdict"], {e["rank"]: e for e in report["ranks"]}
+    figures = {"seconds": report["seconds"], "backend": report["backend"], "world_size": report["world_size"],
+               "all_reduce_bytes": report["all_reduce_bytes"], "median_all_reduce_busbw_gb_per_s":
+               report["median_all_reduce_busbw"] / 1e9, "median_link_gb_per_s":
+               report.get("median_link_bandwidth", 0.0) / 1e9, "problems": verdict["problems"],
+               "latency_ms": {r: e["all_reduce"]["latency_seconds"] * 1e3 for r, e in per_rank.items()}}
+    return judged(name, verdict["ok"], f"the preflight of {ctx.nproc} processes over {report['backend']}: "
+                  + ("; ".join(verdict["problems"]) or "no rank named"), figures,
+                  "every device passes; every rank's all-reduce bus bandwidth and every ring link's send/recv "
+                  "at least half the median (dist.preflight.min_bandwidth_fraction)")
+
+
 def finish() -> None:
     import torch.distributed as td
 
@@ -161,4 +187,5 @@ CHECKS: dict[str, Callable[[Context], Outcome]] = {
     "distributed.async_checkpoint": async_checkpoint,
     "distributed.ddp": wrapped("ddp"),
     "distributed.fsdp": wrapped("fsdp"),
+    "distributed.links": links,
 }

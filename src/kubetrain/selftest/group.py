@@ -25,8 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", required=True)
     parser.add_argument("--work", required=True, type=Path)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--nproc", type=int, default=1)
     args = parser.parse_args(argv)
-    ctx = Context(device=args.device, quick=args.quick, work=args.work)
+    ctx = Context(device=args.device, quick=args.quick, work=args.work, nproc=args.nproc)
     module = importlib.import_module(f"kubetrain.selftest.{args.group}")
     prepare = getattr(module, "prepare", None)
     if prepare is not None:

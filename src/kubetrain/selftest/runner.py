@@ -22,9 +22,9 @@ GROUP_TIMEOUT = {"quick": 300.0, "full": 420.0}
 
 
 def run_check(quick: bool | None = None, on_item: Callable[[Outcome], None] | None = None,
-              groups: tuple[str, ...] = tuple(GROUPS)) -> dict[str, Any]:
+              groups: tuple[str, ...] = tuple(GROUPS), nproc: int = 1) -> dict[str, Any]:
     """The self-test on this machine's device (`groups` of it, in GROUPS' order: all by default); quick (tiny
-    shapes, few steps) by default on the CPU."""
+    shapes, few steps) by default on the CPU; `nproc` processes for the link test (distributed.links)."""
     import torch
 
     from kubetrain import __version__, hardware
@@ -35,7 +35,7 @@ def run_check(quick: bool | None = None, on_item: Callable[[Outcome], None] | No
     started = time.time()
     outcomes: list[Outcome] = []
     with tempfile.TemporaryDirectory(prefix="kubetrain-check-") as work:
-        ctx = Context(device=device.type, quick=quick, work=Path(work))
+        ctx = Context(device=device.type, quick=quick, work=Path(work), nproc=nproc)
         for group in (g for g in GROUPS if g in groups):
             for outcome in run_group(group, ctx, GROUP_TIMEOUT["quick" if quick else "full"]):
                 outcomes.append(outcome)

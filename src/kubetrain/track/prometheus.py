@@ -53,6 +53,21 @@ RANK_GAUGES = {
     "slower; with 2 ranks, over the other rank's).",
 }
 
+# name -> help; from the job's preflight before step 1 (distributed/preflight.py), set when the sink starts
+PREFLIGHT_GAUGES = {
+    "kubetrain_preflight_ok": "1 when the preflight before step 1 named no rank, 0 when it did (on_failure warn).",
+    "kubetrain_preflight_seconds": "Seconds the preflight took (bounded by dist.preflight.budget_seconds).",
+}
+PREFLIGHT_RANK_GAUGES = {
+    "kubetrain_preflight_device_ok": "1 when the rank's device passed the preflight (matmul, memory, driver).",
+    "kubetrain_preflight_all_reduce_bus_bytes_per_second": "The rank's all-reduce bus bandwidth in the preflight "
+    "(nccl-tests' busbw: algbw x 2(n-1)/n).",
+    "kubetrain_preflight_all_reduce_latency_seconds": "The rank's all-reduce time of one float in the preflight.",
+    "kubetrain_preflight_link_bytes_per_second": "The slowest send/recv bandwidth between the rank and a ring "
+    "neighbour in the preflight.",
+    "kubetrain_preflight_clock_offset_seconds": "The rank's wall clock minus rank 0's, in the preflight.",
+}
+
 Clock = Callable[[], float]
 
 
@@ -93,8 +108,10 @@ class PrometheusSink(Sink):
             raise missing_package("prometheus-client") from None
         self.registry = CollectorRegistry(auto_describe=True)
         self.gauges = {name: Gauge(name, doc, LABELS, registry=self.registry) for name, doc in GAUGES.items()}
+        self.gauges.update({name: Gauge(name, doc, LABELS, registry=self.registry)
+                            for name, doc in PREFLIGHT_GAUGES.items()})
         self.gauges.update({name: Gauge(name, doc, (*LABELS, "rank"), registry=self.registry)
-                            for name, doc in RANK_GAUGES.items()})
+                            for name, doc in {**RANK_GAUGES, **PREFLIGHT_RANK_GAUGES}.items()})
         self.labels = {"run": redact_text(str(info.get("run") or "")), "phase": str(info.get("phase") or NO_PHASE)}
         self.step = int(info.get("start_step", 0))
         self._set("kubetrain_step", self.step)
@@ -105,6 +122,8 @@ class PrometheusSink(Sink):
         self._set("kubetrain_starts", meta.get("starts", 1))
         self._set("kubetrain_last_checkpoint_step", info.get("last_checkpoint_step"))
         self._set("kubetrain_val_loss", info.get("val_loss"))
+        if info.get("run_dir"):
+            self._set_preflight(runs.read_preflight(Path(info["run_dir"])))
         self.last_beat = self.clock()
         self._set("kubetrain_heartbeat_timestamp_seconds", time.time())
         try:
@@ -166,6 +185,24 @@ class PrometheusSink(Sink):
             labels = {**self.labels, "rank": str(rank)}
             self.gauges["kubetrain_rank_compute_seconds"].labels(**labels).set(value)
             self.gauges["kubetrain_rank_straggler_ratio"].labels(**labels).set(ratio)
+
+    def _set_preflight(self, report: dict[str, Any]) -> None:
+        """The job's preflight table (none: one process, or the preflight off): job-wide and per-rank gauges."""
+        if not report.get("ranks"):
+            return
+        self._set("kubetrain_preflight_ok", bool(report["verdict"]["ok"]))
+        self._set("kubetrain_preflight_seconds", report.get("seconds"))
+        for entry in report["ranks"]:
+            labels = {**self.labels, "rank": str(entry["rank"])}
+            slowest = min((bandwidth for _, bandwidth in entry["links"]), default=None)
+            values = {"kubetrain_preflight_device_ok": bool(entry["device"]["ok"]),
+                      "kubetrain_preflight_all_reduce_bus_bytes_per_second": entry["all_reduce"]["busbw"],
+                      "kubetrain_preflight_all_reduce_latency_seconds": entry["all_reduce"]["latency_seconds"],
+                      "kubetrain_preflight_link_bytes_per_second": slowest,
+                      "kubetrain_preflight_clock_offset_seconds": entry["clock_offset_seconds"]}
+            for name, value in values.items():
+                if value is not None:
+                    self.gauges[name].labels(**labels).set(float(value))
 
     def _set(self, name: str, value: Any) -> None:
         if value is not None:

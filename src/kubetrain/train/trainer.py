@@ -19,6 +19,7 @@ from kubetrain.checkpoint import remote
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader
 from kubetrain.data.shards import Prepared, prepare
+from kubetrain.distributed import preflight
 from kubetrain.distributed import setup as dist
 from kubetrain.errors import CheckpointError, TrainingFailed, TrainingStopped, resume_hint
 from kubetrain.models.loss import counted_tokens
@@ -116,6 +117,9 @@ class Trainer:
         self.prefix = f"[rank {self.penv.rank}] " if self.penv.distributed else ""
         self.out: Log = log or console_log(self.prefix)
         self.say: Log = self.out if self.main else (lambda m: None)
+        # every rank's device and links, once per job, before the model is built; a bad one stops the job (exit 71)
+        preflight.check_job(cfg.dist.preflight, self.penv, self.device, runs.run_dir(cfg), self.out,
+                            write=not self.opts.dry_run)
         self.sharded = self.penv.distributed and cfg.dist.shards_weights  # FSDP or HSDP
         self.state = TrainState()
         self.evaluated_step = -1  # the step of the last evaluation: only a checkpoint of that step can be `best`
@@ -163,10 +167,8 @@ class Trainer:
                         stop.done()
                         status = "stopped"
                         saved = self.last_checkpoint.path.name if self.last_checkpoint else "saved"  # rank 0's
-                        raise TrainingStopped(
-                            f"stopped by {stop.signal_name or 'a signal on another rank'} at step {state.step}; "
-                            f"checkpoint {saved}; {resume_hint()}"
-                        )
+                        raise TrainingStopped(f"stopped by {stop.signal_name or 'a signal on another rank'} at "
+                                              f"step {state.step}; checkpoint {saved}; {resume_hint()}")
                 vote.close()
                 self.clock.stop()
                 sample = self.samples.at_end(self.say)
@@ -323,11 +325,8 @@ class Trainer:
         runs.update_meta(path, device=device_name(self.device), peak_flops=self.peak)  # what MFU is measured against
         for change in meta["config_changes"]:
             self.say(f"config changed since the last start: {change}")
-        def warn(message: str) -> None:
-            self.say(f"warning: {message}")
-
-        truncate_after(path / runs.METRICS_FILE, step, warn)
-        truncate_after(path / runs.SAMPLES_FILE, step, warn)
+        for name in (runs.METRICS_FILE, runs.SAMPLES_FILE):
+            truncate_after(path / name, step, lambda message: self.say(f"warning: {message}"))
         self.tokenizer.save(path / "tokenizer")
         self.sinks = build_sinks(cfg, path, self.max_steps, prefix=self.prefix)
         self.uploader = remote.Uploader.from_config(cfg, self.opts.phase, self.ckpt_root, self.say)

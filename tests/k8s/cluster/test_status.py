@@ -388,3 +388,37 @@ def test_after_a_restart_in_the_pod_the_step_is_the_resumed_one_without_the_old_
     apiserver.write_log(pod, _incident("hang", 0, 60, T0 + 100, "no rank advanced for 60s; rank 0 did not answer"))
     status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])
     assert (status["step"], status["eta_seconds"], status["tokens_per_second"]) == (52, None, None)
+
+
+def _preflight_log(problem: str | None) -> str:
+    """Rank 0's preflight lines as distributed/preflight.py prints them (its table, then the verdict)."""
+    from kubetrain.distributed.preflight import table
+
+    rank = {"pod": "tiny-0", "node": "gpu-a", "device": {"device": "cuda:0", "ok": True, "matmul": {
+        "relative_error": 2e-4}, "memory": {"ok": True}}, "all_reduce": {"busbw": 11.8e9, "latency_seconds": 3e-5},
+        "links": [[1, 20e9]], "clock_offset_seconds": 0.0}
+    report = {"world_size": 2, "backend": "nccl", "seconds": 6.4, "budget_seconds": 20, "all_reduce_bytes": 2**28,
+              "link_bytes": 2**28, "ranks": [{**rank, "rank": 0}, {**rank, "rank": 1, "pod": "tiny-1"}],
+              "verdict": {"ok": problem is None}, "median_all_reduce_busbw": 11.8e9, "median_link_bandwidth": 20e9}
+    lines = [f"[rank 0] {line}" for line in table(report)]
+    if problem:
+        lines += [_incident("preflight", 1, 0, T0, problem).strip(), f"error: {problem}"]
+    return "\n".join(lines) + "\n"
+
+
+def test_status_shows_the_preflight_and_the_rank_it_stopped_the_job_for(
+        tmp_path: Path, apiserver: Any, cli: Cli) -> None:
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig, "k8s.nnodes=2")
+    first, second = apiserver.pod("tiny", 0), apiserver.pod("tiny", 1)
+    apiserver.start(first, _preflight_log(None) + _progress(20, 600))
+    apiserver.start(second, "[entrypoint] node 1/2\n", node="gpu-b")
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    assert ("  preflight: ok in 6.4 s over 2 ranks (nccl): median all-reduce 11.8 GB/s, send/recv 20 GB/s"
+            in out.splitlines())
+    problem = "preflight: rank 1 (pod tiny-1, node gpu-b): all-reduce 0.9 GB/s, median 11.8 GB/s"
+    apiserver.write_log(first, _preflight_log(problem))
+    status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])
+    assert status["preflight"]["ok"] is False and status["preflight"]["problem"] == problem
+    assert status["last_incident"]["kind"] == "preflight" and status["last_incident"]["rank"] == 1

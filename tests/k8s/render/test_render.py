@@ -12,7 +12,7 @@ import yaml
 from kubetrain.config import load_config
 from kubetrain.config.k8s import WORKLOADS
 from kubetrain.config.schema import Config
-from kubetrain.errors import ConfigError
+from kubetrain.errors import EXIT_PREFLIGHT, ConfigError
 from kubetrain.k8s.render import validate
 from kubetrain.k8s.render.context import RenderError
 from kubetrain.k8s.render.manifest import pod_templates, render, to_yaml, write_files
@@ -64,6 +64,23 @@ def test_every_workload_of_every_example_validates(example: Path, crd_schemas: A
         assert {mount, "/etc/kubetrain", "/tmp", "/cache", "/dev/shm"} <= mounts
 
 
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_every_example_fails_its_job_on_the_preflight_exit_code_and_names_pod_and_node(example: Path) -> None:
+    for workload in ("indexed-job", "jobset"):  # the workloads with a Job, hence a podFailurePolicy
+        objects = render(load_config(example, None, []), workload)
+        jobs = [o for o in objects if o["kind"] == "Job"] or [
+            r["template"] for r in by_kind(objects, "JobSet")["spec"]["replicatedJobs"]]
+        for job in jobs:
+            rules = job["spec"]["podFailurePolicy"]["rules"]
+            assert {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In",
+                                                         "values": [EXIT_PREFLIGHT]}} in rules, (example, workload)
+    cfg = load_config(example, None, [])
+    for template in (t for o in render(cfg) for _, t in pod_templates(o)):  # the example's own workload
+        env = env_of(main_container(template))
+        assert env["KUBETRAIN_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert env["KUBETRAIN_NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
 def test_indexed_job_has_a_headless_service_and_stable_rank0_address() -> None:
     objects = render(tiny("k8s.nnodes=3", "k8s.volumes.checkpoints.access_mode=ReadWriteMany"))
     kinds = [o["kind"] for o in objects]
@@ -93,6 +110,9 @@ def test_job_policies_protect_preempted_and_stopping_pods() -> None:
     # a pod whose rendezvous host was lost (the entrypoint exits 69) is replaced, not counted: the host's pod is
     assert rules[3] == {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In",
                                                             "values": [69]}}
+    # a preflight that named this pod's device or links fails the Job before training (a retry lands on the node)
+    assert rules[4] == {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In",
+                                                             "values": [71]}}
     assert validate.problems(render(cfg)) == []  # strictly, against the Job's schema
     assert spec["template"]["spec"]["restartPolicy"] == "Never"
     assert spec["ttlSecondsAfterFinished"] == 600 and spec["backoffLimit"] == 5

@@ -14,6 +14,7 @@ from typing import Any
 
 from kubetrain.k8s.cluster.api import Cluster, ClusterError
 from kubetrain.k8s.cluster.failures import last_failure, oom_advice, oom_incident
+from kubetrain.k8s.cluster.preflight_lines import preflight_from_logs, preflight_text
 from kubetrain.k8s.cluster.waiting import Waiting, expected_ranks, workload_object
 from kubetrain.k8s.render.indexed_job import pod_failure_policy
 from kubetrain.k8s.workloads import (
@@ -257,6 +258,7 @@ def job_status(cluster: Cluster, name: str, namespace: str, with_step: bool = Tr
         **progress_fields(last_progress(live, tails), now),
         "last_incident": newest(last_incident({**earlier, **tails}), oom_incident(failure)),
         "last_failure": failure,
+        "preflight": preflight_from_logs({**earlier, **tails}),  # the job's check before step 1
         "pods": [
             {
                 "rank": r.rank,
@@ -312,6 +314,8 @@ def format_status(status: dict[str, Any]) -> str:
     failure = status.get("last_failure")
     if failure:
         lines.append(f"  last failure: {failure['message']}")
+    if status.get("preflight"):
+        lines.append(f"  {preflight_text(status['preflight'])}")
     for pod in status["pods"]:
         rank = "?" if pod["rank"] is None else pod["rank"]
         line = (f"  rank {rank}: {pod['name']} {pod['phase']} on {pod['node'] or '(not scheduled)'}, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubetrain.errors import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_STOPPED_RESUMABLE
+from kubetrain.errors import EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_PREFLIGHT, EXIT_STOPPED_RESUMABLE
 from kubetrain.k8s.render import podspec
 from kubetrain.k8s.render.context import RenderContext
 from kubetrain.k8s.render.objects import headless_service
@@ -17,7 +17,9 @@ def pod_failure_policy(container: str) -> dict[str, Any]:
     (exit 75), are not failures: they do not count against backoffLimit and the pod is replaced, resuming
     from the checkpoint. Bad input (exit 2) fails the Job at once, since retrying cannot help. A pod whose
     rendezvous host was lost (exit 69, pod/entrypoint.py) is replaced without counting: the lost host's pod
-    counts once, so a job survives as many host losses as its backoffLimit allows.
+    counts once, so a job survives as many host losses as its backoffLimit allows. A preflight that named a bad
+    device or link on this pod's node (exit 71, distributed/preflight.py) fails the Job before training: a
+    replacement pod would land on the same node and fail again, and the Job's condition then names the pod.
     """
     def on_exit(action: str, code: int) -> dict[str, Any]:
         return {"action": action, "onExitCodes": {"containerName": container, "operator": "In", "values": [code]}}
@@ -28,6 +30,7 @@ def pod_failure_policy(container: str) -> dict[str, Any]:
             on_exit("Ignore", EXIT_STOPPED_RESUMABLE),
             on_exit("FailJob", EXIT_BAD_INPUT),
             on_exit("Ignore", EXIT_PEER_LOST),
+            on_exit("FailJob", EXIT_PREFLIGHT),
         ]
     }
 

@@ -14,6 +14,7 @@ from typing import Any
 from kubetrain.checkpoint.store import credential_keys
 from kubetrain.config.clocks import PROBE_FAILURES, PROBE_PERIOD
 from kubetrain.config.k8s import DEFAULT_IMAGE, K8sConfig
+from kubetrain.distributed.env import NODE_NAME_ENV, POD_NAME_ENV
 from kubetrain.errors import RESUME_HINT_ENV
 from kubetrain.k8s.render.context import CACHE_MOUNT, CONFIG_FILE, CONFIG_MOUNT, RenderContext
 
@@ -89,6 +90,9 @@ def env(ctx: RenderContext, extra: dict[str, str] | None = None) -> list[dict[st
     out: list[dict[str, Any]] = [{"name": n, "value": v} for n, v in plain.items()]
     # torchrun advertises this address to the other nodes: a pod IP always routes, a hostname may not.
     out.append({"name": "KUBETRAIN_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    # the preflight names a bad rank by its pod and node, and stops the job in a pod (dist.preflight.on_failure auto)
+    for name, field_path in ((POD_NAME_ENV, "metadata.name"), (NODE_NAME_ENV, "spec.nodeName")):
+        out.append({"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}})
     secrets = dict(k.secrets.env)
     if k.secrets.hf_token is not None:
         secrets["HF_TOKEN"] = k.secrets.hf_token
