@@ -171,13 +171,18 @@ if os.environ.get("RANK") == "2" and os.environ.get("TORCHELASTIC_RUN_ID"):
 '''
 
 
-@pytest.mark.slow
-def test_a_device_that_computes_wrong_stops_the_job_before_training_naming_its_rank(tmp_path: Path) -> None:
+def _train_with_hook(tmp_path: Path, hook_source: str) -> subprocess.CompletedProcess[str]:
+    """`--nproc 4` with `on_failure: stop`, every process starting `hook_source` first (a test-only sitecustomize)."""
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(CORRUPT_RANK_2)
+    (hook / "sitecustomize.py").write_text(hook_source)
     env = cli_env(PYTHONPATH=os.pathsep.join([str(hook), str(SRC)]))
-    proc = _train(tmp_path, "dist.preflight.on_failure=stop", env=env)
+    return _train(tmp_path, "dist.preflight.on_failure=stop", env=env)
+
+
+@pytest.mark.slow
+def test_a_device_that_computes_wrong_stops_the_job_before_training_naming_its_rank(tmp_path: Path) -> None:
+    proc = _train_with_hook(tmp_path, CORRUPT_RANK_2)
     assert proc.returncode == EXIT_PREFLIGHT, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     host = os.uname().nodename
@@ -216,11 +221,7 @@ if os.environ.get("RANK") == "2" and os.environ.get("TORCHELASTIC_RUN_ID"):
 
 @pytest.mark.slow
 def test_a_rank_stalled_once_is_cleared_by_the_second_look_and_the_job_trains(tmp_path: Path) -> None:
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(STALL_RANK_2_ONCE)
-    env = cli_env(PYTHONPATH=os.pathsep.join([str(hook), str(SRC)]))
-    proc = _train(tmp_path, "dist.preflight.on_failure=stop", env=env)
+    proc = _train_with_hook(tmp_path, STALL_RANK_2_ONCE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = json.loads(next(tmp_path.rglob(PREFLIGHT_FILE)).read_text())
     assert table["second_look"] is True and table["verdict"]["ok"]  # the first look had named rank 2's links
