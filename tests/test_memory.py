@@ -202,7 +202,7 @@ def test_block_activations_are_what_autograd_keeps(compiled: bool, precision: st
         assert estimated == pytest.approx(measured, rel=0.02), (width, estimated, measured)
 
 
-def test_compiling_and_the_chunked_loss_lower_the_gpt2_estimate() -> None:
+def test_compiling_and_the_fused_head_lower_the_gpt2_estimate() -> None:
     cfg = load_config(None, "gpt2-124m", ["data.tokenizer.kind=byte", "model.vocab_size=50304",
                                           "train.micro_batch_size=16", "train.grad_accum_steps=1"])
     shape = model_shape(cfg)
@@ -210,7 +210,8 @@ def test_compiling_and_the_chunked_loss_lower_the_gpt2_estimate() -> None:
                        for c in (False, True))
     tokens_x_vocab = 16 * 1024 * 50304
     assert compiled["loss"] == 2 * tokens_x_vocab  # the bf16 logits, their gradient written over them
-    assert 4 * tokens_x_vocab < eager["loss"] < 4.4 * tokens_x_vocab  # logits, gradient, one fp32 chunk
+    # eager, the head is fused with the loss: never the whole logits, only the hidden states' gradient and a chunk
+    assert eager["loss"] < 4 * tokens_x_vocab / 10  # a tenth of one fp32 copy of the logits at most
     # the H200 run (issue 34): a bare loop with model and loss compiled together peaked at 8.8 GiB (its tensors:
     # no loader, no checkpoint)
     step = sum(size for part, size in compiled.items() if part not in ("data", "checkpoint_staging"))

@@ -62,10 +62,11 @@ def test_a_run_that_ends_first_writes_the_steps_it_traced_and_none_is_off(tmp_pa
 
 @pytest.mark.slow
 def test_under_two_processes_only_rank_0_traces_by_default(tmp_path: Path) -> None:
-    # with micro_batch_size auto too: both ranks agree on the micro-batch (the smaller choice) before the first step
+    # with micro_batch_size auto too: both ranks agree on the micro-batch (the smaller choice) before the first step;
+    # 2 GiB holds micro-batch 8 with what each process holds before its first tensor
     done = kubetrain("train", *sets("run.name=two", "train.max_steps=3", "train.profile={start: 2, steps: 1}",
                                     "eval.every_steps=3", "train.micro_batch_size=auto",
-                                    "train.global_batch_size=16", "train.memory_budget_gib=1"),
+                                    "train.global_batch_size=16", "train.memory_budget_gib=2"),
                      "--nproc", "2", cwd=tmp_path)
     folder = tmp_path / "runs" / "two" / "profile"
     assert sorted(p.name for p in folder.iterdir()) == ["ops-rank0-steps-2-2.txt", "trace-rank0-steps-2-2.json"]

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, at_least, load
+from kubetrain.config.schema import Config
 from kubetrain.distributed.env import process_env
 from kubetrain.errors import UserInputError
 from kubetrain.launch.watch import watch_options
@@ -59,29 +60,13 @@ def train(
     check_torch()
     check_resume_path(resume)
     if nproc is not None or nnodes != "1" or rdzv_endpoint is not None or node_rank is not None:
-        from kubetrain import runs
-        from kubetrain.launch.admission import admit
-        from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
-        from kubetrain.runs.lock import hold_for_workers
-        from kubetrain.train.device import check_launch
-
-        check_launch(cfg, nproc or 1, nnodes)  # one GPU per process (or NCCL fails later), HSDP's shard group
         forwarded = [str(config)] if config else (["--preset", preset] if preset else [])
         for item in set_ or []:
             forwarded += ["--set", item]
         forwarded += ["--resume", resume, *(["--phase", phase] if phase else []), *(["--json"] if json_ else []),
                       *(["--dry-run"] if dry_run else [])]
-        opts = LaunchOptions(nproc_per_node=nproc or 1, nnodes=nnodes, node_rank=node_rank,
-                             rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, max_restarts=max_restarts,
-                             shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30, **watch_options(cfg))
-        torchrun_args(opts, forwarded)  # bad launch options are refused before the run directory is held
-        admit(cfg, opts.nproc_per_node, nnodes, oversubscribe)  # cores and memory, before any worker starts
-        one_node = nnodes == "1" and rdzv_endpoint is None  # several nodes: rank 0 holds it, wherever it runs
-        held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
-        if one_node and not dry_run:  # the launcher holds it across the agent's restarts of its workers
-            held = hold_for_workers(runs.run_dir(cfg), lambda m: typer.echo(m, err=True))
-        with held:
-            raise typer.Exit(launch(opts, forwarded, runs.run_dir(cfg)))
+        raise typer.Exit(_launch(cfg, forwarded, nproc or 1, nnodes, node_rank, rdzv_endpoint, rdzv_id,
+                                 max_restarts, oversubscribe, dry_run))
 
     from kubetrain.secrets import redact, redact_text
     from kubetrain.track.console import console_log
@@ -102,6 +87,29 @@ def train(
     val = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
     typer.echo(f"done: {result.steps} steps, {result.tokens:,} tokens, val loss {val}")
     typer.echo(f"run directory: {Path(result.run_dir)}")
+
+
+def _launch(cfg: Config, forwarded: list[str], nproc: int, nnodes: str, node_rank: int | None,
+            rdzv_endpoint: str | None, rdzv_id: str, max_restarts: int, oversubscribe: bool, dry_run: bool) -> int:
+    """`--nproc`/`--nnodes`: check what can be checked here, then run the elastic agent; its exit code."""
+    from kubetrain import runs
+    from kubetrain.launch.admission import admit
+    from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
+    from kubetrain.runs.lock import hold_for_workers
+    from kubetrain.train.device import check_launch
+
+    check_launch(cfg, nproc, nnodes)  # one GPU per process (or NCCL fails later), HSDP's shard group
+    opts = LaunchOptions(nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                         rdzv_id=rdzv_id, max_restarts=max_restarts,
+                         shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30, **watch_options(cfg))
+    torchrun_args(opts, forwarded)  # bad launch options are refused before the run directory is held
+    admit(cfg, opts.nproc_per_node, nnodes, oversubscribe)  # cores and memory, before any worker starts
+    one_node = nnodes == "1" and rdzv_endpoint is None  # several nodes: rank 0 holds it, wherever it runs
+    held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    if one_node and not dry_run:  # the launcher holds it across the agent's restarts of its workers
+        held = hold_for_workers(runs.run_dir(cfg), lambda m: typer.echo(m, err=True))
+    with held:
+        return launch(opts, forwarded, runs.run_dir(cfg))
 
 
 def check_torch() -> None:

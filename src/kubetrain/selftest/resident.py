@@ -59,8 +59,12 @@ def measure(args: list[str], timeout: float, env: dict[str, str] | None = None, 
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         path = os.pathsep.join(p for p in (str(hook), full_env.get("PYTHONPATH", "")) if p)
         full_env |= {"PYTHONPATH": path, REPORT_ENV: str(reports)}
-        proc = subprocess.run([sys.executable, "-m", "kubetrain", *args], capture_output=True, text=True,
-                              timeout=timeout, env=full_env, cwd=cwd, check=False)
+        # Through a shell that forks it: Linux carries a process's peak over exec (signal->maxrss), so a command
+        # forked straight from a large process (a test worker that trained in-process: 1.2 GiB) would report that
+        # process's size as its own peak. The shell is small, and its child starts from the shell's size.
+        command = ["/bin/sh", "-c", '"$@"; exit $?', "sh", sys.executable, "-m", "kubetrain", *args]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd,
+                              check=False)
         peaks = sorted((json.loads(p.read_text())["maxrss"] for p in reports.glob("*.json")), reverse=True)
     return Measured(proc.returncode, proc.stderr, proc.stdout, tuple(peaks))
 
