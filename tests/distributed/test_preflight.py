@@ -180,6 +180,7 @@ def _train_with_hook(tmp_path: Path, hook_source: str) -> subprocess.CompletedPr
     return _train(tmp_path, "dist.preflight.on_failure=stop", env=env)
 
 
+@pytest.mark.ci  # minutes of processes together with its peers: .ci/run runs it, not the README's test command
 @pytest.mark.slow
 def test_a_device_that_computes_wrong_stops_the_job_before_training_naming_its_rank(tmp_path: Path) -> None:
     proc = _train_with_hook(tmp_path, CORRUPT_RANK_2)
@@ -219,6 +220,7 @@ if os.environ.get("RANK") == "2" and os.environ.get("TORCHELASTIC_RUN_ID"):
 '''
 
 
+@pytest.mark.ci  # minutes of processes together with its peers: .ci/run runs it, not the README's test command
 @pytest.mark.slow
 def test_a_rank_stalled_once_is_cleared_by_the_second_look_and_the_job_trains(tmp_path: Path) -> None:
     proc = _train_with_hook(tmp_path, STALL_RANK_2_ONCE)

@@ -75,6 +75,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.ci  # minutes of processes together with its peers: .ci/run runs it, not the README's test command
 def test_a_throttled_link_names_its_rank_and_node_and_stops_before_training(tmp_path: Path) -> None:
     world = 4
     with throttled_namespace(RATE) as (netns, host_end, slow_end):

@@ -232,6 +232,7 @@ def test_the_kubelet_ends_a_container_whose_liveness_probe_fails(tmp_path: Path)
     assert "livenessProbe failed 3 times" in ended and "statuscode: 503" in ended, said
 
 
+@pytest.mark.ci  # minutes of processes together with its peers: .ci/run runs it, not the README's test command
 @pytest.mark.slow
 def test_a_rank_stopped_after_an_elastic_restart_is_named_by_its_pod(tmp_path: Path) -> None:
     """Issue 43 in two pods: SIGKILL the worker of rank 1, let both agents restart and resume, SIGSTOP the new rank

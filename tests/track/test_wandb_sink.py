@@ -103,6 +103,7 @@ def test_offline_run_read_back_and_a_resume_continues_the_same_run(train_tiny: T
             assert API_KEY.encode() not in path.read_bytes(), path
 
 
+@pytest.mark.ci  # minutes of processes together with its peers: .ci/run runs it, not the README's test command
 @pytest.mark.slow
 def test_a_phase_is_a_run_of_its_group_and_a_stop_is_a_preemption(tmp_path: Path, wandb_home: Path) -> None:
     run_dir = tmp_path / "big" / "phases" / "code"
@@ -128,6 +129,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.ci  # minutes of processes together with its peers: .ci/run runs it, not the README's test command
 @pytest.mark.slow
 def test_a_w_and_b_server_that_is_down_does_not_stop_training(
         train_tiny: TrainTiny, wandb_home: Path, monkeypatch: pytest.MonkeyPatch,

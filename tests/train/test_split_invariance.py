@@ -179,7 +179,7 @@ def _ranks(rank: int, world: int, root: Path, init: Path, micro: int, accum: int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, micro, accum", [(2, 4, 2), (4, 1, 4)])
+@pytest.mark.parametrize("world, micro, accum", [(2, 4, 2), pytest.param(4, 1, 4, marks=pytest.mark.ci)])  # 4: in CI
 def test_processes_ddp_and_fsdp_train_the_same_weights(
     reference: Reference, world: int, micro: int, accum: int
 ) -> None:
