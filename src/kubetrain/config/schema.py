@@ -9,6 +9,7 @@ from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from kubetrain.config.k8s import K8sConfig
 from kubetrain.config.preflight import PreflightConfig
+from kubetrain.config.profile import ProfileConfig
 from kubetrain.config.section import Section
 from kubetrain.config.track import TrackConfig
 
@@ -159,25 +160,6 @@ class ModelConfig(Section):
         if self.quantize != "none" and (self.kind != "hf" or self.lora is None):
             raise ValueError("model.quantize nf4 (QLoRA) needs a Hugging Face model (kind: hf) and model.lora")
         return self
-
-
-class ProfileConfig(Section):
-    start: int = Field(
-        5, ge=1, description="The first traced step, counted from where this process started (1: its first step; "
-        "a resumed run is traced too). The step before it warms the profiler up; the first steps compile and warm "
-        "the allocator."
-    )
-    steps: int = Field(3, ge=1, description="How many steps are traced.")
-    ranks: list[int] = Field(
-        [0], description="The ranks that trace; each writes its own files (trace-rank<N>-..., ops-rank<N>-...)."
-    )
-
-    @field_validator("ranks")
-    @classmethod
-    def _no_negative_rank(cls, value: list[int]) -> list[int]:
-        if any(r < 0 for r in value):
-            raise ValueError("ranks are 0 or more")
-        return value
 
 
 class TrainConfig(Section):

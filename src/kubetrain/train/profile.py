@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from kubetrain.config.schema import ProfileConfig
+from kubetrain.config.profile import ProfileConfig
 
 PROFILE_DIR = "profile"
 TOP_ROWS = 40
