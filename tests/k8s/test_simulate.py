@@ -282,6 +282,8 @@ def test_a_rank_stopped_after_an_elastic_restart_is_named_by_its_pod(tmp_path: P
         assert rank0 is not None
         os.kill(rank0, signal.SIGSTOP)
         until(lambda: any(e["kind"] == "hang" for e in read_all(run)), "the hang incident")
+        # the healthy pod's launcher names the same suspect, on the other node: after the incident, or before
+        until(lambda: "the stuck rank is rank 0 on another node" in logs(), "the healthy pod's line")
     finally:
         s.stop()
     found = read_all(run)
@@ -291,5 +293,3 @@ def test_a_rank_stopped_after_an_elastic_restart_is_named_by_its_pod(tmp_path: P
     assert "rank 0 did not answer" in hang["message"], hang
     stacks = (run / hang["stacks"]).read_text()
     assert stacks.startswith("hang: ") and "suspect: rank 0\n" in stacks and "no stacks: it is stopped" in stacks
-    # the healthy pod's launcher names the same suspect, on the other node
-    assert "the stuck rank is rank 0 on another node" in logs()

@@ -127,6 +127,39 @@ def test_every_stacks_file_names_the_jobs_suspect(tmp_path: Path) -> None:
     assert not read_all(run) and "the stuck rank is rank 1 on another node" in said[0]
 
 
+def test_a_node_slower_than_the_stuck_ranks_names_the_suspect_the_others_agreed_on(tmp_path: Path) -> None:
+    """CI, two pods: the stuck rank's node ended the hang before the healthy node's (loaded) watch declared it, so
+    the healthy node saw only its rank stopped by its agent and said "a peer failed or left", never which rank hung.
+    It reads the verdict the stuck node published in the rendezvous host's store (a real TCPStore) instead."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from kubetrain.launch.hang_agreement import HangAgreement
+
+    host = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    endpoint = f"127.0.0.1:{host.port}"
+    beats, run = tmp_path / "beats", tmp_path / "run"
+    beats.mkdir()
+    said: list[str] = []
+    healthy = HangAgreement(endpoint, "job", nodes=2)
+    watch = HangWatch(beats, run, hang_timeout=30.0, say=said.append, published=healthy.published)
+    worker = _worker(beats, 0, 5, MASTER_ADDR="10.0.0.7", MASTER_PORT="43000", TORCHELASTIC_RESTART_COUNT="0")
+    round_key = watch.beats()[0].round_key
+    assert healthy.published(round_key) is None  # no hang declared anywhere yet
+    stuck_node = HangAgreement(endpoint, "job", nodes=2, wait=0.2)  # the other node: it declares the hang alone
+    chosen = stuck_node.agree(round_key, {"rank": 1, "step": 4, "silent": True})
+    assert chosen == {"rank": 1, "step": 4, "silent": True}
+    worker.terminate()  # this node's agent stops its rank when the peer is killed
+    while process_state(worker.pid)[0] != "Z":
+        time.sleep(0.01)
+    watch.check()
+    worker.wait()
+    assert not read_all(run), "the stuck node records the hang, not this one"
+    assert said == ["launcher: hang: the stuck rank is rank 1 on another node (its launcher records the incident); "
+                    "rank 0 of this node lost its peer"], said
+
+
 def test_a_worker_that_dies_on_its_own_is_recorded_once_with_its_rank_and_step(tmp_path: Path) -> None:
     beats, run = tmp_path / "beats", tmp_path / "run"
     beats.mkdir()

@@ -104,7 +104,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousConnectionError
     from torch.distributed.run import parse_args, run
 
-    from kubetrain.launch.hang_agreement import hang_agreement
+    from kubetrain.launch.hang_agreement import HangAgreement
     from kubetrain.launch.watch import HangWatch, launcher_metrics
     from kubetrain.train.heartbeat import HEARTBEAT_DIR_ENV, LAUNCHER_PID_ENV
 
@@ -121,7 +121,8 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
     exporter = launcher_metrics(watch, opts.metrics_port, opts.metrics_host, opts.hang_alert, _say,
                                 opts.health_timeout)
     if opts.rdzv_endpoint and parse_nnodes(opts.nnodes)[1] > 1:  # the nodes' watches agree on the stuck rank
-        watch.agree = hang_agreement(opts.rdzv_endpoint, opts.rdzv_id, parse_nnodes(opts.nnodes)[0])
+        agreement = HangAgreement(opts.rdzv_endpoint, opts.rdzv_id, parse_nnodes(opts.nnodes)[0])
+        watch.agree, watch.published = agreement.agree, agreement.published
     gave_up = finished = stopped = False  # the launcher's /metrics says which to its last scrape
     try:
         _stop_is_an_exception(SignalException)  # a stop during the rendezvous, before the agent's own handler

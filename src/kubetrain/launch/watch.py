@@ -140,6 +140,8 @@ class HangWatch:
     on_incident: Callable[[dict[str, Any]], None] | None = None  # the launcher's exporter counts them
     # several nodes: publish this node's suspect, get the job's (launch/hang_agreement.py); None: decide alone
     agree: Callable[[str, dict[str, Any]], dict[str, Any]] | None = None
+    # several nodes: the suspect other nodes already agreed on for a round (a hang declared there), or None
+    published: Callable[[str], dict[str, Any] | None] | None = None
     reaped: dict[int, int] = field(default_factory=dict)  # pid -> wait status, from the agent (agent_reaped)
     agent_reports: bool = False  # the agent calls agent_reaped for every failed round (torch_compat.elastic_agent)
     _unknown_since: dict[int, float] = field(default_factory=dict)  # pid -> when first seen gone without a status
@@ -211,21 +213,21 @@ class HangWatch:
             # the agent reports every failed round before it acts (agent_reaped): one it reaped without a word was
             # stopped by it (a peer left, and the group restarts for the new membership), or exited 0 unbeaten
             self.handled.add(gone[0][0].round_key)
-            self.say(f"launcher: rank {gone[0][0].rank} was ended by its agent without a failure (the group "
-                     "restarts: a peer failed or left)")
+            self.say(self._hang_elsewhere(gone[0][0]) or f"launcher: rank {gone[0][0].rank} was ended by its agent "
+                     "without a failure (the group restarts: a peer failed or left)")
             return
         if gone:
             known = [g for g in gone if g[1] is not None] if self.agent_reports else gone
             cause = min(known, key=lambda g: cause_order(*g))
             if cause_order(*cause)[0]:  # every one lost a peer: the cause is on another node, which records it
                 self.handled.add(cause[0].round_key)
-                self.say(f"launcher: rank {cause[0].rank} lost a peer on another node (that node's launcher "
-                         "records the cause)")
+                self.say(self._hang_elsewhere(cause[0]) or f"launcher: rank {cause[0].rank} lost a peer on another "
+                         "node (that node's launcher records the cause)")
                 return
             if stopped_by_agent(cause[1]):  # an effect: the failure that made the agent stop them is recorded
                 self.handled.add(cause[0].round_key)  # where it happened (here by agent_reaped, or on its node)
-                self.say(f"launcher: rank {cause[0].rank} was {describe_exit(cause[1])}: its agent ended the "
-                         "round (a peer failed or left the group)")
+                self.say(self._hang_elsewhere(cause[0]) or f"launcher: rank {cause[0].rank} was "
+                         f"{describe_exit(cause[1])}: its agent ended the round (a peer failed or left the group)")
                 return
             self.record_exit(*cause)
             return
@@ -233,6 +235,20 @@ class HangWatch:
         newest = max(b.time for b in beats)
         if self.hang_timeout is not None and live and now - newest > self.hang_timeout:
             self.heal_hang(live, now - newest)
+
+    def _hang_elsewhere(self, beat: Beat) -> str | None:
+        """The line for a round this node's ranks left because another node's watch ended a hang there first (this
+        watch, slower, saw a peer lost): the suspect the nodes agreed on, or None (no hang declared elsewhere)."""
+        if self.published is None:
+            return None
+        try:
+            chosen = self.published(beat.round_key)
+        except (RuntimeError, OSError, ValueError):  # the store is gone: the plain line says what this node saw
+            return None
+        if chosen is None:
+            return None
+        return (f"launcher: hang: the stuck rank is rank {chosen['rank']} on another node (its launcher records the "
+                f"incident); rank {beat.rank} of this node lost its peer")
 
     def record_exit(self, beat: Beat, status: int | None, failure_message: str | None = None) -> None:
         """A worker ended on its own: its kind (oom, timeout, worker-exit), rank and last step."""
