@@ -29,7 +29,7 @@ def _report():
         return
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     with open(os.path.join(folder, f"{{os.getpid()}}.json"), "w") as f:
-        json.dump({{"pid": os.getpid(), "maxrss": peak, "argv": sys.argv[:3]}}, f)
+        json.dump({{"pid": os.getpid(), "ppid": os.getppid(), "maxrss": peak, "argv": sys.argv[:3]}}, f)
 
 atexit.register(_report)
 '''
@@ -43,6 +43,7 @@ class Measured:
     stderr: str
     stdout: str
     per_process: tuple[int, ...]  # bytes, each process's peak resident set, largest first
+    ranks: tuple[int, ...] = ()  # bytes, the training processes a launcher started (not it, nor their helpers)
 
     @property
     def total(self) -> int:
@@ -65,8 +66,13 @@ def measure(args: list[str], timeout: float, env: dict[str, str] | None = None, 
         command = ["/bin/sh", "-c", '"$@"; exit $?', "sh", sys.executable, "-m", "kubetrain", *args]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd,
                               check=False)
-        peaks = sorted((json.loads(p.read_text())["maxrss"] for p in reports.glob("*.json")), reverse=True)
-    return Measured(proc.returncode, proc.stderr, proc.stdout, tuple(peaks))
+        found = [json.loads(p.read_text()) for p in reports.glob("*.json")]
+    pids = {r["pid"] for r in found}
+    # a rank is a kubetrain process started by another (the launcher); a compile worker runs another module
+    ranks = [r["maxrss"] for r in found if r.get("ppid") in pids and r["argv"][:1]
+             and Path(r["argv"][0]).parent.name == "kubetrain"]
+    return Measured(proc.returncode, proc.stderr, proc.stdout, tuple(sorted((r["maxrss"] for r in found), reverse=True)),
+                    tuple(sorted(ranks, reverse=True)))
 
 
 def estimate_against_peak(config_args: list[str], nproc: int | None = None, timeout: float = 900,
