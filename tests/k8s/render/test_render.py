@@ -74,6 +74,9 @@ def test_every_example_fails_its_job_on_the_preflight_exit_code_and_names_pod_an
             rules = job["spec"]["podFailurePolicy"]["rules"]
             assert {"action": "FailJob", "onExitCodes": {"containerName": "trainer", "operator": "In",
                                                          "values": [EXIT_PREFLIGHT]}} in rules, (example, workload)
+        if workload == "jobset":  # a Job failed by that rule fails the set: restarting it would fail the same way
+            [rule] = by_kind(objects, "JobSet")["spec"]["failurePolicy"]["rules"]
+            assert rule["action"] == "FailJobSet" and rule["onJobFailureReasons"] == ["PodFailurePolicy"], example
     cfg = load_config(example, None, [])
     for template in (t for o in render(cfg) for _, t in pod_templates(o)):  # the example's own workload
         env = env_of(main_container(template))

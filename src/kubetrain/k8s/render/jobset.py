@@ -33,8 +33,14 @@ def render(ctx: RenderContext) -> list[dict[str, Any]]:
     )
     spec: dict[str, Any] = {
         "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True, "subdomain": ctx.name},
-        # The Job's backoffLimit handles pod failures; a failed Job restarts the whole set this many times.
-        "failurePolicy": {"maxRestarts": k.backoff_limit},
+        # The Job's backoffLimit handles pod failures; a failed Job restarts the whole set this many times, unless
+        # its podFailurePolicy failed it (bad input, 2; a bad device or link, 71): a restart would fail the same way
+        # (the Job's reason is then PodFailurePolicy, batch/v1's JobReasonPodFailurePolicy).
+        "failurePolicy": {
+            "maxRestarts": k.backoff_limit,
+            "rules": [{"name": "FailOnPodFailurePolicy", "action": "FailJobSet",
+                       "onJobFailureReasons": ["PodFailurePolicy"]}],
+        },
         "replicatedJobs": [
             {
                 "name": REPLICATED_JOB,
