@@ -48,6 +48,7 @@ def test_the_default_bundle_is_small_and_holds_what_the_gpu_image_lacks(tmp_path
     assert meta["python"] == "3.12" and meta["top"] == ["kubetrain", "gguf"] and "MiB" in proc.stdout
 
 
+@pytest.mark.ci  # an install from the bundle and the quick check (80 s); tests/selftest runs the check (CI's stage)
 @pytest.mark.skipif(not TORCH_WHEEL.is_file(), reason=f"needs the local torch wheel {TORCH_WHEEL}")
 def test_the_bundle_installs_with_no_index_and_the_quick_check_passes(tmp_path: Path) -> None:
     env = pip_env(tmp_path)

@@ -128,6 +128,7 @@ def _bf16_fsdp_step(rank: int, world: int, root: Path) -> dict[str, Any]:
     return seen
 
 
+@pytest.mark.ci  # 4 processes (25 s); the one-process tests below build the same plan (CI's stage)
 @pytest.mark.slow
 def test_sharded_builds_at_four_ranks(tmp_path: Path) -> None:
     import torch.multiprocessing as mp
@@ -217,6 +218,7 @@ def _runs(rank: int, world: int, store: str, root_name: str, llama: str, chat: s
         td.destroy_process_group()
 
 
+@pytest.mark.ci  # four 2-to-4-process Llama runs (50 s); test_sharded resumes sharded checkpoints (CI's stage)
 @pytest.mark.slow
 def test_hsdp_and_fsdp_resume_each_other_and_train_as_ddp(llama_dir: Path, chat_file: Path, tmp_path: Path) -> None:
     import torch.multiprocessing as mp

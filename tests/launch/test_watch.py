@@ -294,6 +294,7 @@ def test_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
     assert not orphans
 
 
+@pytest.mark.ci  # two launchers and a hang (25 s); the store's agreement is shown by the unit tests above (CI's stage)
 @pytest.mark.slow
 def test_two_nodes_agree_on_the_stuck_rank_through_the_rendezvous_store(tmp_path: Path) -> None:
     """Two launchers as two nodes; rank 1 (node 1's) SIGSTOPped. Node 0's watch sees only its healthy rank 0
@@ -328,6 +329,7 @@ def _beat_of(pid: int) -> Beat | None:
     return Beat.read(beat_file(Path(folder.decode()), rank)) if folder and rank is not None else None
 
 
+@pytest.mark.ci  # a hang after a restart (30 s): test_liveness's pod shows it too (CI's stage)
 @pytest.mark.slow
 def test_a_rank_stopped_after_an_elastic_restart_is_named_with_its_stacks(tmp_path: Path) -> None:
     """Issue 43: kill rank 1, let the agent restart the group and resume, then SIGSTOP the new rank 0. The watch must

@@ -255,6 +255,7 @@ PEAK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.ci  # a measurement at gpt2's shape (21 s): .ci/run runs it, not the README's test command
 @pytest.mark.slow
 def test_bf16_gpt2_shape_at_micro_batch_4_peaks_a_gib_lower_with_the_same_loss() -> None:
     def run(which: str) -> tuple[float, int]:

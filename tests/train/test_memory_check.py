@@ -62,6 +62,7 @@ def test_check_memory_false_lets_it_start_and_a_small_model_passes() -> None:
 GPT_476M = ["model.n_layer=24", "model.n_embd=1280", "model.n_head=20", "train.micro_batch_size=2"]
 
 
+@pytest.mark.ci  # 4 processes (19 s); the estimate's unit tests count FSDP and DDP (CI's stage)
 @pytest.mark.slow
 def test_a_476m_gpt_on_4_processes_is_accepted_under_fsdp_and_refused_under_ddp(tmp_path: Path) -> None:
     # issue 27: each worker checked as one process and the launcher multiplied that by --nproc, so FSDP was
