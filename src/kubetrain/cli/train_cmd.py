@@ -14,8 +14,6 @@ from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, at_leas
 from kubetrain.config.schema import Config
 from kubetrain.distributed.env import process_env
 from kubetrain.errors import UserInputError
-from kubetrain.launch.watch import watch_options
-from kubetrain.torch_compat import unsupported_torch
 
 
 def train(
@@ -95,6 +93,7 @@ def _launch(cfg: Config, forwarded: list[str], nproc: int, nnodes: str, node_ran
     from kubetrain import runs
     from kubetrain.launch.admission import admit
     from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
+    from kubetrain.launch.watch import watch_options
     from kubetrain.runs.lock import hold_for_workers
     from kubetrain.train.device import check_launch
 
@@ -114,6 +113,8 @@ def _launch(cfg: Config, forwarded: list[str], nproc: int, nnodes: str, node_ran
 
 def check_torch() -> None:
     """A torch older than kubetrain supports is one line (exit 2), not an ImportError deep in the run."""
+    from kubetrain.torch_compat import unsupported_torch
+
     if problem := unsupported_torch():
         raise UserInputError(problem)
 
