@@ -6,14 +6,16 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, at_least, load
-from kubetrain.config.schema import Config
 from kubetrain.distributed.env import process_env
 from kubetrain.errors import UserInputError
+
+if TYPE_CHECKING:
+    from kubetrain.config.schema import Config
 
 
 def train(
