@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
-from kubetrain.config import DEFAULT_PRESET, preset_names, to_yaml
 
 app = typer.Typer(help="Check and print configs.", no_args_is_help=True)
 
@@ -16,6 +15,8 @@ app = typer.Typer(help="Check and print configs.", no_args_is_help=True)
 @app.command()
 def validate(config: ConfigArg = None, preset: PresetOpt = None, set_: SetOpt = None) -> None:
     """Load and validate a config; exit 2 with one line if it is wrong."""
+    from kubetrain.config import DEFAULT_PRESET
+
     load(config, preset, set_)
     typer.echo(f"ok: {config or f'preset {preset or DEFAULT_PRESET}'} is valid")
 
@@ -25,6 +26,8 @@ def show(
     config: ConfigArg = None, preset: PresetOpt = None, set_: SetOpt = None, json_: JsonOpt = False
 ) -> None:
     """Print the resolved config, every default filled in."""
+    from kubetrain.config import to_yaml
+
     cfg = load(config, preset, set_)
     # --json is one line, like every --json: the last line of stdout is the object.
     typer.echo(json.dumps(cfg.model_dump(mode="json")) if json_ else to_yaml(cfg).rstrip("\n"))
@@ -33,6 +36,8 @@ def show(
 @app.command()
 def presets() -> None:
     """List the presets shipped with kubetrain."""
+    from kubetrain.config import preset_names
+
     for name in preset_names():
         typer.echo(name)
 

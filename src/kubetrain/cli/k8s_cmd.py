@@ -10,8 +10,8 @@ import typer
 
 from kubetrain.cli.helm_format import Format, FormatOpt, require_folder, write_job_chart
 from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, load
-from kubetrain.config.k8s import WORKLOADS
 from kubetrain.errors import UserInputError
+from kubetrain.k8s.workloads import WORKLOADS
 
 app = typer.Typer(help="Render, launch and manage training jobs on Kubernetes, and fetch their runs back.",
                   no_args_is_help=True)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
-from kubetrain.config import Config, load_config
 from kubetrain.errors import UserInputError
+
+if TYPE_CHECKING:  # the schema loads with the first config, not with every command's --help
+    from kubetrain.config import Config
 
 Number = TypeVar("Number", int, float)
 
@@ -25,6 +27,8 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object (la
 
 
 def load(config: Path | None, preset: str | None, overrides: list[str] | None) -> Config:
+    from kubetrain.config import load_config
+
     return load_config(config, preset, overrides or [])
 
 

@@ -6,16 +6,16 @@ import contextlib
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kubetrain.cli.options import ConfigArg, JsonOpt, PresetOpt, SetOpt, at_least, load
-from kubetrain.config.schema import Config
 from kubetrain.distributed.env import process_env
 from kubetrain.errors import UserInputError
-from kubetrain.launch.watch import watch_options
-from kubetrain.torch_compat import unsupported_torch
+
+if TYPE_CHECKING:
+    from kubetrain.config.schema import Config
 
 
 def train(
@@ -95,6 +95,7 @@ def _launch(cfg: Config, forwarded: list[str], nproc: int, nnodes: str, node_ran
     from kubetrain import runs
     from kubetrain.launch.admission import admit
     from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
+    from kubetrain.launch.watch import watch_options
     from kubetrain.runs.lock import hold_for_workers
     from kubetrain.train.device import check_launch
 
@@ -114,6 +115,8 @@ def _launch(cfg: Config, forwarded: list[str], nproc: int, nnodes: str, node_ran
 
 def check_torch() -> None:
     """A torch older than kubetrain supports is one line (exit 2), not an ImportError deep in the run."""
+    from kubetrain.torch_compat import unsupported_torch
+
     if problem := unsupported_torch():
         raise UserInputError(problem)
 

@@ -34,7 +34,6 @@ from kubetrain.errors import (
     UserInputError,
     resume_hint,
 )
-from kubetrain.torch_compat import FLIGHT_RECORDER_NAMES, elastic_agent, flight_recorder_names, torchrun_shutdown_args
 
 
 @dataclass(frozen=True)
@@ -76,6 +75,8 @@ def torchrun_args(opts: LaunchOptions, train_args: list[str]) -> list[str]:
         nodes = f"{high} node{'s' if high > 1 else ''}"
         raise UserInputError(f"--node-rank {opts.node_rank}: a job of {nodes} (--nnodes {opts.nnodes}) has node "
                              f"ranks 0 to {high - 1}")
+    from kubetrain.torch_compat import torchrun_shutdown_args
+
     args = [f"--nproc-per-node={opts.nproc_per_node}", f"--max-restarts={opts.max_restarts}",
             f"--monitor-interval={opts.monitor_interval}", *torchrun_shutdown_args(opts.shutdown_timeout)]
     if high == 1 and opts.rdzv_endpoint is None:
@@ -106,6 +107,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
 
     from kubetrain.launch.hang_agreement import HangAgreement
     from kubetrain.launch.watch import HangWatch, launcher_metrics
+    from kubetrain.torch_compat import elastic_agent
     from kubetrain.train.heartbeat import HEARTBEAT_DIR_ENV, LAUNCHER_PID_ENV
 
     args = parse_args(torchrun_args(opts, train_args))
@@ -264,6 +266,7 @@ def flight_recorder_env(run_dir: Path, env: MutableMapping[str, str] | None = No
     no deprecated name (torch 2.13 reads the buffer size under gloo too, and warned about the old name there).
     """
     from kubetrain.runs.incidents import incidents_dir
+    from kubetrain.torch_compat import FLIGHT_RECORDER_NAMES, flight_recorder_names
 
     env = os.environ if env is None else env
     names = flight_recorder_names(torch_version)

@@ -7,8 +7,10 @@ runs/<run-id>/  config.yaml  meta.json  metrics.jsonl  samples.txt  tokenizer/  
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kubetrain.config.schema import Config
+if TYPE_CHECKING:  # pydantic's schema: `runs list` reads run folders without it
+    from kubetrain.config.schema import Config
 
 CONFIG_FILE = "config.yaml"
 META_FILE = "meta.json"

@@ -21,11 +21,13 @@ for the pods' layout (k8s.nnodes x k8s.nproc_per_node processes, dist.strategy),
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kubetrain.config.schema import Config
 from kubetrain.k8s.render.context import RenderError
-from kubetrain.memory import Estimate, Layout, estimate, model_shape, what_to_change
+
+if TYPE_CHECKING:  # kubetrain.memory imports torch: loaded when a pod's memory is checked, not by every render
+    from kubetrain.memory import Estimate
 
 GIB = 2**30
 
@@ -42,6 +44,7 @@ def pod_estimate(cfg: Config, shape: dict[str, Any]) -> Estimate:
     with the configured precision (auto: bf16) and flash attention, the kernels a current GPU runs.
     """
     from kubetrain.hardware import Accelerator, choose_precision
+    from kubetrain.memory import Layout, estimate
     from kubetrain.train.micro_batch import planning_config
 
     cfg = planning_config(cfg, Layout.of_pods(cfg))  # micro_batch_size auto: the smallest the pods may choose
@@ -80,6 +83,8 @@ def check_pod_memory(cfg: Config) -> None:
     memory = cfg.k8s.resources.memory
     if not cfg.run.check_memory or memory is None:
         return
+    from kubetrain.memory import model_shape  # torch: only when there is a request to check
+
     shape = model_shape(cfg)
     if "error" in shape:
         return
@@ -94,6 +99,8 @@ def check_pod_memory(cfg: Config) -> None:
 
 def pod_advice(cfg: Config, parts: dict[str, int] | None) -> str:
     """More memory first; then what shrinks the largest part (CPU), or the host copies (GPU)."""
+    from kubetrain.memory import Layout, what_to_change
+
     k = cfg.k8s
     fewer = f"run fewer processes per pod (k8s.nproc_per_node {k.nproc_per_node})" if k.nproc_per_node > 1 else None
     shrink: str | None = what_to_change(parts, Layout.of_pods(cfg)) if parts is not None else (
