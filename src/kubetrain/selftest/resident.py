@@ -71,8 +71,8 @@ def measure(args: list[str], timeout: float, env: dict[str, str] | None = None, 
     # a rank is a kubetrain process started by another (the launcher); a compile worker runs another module
     ranks = [r["maxrss"] for r in found if r.get("ppid") in pids and r["argv"][:1]
              and Path(r["argv"][0]).parent.name == "kubetrain"]
-    return Measured(proc.returncode, proc.stderr, proc.stdout, tuple(sorted((r["maxrss"] for r in found), reverse=True)),
-                    tuple(sorted(ranks, reverse=True)))
+    peaks = sorted((r["maxrss"] for r in found), reverse=True)
+    return Measured(proc.returncode, proc.stderr, proc.stdout, tuple(peaks), tuple(sorted(ranks, reverse=True)))
 
 
 def estimate_against_peak(config_args: list[str], nproc: int | None = None, timeout: float = 900,
