@@ -21,7 +21,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from importlib.metadata import version
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from provenance import commit
 from torch import nn
 
 from kubetrain.config.schema import TrainConfig
@@ -109,15 +109,6 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def git_commit() -> str:
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
-        return done.stdout.strip()
-
-    sha = git("rev-parse", "HEAD") or "unknown"
-    return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
 def summary(name: str, tps: float, flops: float, peak: float, params: int) -> dict[str, float]:
     return {"tokens_per_second": tps, "gflops": tps * flops / 1e9, "mfu": tps * flops / peak,
             "flops_per_token": flops, "params": params}
@@ -186,7 +177,7 @@ def main() -> None:
 
     if a.out:
         record = {
-            "benchmark": "bench/bench_gpt.py", "commit": git_commit(),
+            "benchmark": "bench/bench_gpt.py", "commit": commit(),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "hardware": {"cpu": cpu_name(), "threads": torch.get_num_threads(), "cores": os.cpu_count()},
             "load_average": {"before": load_before, "after": os.getloadavg()[0]}, "torch": torch.__version__,

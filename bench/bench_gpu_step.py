@@ -15,22 +15,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def commit() -> str:
-    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "src"], capture_output=True,
-                           text=True).stdout.strip()
-    return sha.stdout.strip() + ("-dirty" if dirty else "")
+from provenance import commit, save
 
 
 def measure(quick: bool) -> dict[str, Any]:
@@ -67,15 +58,11 @@ def main() -> None:
     ap.add_argument("--out", help="a file, or auto: bench/results/gpu-step-gpt2-124m_<device>_<date>.json")
     args = ap.parse_args()
     report = measure(args.quick or not torch.cuda.is_available())
-    text = json.dumps(report, indent=1)
     if args.out:
-        name = report["device"].lower().replace(" ", "-")
-        out = (ROOT / "bench" / "results" / f"gpu-step-gpt2-124m_{name}_{report['date']}.json"
-               if args.out == "auto" else Path(args.out))
-        out.write_text(text + "\n")
+        out = save(report, args.out, f"gpu-step-gpt2-124m_{report['device'].lower().replace(' ', '-')}")
         print(f"wrote {out}", file=sys.stderr)
     else:
-        print(text)
+        print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import commit, save
+
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS = 128_256, 2048, 8192, 32, 8  # Llama-3.2-1B's config.json
 
@@ -92,15 +94,11 @@ def main() -> None:
     report = {"model": f"llama-3.2-1b shape, {args.layers} layers, LoRA r{args.rank} all-linear, fp32",
               "shape": {"micro_batch": 1, "tokens": args.tokens, "vocab": VOCAB, "hidden": HIDDEN},
               "threads": args.threads, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-              "commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip(),
+              "commit": commit(),
               **compare(args.layers, args.tokens, args.rank, args.threads)}
-    text = json.dumps(report, indent=1)
     if args.out:
-        out = ROOT / "bench" / "results" / f"head_loss_cpu_{report['date']}.json" if args.out == "auto" else Path(
-            args.out)
-        out.write_text(text + "\n")
-    print(text)
+        save(report, args.out, "head_loss_cpu")
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

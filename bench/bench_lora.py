@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from provenance import commit
+
 WIDTH, LAYERS, HEADS, FFN, VOCAB = 512, 4, 8, 1536, 4096
 BLOCK, BATCH, LR = 256, 8, 2e-4
 LORA: dict[str, Any] = {"r": 16, "alpha": 32, "dropout": 0.05,
@@ -194,11 +196,6 @@ def run_variant(name: str, root: Path, warmup: int, steps: int, threads: int) ->
     return out
 
 
-def git_commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
-    return done.stdout.strip()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=10, help="measured steps per variant")
@@ -233,7 +230,7 @@ def main() -> None:
               for h in ("hf-trainer", "hf-trainer-grouped")}
     for name, r in ratios.items():
         print(f"{name:42s} {r:.2f}x")
-    report = {"benchmark": "lora-llama512x4", "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
+    report = {"benchmark": "lora-llama512x4", "date": time.strftime("%Y-%m-%d"), "commit": commit(),
               "hardware": f"{platform.processor() or platform.machine()} cpu, {a.threads} threads",
               "shape": {"width": WIDTH, "layers": LAYERS, "heads": HEADS, "ffn": FFN, "vocab": VOCAB,
                         "block": BLOCK, "micro_batch": BATCH, "lora": LORA},

@@ -16,14 +16,12 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from provenance import save
 
 from kubetrain.models.loss import LinearCrossEntropy, chunk_tokens, lm_loss_sum
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def candidates() -> dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]]:
@@ -78,13 +76,9 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "shape": vars(args), "median_seconds": median, "over_ours": {n: s / ours for n, s in median.items()},
               "losses": losses, "peak_bytes": peaks, "date": datetime.date.today().isoformat()}
-    text = json.dumps(report, indent=1)
     if args.out:
-        name = report["device"].lower().replace(" ", "-")
-        out = ROOT / "bench" / "results" / f"loss_{name}_{report['date']}.json" if args.out == "auto" else Path(
-            args.out)
-        out.write_text(text + "\n")
-    print(text)
+        save(report, args.out, f"loss_{report['device'].lower().replace(' ', '-')}")
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

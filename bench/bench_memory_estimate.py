@@ -18,11 +18,12 @@ import datetime
 import json
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from provenance import commit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests/hf_models.py builds the small Llama the LoRA case fine-tunes
@@ -93,19 +94,13 @@ def main() -> None:
             rows.append(row)
             print(f"{name:16} estimate {row['estimate_bytes'] / 2**20:8.0f} MiB  measured "
                   f"{row['measured_bytes'] / 2**20:8.0f} MiB  ratio {row['estimate_over_measured']:.3f}", flush=True)
-    result = {"bench": "memory_estimate_cpu", "date": datetime.date.today().isoformat(), "commit": _commit(),
+    result = {"bench": "memory_estimate_cpu", "date": datetime.date.today().isoformat(), "commit": commit(),
               "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
                           "torch": _torch_version()},
               "settings": COMMON, "target": "0.85 <= estimate / measured <= 1.15", "rows": rows}
     out = args.out or ROOT / "bench" / "results" / f"memory_estimate_cpu_{result['date']}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
-
-
-def _commit() -> str:
-    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          check=False)
-    return done.stdout.strip() or "unknown"
 
 
 def _torch_version() -> str:

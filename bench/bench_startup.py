@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from provenance import commit
+
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS_WORDS = ("the", "of", "and", "to", "in", "is", "was", "that", "for", "on", "as", "with", "by", "he", "at",
                 "from", "his", "it", "an", "were", "are", "which", "this", "be")
@@ -140,13 +142,6 @@ def run_ranks(src: Path, work: Path, world: int, tag: str) -> dict[str, float]:
     found = [json.loads((work / f"{tag}-{r}.json").read_text()) for r in range(world)]
     return {"wall_s": max(f["t1"] for f in found) - min(f["t0"] for f in found),
             "hashed_gb": sum(f["hashed"] for f in found) / 1e9}
-
-
-def commit() -> str:
-    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "src", "bench"], capture_output=True,
-                           text=True).stdout.strip()
-    return sha.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def main() -> None:
