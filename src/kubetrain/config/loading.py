@@ -89,7 +89,15 @@ def load_config(
     for item in overrides:
         apply_override(raw, item)
     source = str(path) if path else f"preset '{preset or DEFAULT_PRESET}'"
-    cfg = validate(raw, source=source)
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as e:
+        blamed = _set_that_made(e, overrides)
+        problem = describe_error(e)
+        if blamed is None:
+            raise ConfigError(f"{source}: {problem}") from None
+        loc = ".".join(str(x) for x in e.errors()[0]["loc"])
+        raise ConfigError(f"{blamed}: {problem.removeprefix(f'{loc}: ')}") from None
     try:  # here, where a user's settings come in (not in the model: a stored run's config stays readable)
         clocks.check(cfg)
     except ValueError as e:
@@ -115,6 +123,18 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
         return Config.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(f"{source}: {describe_error(e)}") from None
+
+
+def _set_that_made(e: ValidationError, overrides: list[str] | tuple[str, ...]) -> str | None:
+    """`--set KEY` when the first problem is at a key the command line set (or in the section a rule over it
+    judges), so the user is sent to the argument they typed, not to a file or preset that never said it."""
+    loc = [str(x) for x in e.errors()[0]["loc"]]
+    for item in reversed(overrides):
+        key = item.split("=", 1)[0].strip()
+        parts = [p for p in key.split(".") if p]
+        if loc and parts[: len(loc)] == loc:
+            return f"--set {'.'.join(parts)}"  # the key only: a value may hold a secret
+    return None
 
 
 def describe_error(e: ValidationError) -> str:
