@@ -103,7 +103,7 @@ def test_a_file_uri_with_a_host_is_refused_and_writes_nothing(tmp_path: Path, ru
     """file://tmp/x names the host `tmp`: never the folder ./tmp/x under wherever the command ran."""
     run = _fake_run(tmp_path / "run")
     monkeypatch.chdir(tmp_path)
-    code, out, err = run_main("runs", "sync", str(run), "file://tmp/x")
+    code, _, err = run_main("runs", "sync", str(run), "file://tmp/x")
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "host 'tmp'" in err and "file:///PATH" in err
     assert not (tmp_path / "tmp").exists()

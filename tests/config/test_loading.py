@@ -301,7 +301,7 @@ def test_a_bad_value_in_the_file_is_still_blamed_on_the_file(tmp_path: Path) -> 
 @pytest.mark.parametrize("item", ["train.max_steps=true", "train.lr=false", "model.dropout=yes", "run.threads=on"])
 def test_a_boolean_is_not_a_number(item: str, tmp_path: Path) -> None:
     """YAML reads `true` as a boolean; pydantic's lax mode would make it 1 (one training step)."""
-    with pytest.raises(ConfigError, match="a number, not (true|false)"):
+    with pytest.raises(ConfigError, match=r"a number, not (true|false)"):
         over(item)
     path = tmp_path / "c.yaml"
     section, key = item.split("=")[0].split(".")
