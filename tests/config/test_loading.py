@@ -135,7 +135,7 @@ def test_unknown_key_with_nothing_close_has_no_suggestion(tmp_path: Path) -> Non
         ("train:\n  lr: fast\n", "train.lr: Input should be a valid number"),
         ("train:\n  max_steps: 0\n", "train.max_steps: Input should be greater than or equal to 1"),
         ("run:\n  device: gpu\n", "run.device: Input should be"),
-        ("model: 5\n", "model: Input should be a valid dictionary"),
+        ("model: 5\n", "model: takes a section of keys (kubetrain config explain model) (got 5)"),
         ("model:\n  n_embd: 100\n  n_head: 3\n", "must be divisible by model.n_head"),
         ("data:\n  sources:\n    - kind: text\n",
          "data.sources.0: a data source of kind 'text' needs a path"),
@@ -350,3 +350,21 @@ def test_flatten() -> None:
               "data": {"sources": [{"kind": "text", "path": "a"}]}}
     assert flatten(nested) == {"train.lr": 0.1, "train.betas": [0.9, 0.95], "data.sources.0.kind": "text",
                                "data.sources.0.path": "a", "phases": [], "model.lora": None}
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ("train.micro_batch_size=abc", "--set train.micro_batch_size: takes int | auto (got 'abc')"),
+        ("dist.preflight=5", "--set dist.preflight: takes a section of keys (kubetrain config explain dist.preflight)"),
+        ("track.wandb=3", "--set track.wandb: takes a section of keys (kubetrain config explain track.wandb)"),
+        ("model.lora=3", "--set model.lora: takes a section of keys or null (kubetrain config explain model.lora)"),
+    ],
+)
+def test_a_refusal_speaks_the_configs_words_not_the_librarys(item: str, message: str) -> None:
+    """The key a user can type and what it takes; never pydantic's union tags or the schema's class names."""
+    with pytest.raises(ConfigError) as e:
+        over(item)
+    assert str(e.value).startswith(message), e.value
+    for internal in ("constrained-int", "literal[", "Config", "instance of"):
+        assert internal not in str(e.value)
