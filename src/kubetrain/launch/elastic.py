@@ -304,8 +304,18 @@ def _sync_incidents(run_dir: Path) -> None:
             _say(f"launcher: warning: could not record the incidents in meta.json: {e}")
 
 
+_ERRORS_SAID: list[str] = []  # the launcher's `error:` lines, for `--json`'s one object (cli.main)
+
+
 def _say(message: str) -> None:
+    if message.startswith("error: "):
+        _ERRORS_SAID.append(message.removeprefix("error: "))
     print(message, file=sys.stderr, flush=True)
+
+
+def last_error() -> str | None:
+    """The last `error:` line this process's launcher said (without the prefix), or None."""
+    return _ERRORS_SAID[-1] if _ERRORS_SAID else None
 
 
 _AGENT_STOP_EXITS = (-signal.SIGTERM, -signal.SIGINT)  # Popen's exit code of a worker the agent's stop killed
