@@ -63,8 +63,10 @@ def test_train_json_run_directory_and_redaction(cli: Cli, tiny_args: list[str], 
 
 
 @pytest.mark.slow
-def test_dry_run_writes_no_run_directory(cli: Cli, tiny_args: list[str], tmp_cwd: Path) -> None:
-    done = cli("train", *tiny_args, "--set", "run.name=dry", "--dry-run")
+@pytest.mark.parametrize("launcher", [[], ["--nproc", "2"]], ids=["one-process", "nproc-2"])
+def test_dry_run_writes_no_run_directory(cli: Cli, tiny_args: list[str], tmp_cwd: Path, launcher: list[str]) -> None:
+    """It says "no run directory was written": with the launcher too, which readies folders for its workers."""
+    done = cli("train", *tiny_args, *launcher, "--set", "run.name=dry", "--dry-run")
     assert done.returncode == 0, done.stderr
     assert "dry run: one forward pass, loss" in done.stdout
     assert "model: " in done.stdout and "tokens per step: " in done.stdout

@@ -346,3 +346,12 @@ def test_the_watch_learns_whether_the_agent_reports_every_failed_round() -> None
     with elastic_agent(FINAL_EXIT_CODES, 30, lambda failures: None):
         assert _agent_extended()
     assert not _agent_extended()
+
+
+def test_a_stop_before_the_first_checkpoint_is_recorded_in_words(tmp_path: Path) -> None:
+    """The preempted incident of a run that had saved nothing says so, not `latest checkpoint None`."""
+    run_dir = tmp_path / "run"
+    assert _stopped_by_signal(signal.SIGTERM, run_dir, None) == EXIT_STOPPED_RESUMABLE
+    [incident] = read_all(run_dir)
+    assert "None" not in incident["message"] and "unknown" not in incident["message"]
+    assert "no checkpoint yet (the run starts over)" in incident["message"]

@@ -96,6 +96,7 @@ def _launch(cfg: Config, forwarded: list[str], nproc: int, nnodes: str, node_ran
     from kubetrain.launch.admission import admit
     from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
     from kubetrain.launch.watch import watch_options
+    from kubetrain.runs.incidents import incidents_dir
     from kubetrain.runs.lock import hold_for_workers
     from kubetrain.train.device import check_launch
 
@@ -109,8 +110,17 @@ def _launch(cfg: Config, forwarded: list[str], nproc: int, nnodes: str, node_ran
     held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
     if one_node and not dry_run:  # the launcher holds it across the agent's restarts of its workers
         held = hold_for_workers(runs.run_dir(cfg), lambda m: typer.echo(m, err=True))
-    with held:
-        return launch(opts, forwarded, runs.run_dir(cfg))
+    run_dir = runs.run_dir(cfg)
+    # A dry run writes no run directory: the folders the launcher makes for its workers (incidents/ for the
+    # flight recorder's dumps) go again when nothing was put in them.
+    made = [p for p in (run_dir, incidents_dir(run_dir)) if dry_run and not p.exists()]
+    try:
+        with held:
+            return launch(opts, forwarded, run_dir)
+    finally:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):  # not empty: something worth keeping was written
+                folder.rmdir()
 
 
 def check_torch() -> None:

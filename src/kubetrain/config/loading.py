@@ -89,7 +89,15 @@ def load_config(
     for item in overrides:
         apply_override(raw, item)
     source = str(path) if path else f"preset '{preset or DEFAULT_PRESET}'"
-    cfg = validate(raw, source=source)
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as e:
+        blamed = _set_that_made(e, overrides)
+        problem = describe_error(e)
+        if blamed is None:
+            raise ConfigError(f"{source}: {problem}") from None
+        loc = ".".join(_key_path(e.errors()[0]["loc"]))
+        raise ConfigError(f"{blamed}: {problem.removeprefix(f'{loc}: ')}") from None
     try:  # here, where a user's settings come in (not in the model: a stored run's config stays readable)
         clocks.check(cfg)
     except ValueError as e:
@@ -117,22 +125,75 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
         raise ConfigError(f"{source}: {describe_error(e)}") from None
 
 
+def _set_that_made(e: ValidationError, overrides: list[str] | tuple[str, ...]) -> str | None:
+    """`--set KEY` when the first problem is at a key the command line set (or in the section a rule over it
+    judges), so the user is sent to the argument they typed, not to a file or preset that never said it."""
+    loc = _key_path(e.errors()[0]["loc"])
+    for item in reversed(overrides):
+        key = item.split("=", 1)[0].strip()
+        parts = [p for p in key.split(".") if p]
+        if loc and parts[: len(loc)] == loc:
+            return f"--set {'.'.join(parts)}"  # the key only: a value may hold a secret
+    return None
+
+
 def describe_error(e: ValidationError) -> str:
-    """The first validation problem as one line, with a 'did you mean' for unknown keys."""
+    """The first validation problem as one line, in the config's words: its key (never a union member's inner
+    name such as `constrained-int`, nor a section's class name), what it takes, and what it got."""
     err = e.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"])
+    parts = _key_path(err["loc"])
+    loc = ".".join(parts)
     if err["type"] == "extra_forbidden":
         parent, key = err["loc"][:-1], str(err["loc"][-1])
         fields = _fields_at(Config, parent)
-        return f"unknown key '{loc}'{_suggest(key, fields)}"
+        return f"unknown key '{'.'.join([*_key_path(parent), key])}'{_suggest(key, fields)}"
     msg = err["msg"]
     if err["type"] in ("value_error", "assertion_error"):
         msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
         return f"{loc}: {msg}" if loc else msg
     got = err.get("input")
     shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
+    same_key = [x for x in e.errors() if _key_path(x["loc"]) == parts]
+    if len(same_key) > 1 or err["type"] in ("model_type", "dict_type", "model_attributes_type"):
+        # a union's members each reject the value, or a section was given a scalar: say what the key takes
+        return f"{loc}: takes {_what_it_takes(loc)}{shown}"
     more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
     return f"{loc}: {msg}{shown}{more}"
+
+
+def _key_path(loc: tuple[Any, ...]) -> list[str]:
+    """The config key of an error's location: pydantic adds a union member's tag (`constrained-int`,
+    `literal['auto']`) between a field and its value; those are no key a user can type."""
+    out: list[str] = []
+    model: Any = Config
+    for part in loc:
+        if isinstance(part, int):
+            out.append(str(part))
+            continue
+        field = model.model_fields.get(str(part)) if _is_model(model) else None
+        if field is None:
+            if model is None:
+                out.append(str(part))  # inside a free-form mapping (labels, env): the user's own key
+            continue
+        out.append(str(part))
+        model = _model_in(field.annotation)
+        if model is None and get_origin(field.annotation) is not dict and not _maps_in(field.annotation):
+            model = False  # a leaf: anything after it is pydantic's, not a key
+    return out
+
+
+def _maps_in(annotation: Any) -> bool:
+    return any(get_origin(a) is dict for a in get_args(annotation))
+
+
+def _what_it_takes(key: str) -> str:
+    from kubetrain.config.explain import explain  # the schema's own words, as `config explain` prints them
+
+    doc = explain(key)[0]
+    if "section" in doc.type.split(" | "):
+        optional = " or null" if "null" in doc.type.split(" | ") else ""
+        return f"a section of keys{optional} (kubetrain config explain {doc.key})"
+    return doc.type + (f" ({doc.constraints})" if doc.constraints else "")
 
 
 def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:

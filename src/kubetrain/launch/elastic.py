@@ -198,6 +198,13 @@ def _agent_extended() -> bool:
     return isinstance(agent, type) and agent is not LocalElasticAgent and issubclass(agent, LocalElasticAgent)
 
 
+def _where_the_run_stood(status: str | None, latest: str | None) -> str:
+    """The run's state at a stop, as a person would write it (no `None` where nothing was there yet)."""
+    state = f"run status {status}" if status not in (None, "unknown") else "the run had not started yet"
+    saved = f"latest checkpoint {latest}" if latest else "no checkpoint yet (the run starts over)"
+    return f"{state}; {saved}"
+
+
 def _stopped_by_signal(sigval: signal.Signals, run_dir: Path, step: int | None) -> int:
     """The launcher's exit after SIGTERM/SIGINT: 1 when the run had failed (its meta.json says so), else 75 since
     nothing is lost (the workers' stop checkpoint, an earlier one, or none yet: the run starts over); SIGTERM is a
@@ -208,7 +215,7 @@ def _stopped_by_signal(sigval: signal.Signals, run_dir: Path, step: int | None) 
     if sigval == signal.SIGTERM:
         _say(incidents.log_line(incidents.record(
             run_dir, "preempted", rank=None, step=step,
-            message=f"SIGTERM to the launcher; run status {status}; latest checkpoint {latest}")))
+            message=f"SIGTERM to the launcher; {_where_the_run_stood(status, latest)}")))
     if _recorded_failure(run_dir):  # a stop does not turn a failure into a resumable run: the Job counts it
         _say(f"launcher: {sigval.name}: the run had failed before the stop; exiting {EXIT_FAILURE}")
         return EXIT_FAILURE
@@ -297,8 +304,18 @@ def _sync_incidents(run_dir: Path) -> None:
             _say(f"launcher: warning: could not record the incidents in meta.json: {e}")
 
 
+_ERRORS_SAID: list[str] = []  # the launcher's `error:` lines, for `--json`'s one object (cli.main)
+
+
 def _say(message: str) -> None:
+    if message.startswith("error: "):
+        _ERRORS_SAID.append(message.removeprefix("error: "))
     print(message, file=sys.stderr, flush=True)
+
+
+def last_error() -> str | None:
+    """The last `error:` line this process's launcher said (without the prefix), or None."""
+    return _ERRORS_SAID[-1] if _ERRORS_SAID else None
 
 
 _AGENT_STOP_EXITS = (-signal.SIGTERM, -signal.SIGINT)  # Popen's exit code of a worker the agent's stop killed

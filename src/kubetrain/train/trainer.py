@@ -137,7 +137,7 @@ class Trainer:
         stop = GracefulStop(cfg.checkpoint.grace_seconds, self.ckpt_root)
         vote = StopVote.for_world()  # every rank stops at the same step, with no GPU sync per step
         profiler = StepProfiler.for_rank(cfg.train.profile, self.path, self.penv.rank, self.device, state.step,
-                                         self.out)  # train.profile: a trace of a few steps, rank 0 by default
+                                         self.out, self.penv.world_size)  # train.profile: rank 0 by default
         try:
             with stop, self.out_of_memory_is_one_line(None):
                 while state.step < self.max_steps:
