@@ -202,6 +202,31 @@ def test_progress_percent_tokens_eta_and_slowest_rank_from_the_newest_console_li
     assert code == 0 and out.startswith("ml/tiny  indexed-job  running")
 
 
+def test_a_job_whose_ranks_stopped_moving_says_for_how_long_and_has_no_eta(
+    tmp_path: Path, apiserver: Any, cli: Cli
+) -> None:
+    """Seen on a real cluster: rank 0 stopped, and status still gave the last step's rate and ETA at +292 s."""
+    import time
+
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig)
+    pod = apiserver.pod("tiny", 0)
+    # 80 steps left in 800 s: a line every 100 s at 10 steps a line; nothing new for 292 s is within 3 such gaps
+    apiserver.start(pod, _progress(120, 800, slowest=None))
+    apiserver.log_stamps[pod][-1] = time.time_ns() - 292 * 10**9
+    status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])
+    assert (status["stalled"], status["eta_seconds"]) == (False, 800) and 290 <= status["seconds_since_step"] <= 320
+    apiserver.log_stamps[pod][-1] = time.time_ns() - 600 * 10**9  # ten minutes: twice the pace's three gaps
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    first = out.splitlines()[0]
+    assert first.startswith("tiny (indexed-job, namespace ml): running, step 120/200 (60%), 12,345 tok/s, "
+                            "no new step for 10:0"), first
+    assert "eta" not in first
+    status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])
+    assert status["stalled"] is True and status["eta_seconds"] is None and status["seconds_since_step"] >= 600
+
+
 def test_a_finished_job_says_so_instead_of_an_eta(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
     kubeconfig = apiserver.kubeconfig(tmp_path)
     launch(cli, kubeconfig)

@@ -40,7 +40,7 @@ from typing import Any
 from kubetrain.errors import KubetrainError
 from kubetrain.k8s.cluster.api import Cluster, ClusterError, NotFound, StreamBroken
 from kubetrain.k8s.cluster.outage import GaveUp, Outage, Patience, unreachable
-from kubetrain.k8s.cluster.status import Rank, job_ranks, main_container, waiting_reason
+from kubetrain.k8s.cluster.status import Rank, job_ranks, log_time, main_container, waiting_reason
 from kubetrain.k8s.cluster.waiting import expected_ranks, why_waiting, workload_object
 from kubetrain.k8s.workloads import BY_KIND, finished
 
@@ -234,7 +234,7 @@ class _RankReader:
         """A followed line without its stamp, or None when it was printed already (before the stream was opened
         again: `sinceTime` has whole seconds, the stamps nanoseconds)."""
         stamp, _, text = line.partition(" ")
-        at = _log_time(stamp)
+        at = log_time(stamp)
         if at is None:  # every line the runtime took is stamped: this is the kubelet's error, sent in the stream
             self.unread = True
             self._note(f"(the log stream of pod {self.rank.name if self.rank else '?'} ended with the kubelet's "
@@ -312,20 +312,6 @@ def _running(pod: dict[str, Any]) -> bool:
     name = main_container(pod)
     return any(c.get("name") == name and "running" in (c.get("state") or {})
                for c in (pod.get("status") or {}).get("containerStatuses") or [])
-
-
-_STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)")
-
-
-def _log_time(stamp: str) -> tuple[int, int] | None:
-    """(seconds since the epoch, nanoseconds) of the kubelet's RFC 3339 stamp (Go's RFC3339Nano: trailing zeros
-    of the fraction dropped, the node's offset kept); None for anything else."""
-    match = _STAMP.fullmatch(stamp)
-    if match is None:
-        return None
-    whole, fraction, offset = match.groups()
-    when = datetime.datetime.fromisoformat(whole + ("+00:00" if offset == "Z" else offset))
-    return int(when.timestamp()), int((fraction or "").ljust(9, "0"))
 
 
 def _rfc3339(seconds: int) -> str:
