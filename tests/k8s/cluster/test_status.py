@@ -47,8 +47,8 @@ def test_status_shows_state_ranks_and_last_step(tmp_path: Path, apiserver: Any, 
     assert code == 0, err
     assert out.splitlines() == [
         "tiny (indexed-job, namespace ml): running, step 120/200 (60%)",
-        "  rank 0: tiny-0-4mq9d Running on gpu-a, 0 restarts",
-        "  rank 1: tiny-1-x7k2p Running on gpu-b, 2 restarts",
+        "  pod 0: tiny-0-4mq9d Running on gpu-a, 0 restarts",
+        "  pod 1: tiny-1-x7k2p Running on gpu-b, 2 restarts",
     ]
     selector = next(r for r in apiserver.requests if r["path"] == PODS)["query"]["labelSelector"]
     assert selector == ["kubetrain.dev/job=tiny"]
@@ -98,8 +98,8 @@ def test_one_line_per_rank_from_its_newest_pod(tmp_path: Path, apiserver: Any, c
     assert out.splitlines() == [
         "tiny (indexed-job, namespace ml): running, step 14/20 (70%)",
         f"  last failure: rank 0: container trainer of pod {first} exited 1",  # what ended the earlier pod
-        f"  rank 0: {replacement} Running on node-a, 0 restarts, 1 earlier failed pod",
-        f"  rank 1: {other} Running on node-b, 0 restarts",
+        f"  pod 0: {replacement} Running on node-a, 0 restarts, 1 earlier failed pod",
+        f"  pod 1: {other} Running on node-b, 0 restarts",
     ]
 
 
@@ -118,9 +118,9 @@ def test_pods_that_cannot_be_scheduled_are_pending_with_the_reason(
     code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
     assert code == 0, err
     assert out.splitlines()[1:] == [
-        f"  rank 0: {apiserver.pod('tiny', 0)} Pending on (not scheduled), 0 restarts: 0/1 nodes are available: "
+        f"  pod 0: {apiserver.pod('tiny', 0)} Pending on (not scheduled), 0 restarts: 0/1 nodes are available: "
         "1 Insufficient memory.",
-        f"  rank 1: {apiserver.pod('tiny', 1)} Pending on node-a, 0 restarts: ContainerCreating",
+        f"  pod 1: {apiserver.pod('tiny', 1)} Pending on node-a, 0 restarts: ContainerCreating",
     ]
     code, out, _ = cli("k8s", "list", "--kubeconfig", str(kubeconfig))
     assert code == 0 and out.startswith("ml/tiny  indexed-job  pending: 0/1 nodes are available")

@@ -1,7 +1,8 @@
-"""The logs of every rank of a job, interleaved as they arrive, each line prefixed with its rank.
+"""The logs of every pod of a job, interleaved as they arrive, each line prefixed with where it came from.
 
-The prefix is the pod's index (its node rank); a worker's line that names another global rank says both once:
-`[pod 1 · rank 0] step ...`.
+A line is labelled by the pod's index (its node rank): `[pod 1] ` for the launcher's and the entrypoint's lines, and
+`[pod 1 · rank 0] ` for a worker's (the trainer's `[rank R] ` prefix): after an elastic restart the rendezvous may
+give global rank 0 to pod 1, so a pod's index alone would name the wrong rank.
 
 A rank is read from its newest pod; the ranks are those the launched config asks for (k8s.nnodes), also
 those with no pod yet. With --follow, a rank without a pod, a pod that is not scheduled or whose container
@@ -85,7 +86,7 @@ class _RankReader:
         self.outage = outage or Outage(Patience(), lines, cluster.where)
         self.patience = self.outage.patience
         self.failures = 0  # failures since this rank's last line: how long the next wait is
-        self.prefix = f"[rank {'?' if number is None else number}] "
+        self.prefix = f"[pod {'?' if number is None else number}] "
         self.last_created = ""  # when this rank's last pod was made: older events about it are stale
         self.printed: tuple[int, int] | None = None  # the stamp of the container's last line printed (follow)
         self.printed_then: set[str] = set()  # the lines printed with that stamp
@@ -119,15 +120,13 @@ class _RankReader:
             self.lines.put(_DONE)
 
     def _labelled(self, text: str) -> str:
-        """A container's line under one label: the reader's is the pod's index (its node rank), the trainer's own
-        `[rank R] ` the worker's global rank, which differs after a rendezvous gave the ranks out again (or with
-        several workers per pod): `[pod 1 · rank 0] `, or the one `[rank 1] ` where they agree."""
+        """A container's line under one label: `[pod N] ` (the pod's index, its node rank) for the launcher's lines,
+        `[pod N · rank R] ` for a worker's, whose own `[rank R] ` is its global rank (not the pod's index after a
+        rendezvous gave the ranks out again, or with several workers per pod)."""
         found = _RANK_PREFIX.match(text)
-        if found is None or self.number is None:
+        if found is None:
             return self.prefix + text
-        if int(found.group(1)) == self.number:
-            return text
-        return f"[pod {self.number} · rank {found.group(1)}] {text[found.end():]}"
+        return f"{self.prefix[:-2]} · rank {found.group(1)}] {text[found.end():]}"
 
     def _note(self, text: str) -> None:
         """One of our own status lines for this rank, said once while it stays the same."""

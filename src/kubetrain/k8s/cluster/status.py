@@ -388,7 +388,7 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"  {preflight_text(status['preflight'])}")
     for pod in status["pods"]:
         rank = "?" if pod["rank"] is None else pod["rank"]
-        line = (f"  rank {rank}: {pod['name']} {pod['phase']} on {pod['node'] or '(not scheduled)'}, "
+        line = (f"  pod {rank}: {pod['name']} {pod['phase']} on {pod['node'] or '(not scheduled)'}, "
                 f"{pod['restarts']} restarts")
         if pod["earlier_failed"]:
             line += f", {pod['earlier_failed']} earlier failed pod{'s' if pod['earlier_failed'] > 1 else ''}"
@@ -396,7 +396,7 @@ def format_status(status: dict[str, Any]) -> str:
             line += f": {pod['waiting']}"
         lines.append(line)
     for missing in status.get("missing") or []:
-        lines.append(f"  rank {missing['rank']}: no pod: {missing['reason']}")
+        lines.append(f"  pod {missing['rank']}: not there: {missing['reason']}")
     if not status["pods"] and not status.get("missing"):
         lines.append("  no pods")
     return "\n".join(lines)
