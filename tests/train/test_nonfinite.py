@@ -205,4 +205,6 @@ def test_under_the_launcher_a_nan_loss_is_not_restarted(tmp_path: Path) -> None:
     assert done.stderr.splitlines()[-1].startswith(
         "error: the loss or its gradients were not finite (NaN or inf) for 3 steps in a row")
     assert "Traceback" not in done.stderr
+    # one line for the job, the launcher's: not once per rank and again (the incident is beside it)
+    assert sum("error: " in line for line in done.stderr.splitlines()) == 1, done.stderr[-3000:]
     assert_every_saved_tensor_is_finite(tmp_path / "runs" / "nan" / "checkpoints")

@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             traceback.print_exc()
         record_worker_error(e)
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if not _launcher_says_it():
+            print(f"error: {e}", file=sys.stderr, flush=True)
         if as_json:
             _json_line({"error": str(e), "exit": worker_exit_code(e)})
         sys.exit(worker_exit_code(e))
@@ -190,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             traceback.print_exc()
         record_worker_error(TrainingFailed(lost))
-        print(f"error: {lost}", file=sys.stderr, flush=True)
+        if not _launcher_says_it():
+            print(f"error: {lost}", file=sys.stderr, flush=True)
         if as_json:
             _json_line({"error": lost, "exit": EXIT_FAILURE})
         sys.exit(EXIT_FAILURE)
@@ -200,10 +202,17 @@ def main(argv: list[str] | None = None) -> None:
         raise
 
 
+def _launcher_says_it() -> bool:
+    """A worker under the elastic launcher: its error goes to the launcher's error file, and the launcher says the
+    first failure's line once for the job (each worker saying it too printed it once per rank, and again)."""
+    return "LOCAL_RANK" in os.environ and bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
+
+
 def _bad_input(message: str, as_json: bool = False) -> NoReturn:
     """One `error:` line and exit 2; under the elastic launcher, also the line its failure summary repeats."""
     record_worker_error(UserInputError(message))
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    if not _launcher_says_it():
+        print(f"error: {message}", file=sys.stderr, flush=True)
     if as_json:
         _json_line({"error": message, "exit": EXIT_BAD_INPUT})
     sys.exit(EXIT_BAD_INPUT)
