@@ -33,7 +33,7 @@ def run(folder: Path, name: str, async_save: bool, args: argparse.Namespace) -> 
             f"train.max_steps={args.steps}", f"checkpoint.every_steps={args.every}", "checkpoint.keep_last=2",
             f"checkpoint.async_save={str(async_save).lower()}", f"model.block_size={args.context}",
             "train.micro_batch_size=1", "train.grad_accum_steps=1", "train.compile=false", "run.device=cpu",
-            "eval.every_steps=100000", "eval.batches=1", "eval.sample_prompt=null", "eval.sample_tokens=1",
+            "eval.every_steps=100000", "eval.windows=1", "eval.sample_prompt=null", "eval.sample_tokens=1",
             f"run.threads={args.threads}",
             "train.log_every_steps=1"]
     cmd = [sys.executable, "-m", "kubetrain", "train", "--preset", "gpt2-124m"]

@@ -39,7 +39,7 @@ BASELINE = ("import resource, kubetrain.train.trainer, torch.distributed.fsdp, t
 def settings(args: argparse.Namespace, cwd: Path) -> list[str]:
     return [f"model.n_layer={args.layers}", f"model.n_head={args.width // 64}", f"model.n_embd={args.width}",
             f"model.block_size={args.context}", f"train.micro_batch_size={args.batch}", f"train.max_steps={args.steps}",
-            "train.warmup_steps=0", "train.log_every_steps=1", "eval.every_steps=100000", "eval.batches=1",
+            "train.warmup_steps=0", "train.log_every_steps=1", "eval.every_steps=100000", "eval.windows=1",
             "eval.sample_prompt=null", f"checkpoint.every_steps={args.every}", "checkpoint.keep_last=1",
             "run.threads=1",
             f"data.sources=[{{kind: text, path: {cwd / 'corpus.txt'}}}]", f"data.cache_dir={cwd / 'cache'}",

@@ -222,7 +222,7 @@ def test_compiling_and_the_fused_head_lower_the_gpt2_estimate() -> None:
 
 # 2 steps, a background checkpoint at step 1 that overlaps step 2, the final evaluation: what a run holds at most
 MEASURED_RUN = ["run.threads=1", "track.console=false", "eval.sample_prompt=null", "train.max_steps=2",
-                "train.log_every_steps=1", "checkpoint.every_steps=1", "eval.every_steps=1000", "eval.batches=1",
+                "train.log_every_steps=1", "checkpoint.every_steps=1", "eval.every_steps=1000", "eval.windows=1",
                 "train.warmup_steps=1", "train.grad_accum_steps=1"]
 SMALL_GPT = ["model.n_layer=4", "model.n_embd=256", "model.n_head=4", "model.block_size=256",
              "train.micro_batch_size=8"]
@@ -233,7 +233,7 @@ MEASURED_CASES: dict[str, tuple[list[str], int | None]] = {  # --set items, --np
     "ddp-2": (SMALL_GPT, 2),
     "ddp-4": (SMALL_GPT, 4),
     "fsdp-4": ([*SMALL_GPT, "dist.strategy=fsdp"], 4),
-    "with-eval": (["eval.every_steps=1", "eval.batches=4"], None),
+    "with-eval": (["eval.every_steps=1", "eval.windows=4"], None),
 }
 
 

@@ -23,7 +23,7 @@ from kubetrain.k8s.simulate import Simulation
 TINY = [
     "run.threads=1", "run.device=cpu", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
     "model.block_size=32", "train.micro_batch_size=4", "train.warmup_steps=2", "train.log_every_steps=4",
-    "eval.batches=1", "eval.sample_prompt=null", "k8s.nnodes=2",
+    "eval.windows=1", "eval.sample_prompt=null", "k8s.nnodes=2",
 ]
 
 

@@ -129,7 +129,7 @@ def test_load_trained_rebuilds_a_gpt_lora_run_exactly(gpt_lora_run: Path) -> Non
     assert any("modules_to_save" in n for n in ckpt.model_state())
     prepared = prepare(cfg)
     val = TokenWindows(prepared, "val", cfg.model.block_size)
-    loss = evaluate(model, val, cfg.train.micro_batch_size, cfg.eval.batches, torch.device("cpu"),
+    loss = evaluate(model, val, cfg.train.micro_batch_size, cfg.eval.windows, torch.device("cpu"),
                     autocast("fp32", torch.device("cpu")))
     assert loss == ckpt.meta["val_loss"]  # the same frozen base and adapters as at the end of training
 
