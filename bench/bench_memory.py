@@ -9,7 +9,7 @@ The baseline is one process that imported kubetrain's trainer, torch, FSDP and D
 are given of the peaks and of the growth over that baseline (what the model and its training add).
 
     PYTHONPATH=src .venv/bin/python bench/bench_memory.py [--layers 12 --width 768 --context 256] [--out auto]
-        [--only ddp4,fsdp4]   (the figure of issue 27: FSDP's largest process over DDP's, 4 ranks)
+        [--only ddp4,fsdp4]   (FSDP's largest process over DDP's, 4 ranks: the figure FSDP is held to)
 
 The default shape is GPT-2 small's blocks with a byte vocabulary: 85M parameters. 4 ranks under DDP take ~10 GB
 of RAM together: run it alone.

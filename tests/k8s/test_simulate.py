@@ -235,7 +235,7 @@ def test_the_kubelet_ends_a_container_whose_liveness_probe_fails(tmp_path: Path)
 @pytest.mark.ci  # minutes of processes together with its peers: .ci/run runs it, not the README's test command
 @pytest.mark.slow
 def test_a_rank_stopped_after_an_elastic_restart_is_named_by_its_pod(tmp_path: Path) -> None:
-    """Issue 43 in two pods: SIGKILL the worker of rank 1, let both agents restart and resume, SIGSTOP the new rank
+    """In two pods: SIGKILL the worker of rank 1, let both agents restart and resume, SIGSTOP the new rank
     0. The node whose worker was only stopped by its agent (a membership change: its restart count stays) watched
     the new round as if it were handled, so the healthy rank was blamed and the frozen one's pod said nothing."""
     import os

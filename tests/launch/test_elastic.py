@@ -127,7 +127,7 @@ def test_killed_worker_is_restarted_and_the_run_ends_like_an_uninterrupted_one(t
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert "resuming from" in out
-    # the killed rank is the incident, not rank 0 that lost its peer (issue 28)
+    # the killed rank is the incident, not rank 0 that lost its peer
     [exit] = read_all(tmp_path / "runs" / "elastic")
     assert (exit["kind"], exit["rank"], exit["message"]) == ("worker-exit", 1, "killed by SIGKILL"), exit
     mine, ref = _weights(tmp_path / "runs" / "elastic", 30), _weights(tmp_path / "runs" / "ref", 30)
@@ -315,7 +315,7 @@ def _gone_pid() -> int:
     ("stopped", "step-000010", EXIT_STOPPED_RESUMABLE, "workers stopped (run status: stopped)"),
     ("running", "step-000010", EXIT_STOPPED_RESUMABLE, "the run resumes from step-000010"),  # rank 0 killed
     ("running", None, EXIT_STOPPED_RESUMABLE, "nothing to lose"),
-    ("failed", "step-000010", EXIT_FAILURE, "the run had failed"),  # issue 40: was 75
+    ("failed", "step-000010", EXIT_FAILURE, "the run had failed"),  # not 75: a restart would redo the failure
     ("failed", None, EXIT_FAILURE, "the run had failed"),
 ])
 def test_the_launchers_exit_after_a_signal_says_whether_the_run_failed(

@@ -149,7 +149,7 @@ def test_lora_on_an_hf_model_under_ddp(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     # with the qlora extra installed (bitsandbytes, which peft imports when present) and quantize: none, a LoRA
-    # command says nothing of bitsandbytes (issue 29 saw a kernel warning; none with the pinned versions)
+    # command says nothing of bitsandbytes (a kernel warning was seen once; none with the pinned versions)
     assert cfg.model.quantize == "none" and "bitsandbytes" not in done.stderr.lower(), done.stderr[-2000:]
     run = tmp_path / "runs" / "lora"
     assert read_meta(run)["world_size"] == 2 and read_meta(run)["status"] == "finished"
