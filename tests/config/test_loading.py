@@ -16,7 +16,7 @@ from kubetrain.config import (
     preset_names,
     to_yaml,
 )
-from kubetrain.config.loading import DEFAULT_PRESET, flatten, read_preset, validate
+from kubetrain.config.loading import DEFAULT_PRESET, _says_config_warnings, flatten, read_preset, validate
 from kubetrain.errors import ConfigError, UserInputError
 
 
@@ -346,6 +346,16 @@ def test_old_eval_batches_evaluates_the_windows_it_did_with_one_warning(
     assert len(warnings) == 1 and warnings[0].startswith("warning: ")
     assert "eval.batches" in warnings[0] and "eval.windows: 32" in warnings[0] and "micro-batches" in warnings[0]
     assert "batches" not in cfg.model_dump(mode="json")["eval"]  # the run's config.yaml says windows from now on
+
+
+@pytest.mark.parametrize(("environ", "says"), [
+    ({}, True),  # one process, or the launcher of `--nproc N`
+    ({"RANK": "0"}, True),  # rank 0 of a bare torchrun: no launcher of ours said it
+    ({"RANK": "0", "KUBETRAIN_LAUNCHER_PID": "7"}, False),  # our launcher read the same config and said it
+    ({"RANK": "3"}, False),
+])
+def test_a_job_says_the_old_eval_batches_once_not_once_per_rank(environ: dict[str, str], says: bool) -> None:
+    assert _says_config_warnings(environ) is says
 
 
 def test_old_eval_batches_on_the_command_line_and_in_a_phase(capsys: pytest.CaptureFixture[str]) -> None:

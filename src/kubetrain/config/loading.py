@@ -6,7 +6,9 @@ import copy
 import difflib
 import hashlib
 import json
+import os
 import sys
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from types import UnionType
@@ -126,6 +128,13 @@ def validate(raw: dict[str, Any], source: str = "config") -> Config:
 _warned: set[str] = set()
 
 
+def _says_config_warnings(environ: Mapping[str, str]) -> bool:
+    """One line per job: a worker other than rank 0 stays quiet, and so does rank 0 under kubetrain's launcher
+    (KUBETRAIN_LAUNCHER_PID, train/heartbeat.py), which read the same config and said it already."""
+    rank = environ.get("RANK")
+    return rank is None or (rank == "0" and not environ.get("KUBETRAIN_LAUNCHER_PID"))
+
+
 def old_eval_batches(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """`eval.batches: N` read as what it meant: eval.windows N x train.micro_batch_size, said once per process.
 
@@ -152,7 +161,7 @@ def old_eval_batches(raw: dict[str, Any], source: str) -> dict[str, Any]:
     message = (f"warning: {source}: eval.batches is now eval.windows and counts windows, not micro-batches: "
                f"eval.batches: {batches} x train.micro_batch_size {micro} is read as eval.windows: {windows}, "
                "the windows it evaluated before")
-    if message not in _warned:
+    if message not in _warned and _says_config_warnings(os.environ):
         _warned.add(message)
         print(message, file=sys.stderr, flush=True)
     eval_section = {k: v for k, v in section.items() if k != OLD_EVAL_SIZE}
