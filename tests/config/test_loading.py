@@ -16,7 +16,7 @@ from kubetrain.config import (
     preset_names,
     to_yaml,
 )
-from kubetrain.config.loading import DEFAULT_PRESET, flatten, read_preset
+from kubetrain.config.loading import DEFAULT_PRESET, _says_config_warnings, flatten, read_preset, validate
 from kubetrain.errors import ConfigError, UserInputError
 
 
@@ -368,3 +368,54 @@ def test_a_refusal_speaks_the_configs_words_not_the_librarys(item: str, message:
     assert str(e.value).startswith(message), e.value
     for internal in ("constrained-int", "literal[", "Config", "instance of"):
         assert internal not in str(e.value)
+
+
+# eval.batches, the old name of eval.windows, counted micro-batches of train.micro_batch_size windows: an old config
+# must evaluate the windows it evaluated before (or `best` would compare two different eval sets), and say so once.
+OLD_EVAL = "train:\n  micro_batch_size: 4\neval:\n  batches: 8\n"
+
+
+def test_old_eval_batches_evaluates_the_windows_it_did_with_one_warning(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "old.yaml"
+    path.write_text(OLD_EVAL)
+    cfg = load_config(path)
+    assert cfg.eval.windows == 8 * 4
+    assert load_config(path).eval.windows == 32  # read again (each phase, the run's config): no second line
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith("warning: ")
+    assert "eval.batches" in warnings[0] and "eval.windows: 32" in warnings[0] and "micro-batches" in warnings[0]
+    assert "batches" not in cfg.model_dump(mode="json")["eval"]  # the run's config.yaml says windows from now on
+
+
+@pytest.mark.parametrize(("environ", "says"), [
+    ({}, True),  # one process, or the launcher of `--nproc N`
+    ({"RANK": "0"}, True),  # rank 0 of a bare torchrun: no launcher of ours said it
+    ({"RANK": "0", "KUBETRAIN_LAUNCHER_PID": "7"}, False),  # our launcher read the same config and said it
+    ({"RANK": "3"}, False),
+])
+def test_a_job_says_the_old_eval_batches_once_not_once_per_rank(environ: dict[str, str], says: bool) -> None:
+    assert _says_config_warnings(environ) is says
+
+
+def test_old_eval_batches_on_the_command_line_and_in_a_phase(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = load_config(None, None, ["eval.batches=3", "train.micro_batch_size=2"])  # over the preset's eval.windows
+    assert cfg.eval.windows == 6
+    raw = {"train": {"micro_batch_size": 4}, "eval": {"windows": 40},
+           "phases": [{"name": "chat", "train": {"micro_batch_size": 2}, "eval": {"batches": 5}}]}
+    assert phase_config(validate(raw), 0).eval.windows == 10
+    assert len(capsys.readouterr().err.splitlines()) == 2  # one line for each translation
+    assert load_config(None, None, ["eval.windows=7"]).eval.windows == 7
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("train:\n  micro_batch_size: auto\n  global_batch_size: 16\neval:\n  batches: 8\n",
+     "train.micro_batch_size, which is 'auto' here"),
+    ("eval:\n  batches: 8\n  windows: 32\n", "eval.batches and eval.windows are both given"),
+])
+def test_old_eval_batches_that_cannot_be_read_as_before_is_refused(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "old.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message) as refused:
+        load_config(path)
+    assert "\n" not in str(refused.value) and "eval.windows" in str(refused.value)

@@ -67,7 +67,7 @@ def config(root: Path, **train: Any) -> Config:
         "model": {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16},
         "train": {"max_steps": 6, "micro_batch_size": 2, "grad_accum_steps": 2, "warmup_steps": 0,
                   "log_every_steps": 1, **train},
-        "eval": {"every_steps": 100, "batches": 2, "sample_prompt": None},
+        "eval": {"every_steps": 100, "windows": 2, "sample_prompt": None},
         "checkpoint": {"every_steps": 1, "keep_last": 10, "async_save": False},
         "track": {"console": False},
     })

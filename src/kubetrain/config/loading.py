@@ -6,6 +6,9 @@ import copy
 import difflib
 import hashlib
 import json
+import os
+import sys
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from types import UnionType
@@ -20,6 +23,9 @@ from kubetrain.errors import ConfigError
 from kubetrain.files import special_kind
 
 DEFAULT_PRESET = "tiny"
+# eval.windows's old name: it counted micro-batches of train.micro_batch_size windows, so a config that says it is
+# read as that many windows (old_eval_batches), and `best` compares the same eval set across the upgrade
+OLD_EVAL_SIZE, EVAL_SIZE = "batches", "windows"
 
 
 def preset_names() -> list[str]:
@@ -90,7 +96,7 @@ def load_config(
         apply_override(raw, item)
     source = str(path) if path else f"preset '{preset or DEFAULT_PRESET}'"
     try:
-        cfg = Config.model_validate(raw)
+        cfg = Config.model_validate(old_eval_batches(raw, source))
     except ValidationError as e:
         blamed = _set_that_made(e, overrides)
         problem = describe_error(e)
@@ -114,13 +120,15 @@ def phase_config(cfg: Config, index: int) -> Config:
     raw["phases"] = []
     for name, patch in (("data", ph.data), ("train", ph.train), ("eval", ph.eval)):
         if patch:
+            if name == "eval" and OLD_EVAL_SIZE in patch:  # the phase sizes its own eval set, under the old name
+                raw[name].pop(EVAL_SIZE, None)
             raw[name] = _deep_merge(raw.get(name) or {}, patch)
     return validate(raw, source=f"phase '{ph.name}'")
 
 
 def validate(raw: dict[str, Any], source: str = "config") -> Config:
     try:
-        return Config.model_validate(raw)
+        return Config.model_validate(old_eval_batches(raw, source))
     except ValidationError as e:
         raise ConfigError(f"{source}: {describe_error(e)}") from None
 
@@ -135,6 +143,50 @@ def _set_that_made(e: ValidationError, overrides: list[str] | tuple[str, ...]) -
         if loc and parts[: len(loc)] == loc:
             return f"--set {'.'.join(parts)}"  # the key only: a value may hold a secret
     return None
+
+
+_warned: set[str] = set()
+
+
+def _says_config_warnings(environ: Mapping[str, str]) -> bool:
+    """One line per job: a worker other than rank 0 stays quiet, and so does rank 0 under kubetrain's launcher
+    (KUBETRAIN_LAUNCHER_PID, train/heartbeat.py), which read the same config and said it already."""
+    rank = environ.get("RANK")
+    return rank is None or (rank == "0" and not environ.get("KUBETRAIN_LAUNCHER_PID"))
+
+
+def old_eval_batches(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """`eval.batches: N` read as what it meant: eval.windows N x train.micro_batch_size, said once per process.
+
+    Refused (one line) where that number is unknown: with micro_batch_size auto, or with eval.windows given too."""
+    section = raw.get("eval")
+    if not isinstance(section, dict) or OLD_EVAL_SIZE not in section:
+        return raw
+    if EVAL_SIZE in section:
+        raise ConfigError(f"{source}: eval.batches and eval.windows are both given; eval.windows replaces "
+                          "eval.batches (which counted micro-batches): keep eval.windows only")
+    batches = section[OLD_EVAL_SIZE]
+    train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+    micro = (train or {}).get("micro_batch_size", Config().train.micro_batch_size)
+    if isinstance(micro, str) and micro.strip().isdigit():  # --set keeps text where the field also takes `auto`
+        micro = int(micro)
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        raise ConfigError(f"{source}: eval.batches is now eval.windows (windows per evaluation); "
+                          f"write eval.windows instead (got eval.batches: {batches!r})")
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
+        raise ConfigError(f"{source}: eval.batches counted micro-batches of train.micro_batch_size, which is "
+                          f"{micro!r} here, so the windows it evaluated are not known: write eval.windows (windows "
+                          "per evaluation) instead")
+    windows = batches * micro
+    message = (f"warning: {source}: eval.batches is now eval.windows and counts windows, not micro-batches: "
+               f"eval.batches: {batches} x train.micro_batch_size {micro} is read as eval.windows: {windows}, "
+               "the windows it evaluated before")
+    if message not in _warned and _says_config_warnings(os.environ):
+        _warned.add(message)
+        print(message, file=sys.stderr, flush=True)
+    eval_section = {k: v for k, v in section.items() if k != OLD_EVAL_SIZE}
+    eval_section[EVAL_SIZE] = windows
+    return {**raw, "eval": eval_section}
 
 
 def describe_error(e: ValidationError) -> str:
@@ -244,6 +296,14 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
+    if parts[0] == "eval" and parts[1:] in ([OLD_EVAL_SIZE], [EVAL_SIZE]):
+        # a size given here replaces the file's under either name; the old one is read by old_eval_batches
+        section = raw.get("eval") if isinstance(raw.get("eval"), dict) else None
+        if section is not None:
+            section.pop(EVAL_SIZE if parts[1] == OLD_EVAL_SIZE else OLD_EVAL_SIZE, None)
+        if parts[1] == OLD_EVAL_SIZE:
+            raw["eval"] = {**(section or {}), OLD_EVAL_SIZE: value}
+            return
     node: Any = raw
     model: Any = Config
     annotation: Any = None  # the type of the key being set, when the schema knows it

@@ -238,10 +238,12 @@ class TrainConfig(Section):
 
 class EvalConfig(Section):
     every_steps: int = Field(50, ge=1, description="Steps between evaluations (validation loss, sample).")
-    batches: int = Field(
+    windows: int = Field(
         128, ge=1, description="Validation windows (sequences of model.block_size tokens) per evaluation, over all "
         "ranks together: the first ones of the validation split, the same windows and the same token-weighted loss "
-        "at any world size and micro-batch (train.micro_batch_size only sets how many go through one forward)."
+        "at any world size and micro-batch (train.micro_batch_size only sets how many go through one forward). "
+        "Formerly eval.batches, which counted micro-batches: a config that still says eval.batches: N is read as "
+        "N x train.micro_batch_size windows, the set it evaluated before, with one warning."
     )
     sample_prompt: str | None = Field(
         "And God said", min_length=1,

@@ -426,7 +426,7 @@ class Trainer:
         if self.val_windows is None:
             return False
         cfg, state = self.cfg, self.state
-        val = evaluate(self.model, self.val_windows, cfg.train.micro_batch, cfg.eval.batches, self.device,
+        val = evaluate(self.model, self.val_windows, cfg.train.micro_batch, cfg.eval.windows, self.device,
                        self.amp, self.penv.rank, self.penv.world_size, self.loss_of)
         state.last_val_loss, self.evaluated_step = val, state.step
         improved = state.best_val_loss is None or val < state.best_val_loss

@@ -358,7 +358,7 @@ def test_follow_leaves_a_stalled_stream_for_the_pod_that_replaced_it(tmp_path: P
 
 def test_follow_prints_each_pod_once_and_never_goes_back_to_a_pod_it_left(
         tmp_path: Path, apiserver: Any, cli: Cli) -> None:
-    """Issue 43: rank 0's pod stops after a checkpoint (exit 75: the Job keeps it, and replaces it), then its
+    """Rank 0's pod stops after a checkpoint (exit 75: the Job keeps it, and replaces it), then its
     replacement is deleted. Until the controller makes the next pod, the kept pod was the rank's newest again:
     `logs -f` said it replaced the deleted one and printed its lines a second time."""
     first, follower = following_one_rank(tmp_path, apiserver, cli, "step 1/8\n")
@@ -407,8 +407,8 @@ def test_a_pod_whose_worker_has_another_global_rank_says_both_once(tmp_path: Pat
 
 def test_a_reader_that_fails_on_an_unexpected_error_is_reported_not_dropped(
         tmp_path: Path, apiserver: Any, cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 40: a rank's reader caught only KubetrainError; any other exception ended its thread, and `logs`
-    printed the other ranks and exited 0 as if the rank had nothing to say. Injected: rank 1's pod check raises."""
+    """A rank's reader that caught only KubetrainError would let any other exception end its thread, and `logs`
+    would print the other ranks and exit 0 as if the rank had nothing to say. Injected: rank 1's pod check raises."""
     from kubetrain.k8s.cluster import logs
 
     kubeconfig = apiserver.kubeconfig(tmp_path)

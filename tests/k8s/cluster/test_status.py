@@ -377,8 +377,8 @@ def test_a_pod_that_exited_with_a_code_and_one_that_cannot_pull_its_image_are_na
 @pytest.mark.parametrize("code", [69, 75])
 def test_a_pod_the_failure_policy_ignores_is_no_earlier_failure(
         tmp_path: Path, apiserver: Any, cli: Cli, code: int) -> None:
-    """Issue 43: the rendered podFailurePolicy ignores a pod that lost its rendezvous host (69) or stopped after its
-    checkpoint (75), so the Job does not count them against backoffLimit; status counted them as failed pods."""
+    """The rendered podFailurePolicy ignores a pod that lost its rendezvous host (69) or stopped after its
+    checkpoint (75), so the Job does not count them against backoffLimit; status must not count them as failed pods."""
     kubeconfig = apiserver.kubeconfig(tmp_path)
     launch(cli, kubeconfig)
     first = apiserver.pod("tiny", 0)
@@ -396,7 +396,7 @@ def test_a_pod_the_failure_policy_ignores_is_no_earlier_failure(
 
 def test_after_a_restart_in_the_pod_the_step_is_the_resumed_one_without_the_old_eta(
         tmp_path: Path, apiserver: Any, cli: Cli) -> None:
-    """Issue 43: the hang at step 90 ended the workers, which resumed from step 50 in the same pod; the last
+    """The hang at step 90 ended the workers, which resumed from step 50 in the same pod; the last
     progress line (step 90, its rate and ETA) is from before: the run is at step 50 until it logs a step again."""
     kubeconfig = apiserver.kubeconfig(tmp_path)
     launch(cli, kubeconfig)
