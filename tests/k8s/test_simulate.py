@@ -17,7 +17,7 @@ import yaml
 from kubetrain.config import load_config
 from kubetrain.config.k8s import WORKLOADS
 from kubetrain.k8s.pod.node import node_env
-from kubetrain.k8s.simulate import Simulation
+from kubetrain.k8s.simulate.simulation import Simulation
 
 # A tiny run: 2 layers x 32 wide, 1 thread per process, no samples, cheap evals.
 TINY = [
@@ -241,7 +241,7 @@ def test_a_rank_stopped_after_an_elastic_restart_is_named_by_its_pod(tmp_path: P
     import os
     import signal
 
-    from kubetrain.k8s.simulate import _descendants
+    from kubetrain.k8s.simulate.simulation import _descendants
     from kubetrain.runs.incidents import read_all
     from tests.launch.test_watch import _beat_of
     from tests.train.conftest import rank_of

@@ -149,7 +149,7 @@ def test_healthz_judges_the_workers_heartbeats_by_the_liveness_clock(tmp_path: P
     collective timeout applies."""
     from kubetrain.config import load_config
     from kubetrain.config.clocks import derive
-    from kubetrain.k8s.simulate import http_probe
+    from kubetrain.k8s.simulate.kubelet import http_probe
     from kubetrain.launch.watch import HangWatch, launcher_metrics
 
     liveness = derive(load_config(None, "tiny", ["dist.hang_timeout_seconds=8"])).liveness

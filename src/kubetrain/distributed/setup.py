@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 
 import torch
 import torch.distributed as td
@@ -140,12 +139,3 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
         td.all_reduce(value, op=td.ReduceOp.SUM)
     return value
 
-
-def local_device(requested: str) -> torch.device:
-    """The device for this process: cuda:LOCAL_RANK under a launcher, else the first one available."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
-    if requested == "mps" or (requested == "auto" and torch.backends.mps.is_available()):
-        return torch.device("mps")
-    return torch.device("cpu")

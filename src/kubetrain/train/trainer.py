@@ -43,10 +43,11 @@ from kubetrain.train.device import (
 )
 from kubetrain.train.evaluate import evaluate, perplexity
 from kubetrain.train.heartbeat import Heartbeat
+from kubetrain.train.launch_plan import plan_worker
 from kubetrain.train.loss import loss_step
 from kubetrain.train.loss_window import LossWindow
-from kubetrain.train.memory_check import check_memory, report_peak
-from kubetrain.train.micro_batch import MicroBatchChoice, confirm_on_model, resolve_here
+from kubetrain.train.memory_check import report_peak
+from kubetrain.train.micro_batch import MicroBatchChoice, confirm_on_model
 from kubetrain.train.model_for_world import build_model_for_world
 from kubetrain.train.nonfinite import NonFiniteGuard
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
@@ -72,6 +73,7 @@ class RunOptions:
     init_optimizer: bool = False
     phase: str | None = None
     micro_batch: MicroBatchChoice | None = None  # micro_batch_size auto: the estimate's choice; setup confirms it
+    device: torch.device | None = None  # the launch plan's (None: chosen here, for a Trainer made on its own)
 
 
 def train(cfg: Config, *, log: Log | None = None, **options: Any) -> TrainResult:
@@ -79,9 +81,9 @@ def train(cfg: Config, *, log: Log | None = None, **options: Any) -> TrainResult
 
     Under a launcher this joins the process group; the caller tears it down (phases share one group).
     """
-    cfg, auto = resolve_here(cfg)  # micro_batch_size auto -> an int, grad_accum_steps from global_batch_size
-    check_memory(cfg)  # before the model is built: this process's share (a launcher checked its workers' total)
-    return Trainer(cfg, RunOptions(**options, micro_batch=auto), log=log).run()
+    plan = plan_worker(cfg)  # the device, this process's place, micro_batch_size auto -> an int, the memory verdict
+    plan.refuse_what_does_not_fit()  # before the model is built: this process's share (a launcher checked the node)
+    return Trainer(plan.cfg, RunOptions(**options, micro_batch=plan.micro_batch, device=plan.device), log=log).run()
 
 
 class Trainer:
@@ -110,7 +112,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, opts: RunOptions | None = None, log: Log | None = None) -> None:
         self.cfg, self.opts = cfg, opts or RunOptions()
-        self.device = select_device(cfg.run.device)
+        self.device = self.opts.device if self.opts.device is not None else select_device(cfg.run.device)
         self.torch_settings = apply_torch_settings(cfg, self.device)  # before the first CUDA kernel
         self.penv = dist.init(cfg.dist, self.device)
         self.main = self.penv.is_main

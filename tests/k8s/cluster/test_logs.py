@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kubetrain.k8s.cluster.api import connect
+from kubetrain.k8s.cluster.connect import connect
 from kubetrain.k8s.cluster.logs import stream_logs
 from kubetrain.k8s.cluster.outage import GaveUp, Patience
 

@@ -18,7 +18,7 @@ from kubetrain.config import load_config
 from kubetrain.errors import UserInputError
 from kubetrain.k8s.pod import entrypoint
 from kubetrain.k8s.pod.node import NodeEnv
-from kubetrain.k8s.simulate import Simulation
+from kubetrain.k8s.simulate.simulation import Simulation
 
 
 def node(rank: int) -> NodeEnv:

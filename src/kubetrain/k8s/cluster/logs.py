@@ -39,7 +39,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kubetrain.errors import KubetrainError
-from kubetrain.k8s.cluster.api import Cluster, ClusterError, NotFound, StreamBroken
+from kubetrain.k8s.cluster.api import Cluster
+from kubetrain.k8s.cluster.api_errors import ClusterError, NotFound, StreamBroken
 from kubetrain.k8s.cluster.outage import GaveUp, Outage, Patience, unreachable
 from kubetrain.k8s.cluster.status import Rank, job_ranks, log_time, main_container, waiting_reason
 from kubetrain.k8s.cluster.waiting import expected_ranks, why_waiting, workload_object

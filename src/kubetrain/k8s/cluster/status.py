@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-from kubetrain.k8s.cluster.api import Cluster, ClusterError
+from kubetrain.k8s.cluster.api import Cluster
+from kubetrain.k8s.cluster.api_errors import ClusterError
 from kubetrain.k8s.cluster.failures import last_failure, oom_advice, oom_incident
 from kubetrain.k8s.cluster.preflight_lines import preflight_from_logs, preflight_text
 from kubetrain.k8s.cluster.waiting import Waiting, expected_ranks, workload_object
