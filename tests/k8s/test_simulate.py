@@ -95,6 +95,26 @@ def test_a_claim_bound_to_a_local_folder_and_an_input_on_an_unbound_claim(tmp_pa
     assert "--volume data=PATH" in done.stderr
 
 
+def test_a_volume_bound_twice_or_badly_is_refused_in_the_users_own_words(tmp_path: Path) -> None:
+    """`--volume corpora=A --volume corpora=B` let the last win silently; a bad folder for `corpora` was named
+    `data` (the volume's name, not the one the user typed)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    base = ["k8s", "simulate", "--root", str(tmp_path / "cli"), *[a for item in TINY for a in ("--set", item)],
+            "--set", 'k8s.volumes.data={"claim": "corpora", "read_only": true}']
+    for extra, message in (
+        (["--volume", f"corpora={tmp_path / 'a'}", "--volume", f"corpora={tmp_path / 'b'}"],
+         f"--volume corpora is given twice ({tmp_path / 'a'} and {tmp_path / 'b'})"),
+        (["--volume", f"corpora={tmp_path / 'missing'}"], f"--volume corpora={tmp_path / 'missing'}: not a folder"),
+        (["--volume", f"data={tmp_path / 'a'}", "--volume", f"corpora={tmp_path / 'b'}"],
+         "bind the same claim to two folders"),
+    ):
+        done = subprocess.run([sys.executable, "-m", "kubetrain", *base, *extra], capture_output=True, text=True,
+                              check=False)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert message in done.stderr, done.stderr
+
+
 def finished_meta(s: Simulation) -> dict[str, Any]:
     meta: dict[str, Any] = json.loads((s.root / "volumes" / "checkpoints" / "tiny" / "meta.json").read_text())
     return meta

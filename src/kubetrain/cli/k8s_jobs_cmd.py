@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from kubetrain.cli.k8s_options import ContextOpt, KubeconfigOpt, NamespaceOpt, cluster_for
-from kubetrain.cli.options import JsonOpt
+from kubetrain.cli.options import JsonOpt, positive_seconds
 from kubetrain.errors import UserInputError
 
 
@@ -41,13 +41,14 @@ def logs(
     rank: Annotated[int | None, typer.Option("--rank", help="Only this node rank.")] = None,
     tail: Annotated[int | None, typer.Option("--tail", help="Only the last N lines of each pod.")] = None,
     give_up_after: Annotated[float, typer.Option(
-        "--give-up-after", help="With -f: seconds the API server may answer nothing before the follow gives up "
+        "--give-up-after", callback=positive_seconds("--give-up-after"),
+        help="With -f: seconds the API server may answer nothing before the follow gives up "
         "(exit 1); failed requests are retried until then.")] = 600.0,
     namespace: NamespaceOpt = None,
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
 ) -> None:
-    """Every rank's log, interleaved as it arrives, prefixed with the rank.
+    """Every pod's log, interleaved as it arrives, prefixed with the pod (and a worker's rank).
 
     With -f, ranks whose pod is not scheduled or still starting are waited for, a rank is followed into
     the pod that replaces a failed one, and the command ends when the job has ended (exit 1 when it failed).

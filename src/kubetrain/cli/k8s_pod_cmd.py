@@ -35,6 +35,8 @@ def simulate(
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise UserInputError(f"--volume must be NAME=PATH, got '{item}'")
+        if name in bound:  # the last would win without a word: which folder did the user mean?
+            raise UserInputError(f"--volume {name} is given twice ({bound[name]} and {path}): bind each claim once")
         bound[name] = Path(path).expanduser()
     sim = Simulation(load(config, preset, set_), root, checked_workload(workload), volumes=bound)
     typer.echo(f"simulating {sim.kind} '{sim.name}': {len(sim.pods)} pods under {sim.root}")

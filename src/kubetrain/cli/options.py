@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, TypeVar
@@ -38,6 +39,17 @@ def at_least(low: float, flag: str) -> Callable[[Number | None], Number | None]:
     def check(value: Number | None) -> Number | None:
         if value is not None and value < low:
             raise UserInputError(f"{flag}: must be at least {low:g}, got {value:g}")
+        return value
+
+    return check
+
+
+def positive_seconds(flag: str) -> Callable[[float | None], float | None]:
+    """An option callback: seconds above 0 and finite (`nan` compares false with everything: it never gave up)."""
+
+    def check(value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UserInputError(f"{flag}: seconds above 0, got {value:g}")
         return value
 
     return check

@@ -428,3 +428,11 @@ def test_a_reader_that_fails_on_an_unexpected_error_is_reported_not_dropped(
     with pytest.raises(logs.ReaderFailed, match="rank 1: reading its log failed: ValueError: an answer"):
         stream_logs(connect(kubeconfig), "tiny", "ml", emit=printed.append)
     assert printed == ["[pod 0] step 1/8"]
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
+def test_give_up_after_is_a_positive_finite_number_of_seconds(value: str, run_main: Any) -> None:
+    """nan was accepted and never gave up (every comparison with it is false); 0 and -1 gave up at once."""
+    code, out, err = run_main("k8s", "logs", "tiny", "-f", "--give-up-after", value)
+    assert code == 2 and out == "", out
+    assert err == f"error: --give-up-after: seconds above 0, got {float(value):g}\n"

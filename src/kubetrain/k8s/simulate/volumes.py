@@ -64,9 +64,13 @@ def shared_mounts(workload_obj: dict[str, Any], bound: dict[str, Path], root: Pa
     mounts: dict[str, Path] = {}
     folders: dict[str, Path] = {}
     for volume, claim, mount_path in found:
-        given = bound.get(volume) or bound.get(claim)
+        named = [n for n in dict.fromkeys((volume, claim)) if n in bound]  # the name the user typed
+        if len(named) > 1 and bound[volume] != bound[claim]:
+            raise UserInputError(f"--volume {volume}=... and --volume {claim}=... bind the same claim to two folders "
+                                 f"({bound[volume]}, {bound[claim]}): bind it once")
+        given = bound[named[0]] if named else None
         if given is not None and not given.is_dir():
-            raise UserInputError(f"--volume {volume}={given}: not a folder")
+            raise UserInputError(f"--volume {named[0]}={given}: not a folder")
         folder = folders.setdefault(claim, given or root / "volumes" / volume)
         folder.mkdir(parents=True, exist_ok=True)
         mounts[mount_path] = folder
@@ -89,10 +93,11 @@ def check_inputs(objects: list[dict[str, Any]], bound: dict[str, Path], shared: 
             if not any(Path("/").glob(local.lstrip("/"))) and not Path(local).exists():
                 where = ("the folder bound to it" if volume in bound or claim in bound
                          else "an empty folder of the simulation")
+                name = claim if claim in bound and volume not in bound else volume  # as the user bound it
                 raise UserInputError(
                     f"{key} ({value}) is on the claim '{claim}' (volume {volume}, mounted at {mount_path}), "
                     f"which the simulation maps to {where} ({shared[mount_path]}), where it is not found: "
-                    f"bind a local folder holding it with --volume {volume}=PATH")
+                    f"bind a local folder holding it with --volume {name}=PATH")
 
 
 def write_config(objects: list[dict[str, Any]], cfg: Config, folder: Path, mounts: dict[str, Path],
