@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from kubetrain.k8s.cluster.api import RESOURCES
-from tests.k8s import waiting_fakes
+from tests.k8s import admission, waiting_fakes
 from tests.k8s.controllers import KINDS, Controllers, _path_of
 
 RESPONSES = Path(__file__).parent / "responses"
@@ -76,7 +76,8 @@ class ApiServer(Controllers):
     """
 
     def __init__(self) -> None:
-        self.objects: dict[str, dict[str, Any]] = {}
+        self.objects: dict[str, dict[str, Any]] = {f"/api/v1/namespaces/{ns}": admission.namespace(ns)
+                                                   for ns in admission.SYSTEM_NAMESPACES}
         self.logs: dict[str, str] = {}  # pod name -> what its container wrote
         self.previous_logs: dict[str, str] = {}  # pod name -> what its container's previous instance wrote
         self.log_stamps: dict[str, list[int]] = {}  # pod name -> when each line of its log was taken (ns)
@@ -128,6 +129,8 @@ class ApiServer(Controllers):
         return obj
 
     def kubeconfig(self, folder: Path, namespace: str = "ml") -> Path:
+        """A kubeconfig whose context names `namespace`, which exists (a user's context names one they work in)."""
+        self.objects.setdefault(f"/api/v1/namespaces/{namespace}", admission.namespace(namespace))
         path = folder / "kubeconfig"
         path.write_text(yaml.safe_dump({
             "apiVersion": "v1", "kind": "Config", "current-context": "test",
@@ -356,6 +359,10 @@ class ApiServer(Controllers):
                                      name=name, group="batch", kind="Job",
                                      causes=[{"reason": "FieldValueInvalid", "message": message,
                                               "field": "spec.template"}]))
+        missing = admission.missing_namespace(self.objects, obj, getattr(KINDS.get(kind), "namespaced", True)) if old is None else None
+        if missing:
+            return _json(404, status(404, "NotFound", f'namespaces "{missing}" not found', name=missing,
+                                     kind="namespaces"))
         new = copy.deepcopy(obj)
         meta = new["metadata"]
         queued = self.kueue and kind == "Job" and waiting_fakes.QUEUE_LABEL in (meta.get("labels") or {})

@@ -26,7 +26,9 @@ import yaml
 
 from kubetrain import __version__
 from kubetrain.errors import UserInputError
+from kubetrain.k8s.render.context import CONFIG_FILE
 from kubetrain.k8s.render.manifest import to_yaml
+from kubetrain.k8s.render.spec_hash import LENGTH as HASH_LENGTH
 from kubetrain.k8s.workloads import SPEC_HASH
 
 Objects = list[dict[str, Any]]
@@ -192,7 +194,7 @@ def _templates(objects: Objects, substitutions: dict[FieldPath, Any]) -> dict[tu
 
     for obj in marked:
         for meta in _hashed(obj):
-            meta["annotations"][SPEC_HASH] = mark('{{ include "kubetrain.specHash" . | toJson }}')
+            meta["annotations"][SPEC_HASH] = mark("{{ toJson .specHash }}")  # see _hashed_objects
     for path, expr in substitutions.items():
         if isinstance(expr, dict):
             _set(marked, path, _marked_text(_get(objects, path), expr, mark))
@@ -301,9 +303,9 @@ def _values_tree(values: list[Value]) -> dict[str, Any]:
     return out
 
 
-def _helpers(values: dict[str, Any], spec_hash: str | None) -> str:
+def _helpers(values: dict[str, Any]) -> str:
     defaults = yaml.safe_dump(values, sort_keys=False) if values else "{}\n"
-    text = HEADER + (
+    return HEADER + (
         '{{- /* The chart\'s default values (values.yaml): fields keep the render\'s exact text under them. */ -}}\n'
         '{{- define "kubetrain.defaults" }}\n' + defaults + "{{- end }}\n"
         '{{- /* A scalar in the config text: as rendered under the default, else as JSON (which YAML reads). */ -}}\n'
@@ -311,16 +313,37 @@ def _helpers(values: dict[str, Any], spec_hash: str | None) -> str:
         "{{- if eq (toJson (index . 0)) (toJson (index . 1)) }}{{ index . 2 }}{{ else }}{{ toJson (index . 0) }}"
         "{{ end }}\n{{- end }}\n"
     )
-    if spec_hash:
-        text += (
-            "{{- /* kubetrain.dev/spec-hash: the render's under the default values, else one of those and the values"
-            " (launch reads it to tell an unchanged relaunch). */ -}}\n"
-            '{{- define "kubetrain.specHash" -}}\n'
-            '{{- if eq (toJson .Values) (toJson (include "kubetrain.defaults" . | fromYaml)) }}' + spec_hash +
-            "{{ else }}{{ print " + json.dumps(spec_hash) + " (toJson .Values) | sha256sum | trunc 16 }}{{ end }}\n"
-            "{{- end }}\n"
-        )
-    return text
+
+
+def _hashed_objects(templates: list[tuple[str, str]], objects: Objects) -> tuple[str, list[tuple[str, str]]]:
+    """The spec hash of spec_hash.py computed in the chart, and the templates that write it.
+
+    Each object becomes a named template of the values, the release and the hash; the hash renders them all with
+    it empty, reads the config text of the ConfigMap as data, and hashes Go's JSON of the list (toJson), as
+    spec_hash.spec_hash does in Python. So an install writes the hash `k8s render` gives for the same values.
+    """
+    names = [f"kubetrain.object.{i:02d}" for i in range(len(templates))]
+    configs = [i for i, o in enumerate(objects) if o["kind"] == "ConfigMap" and CONFIG_FILE in (o.get("data") or {})]
+    helper = (
+        "{{- /* kubetrain.dev/spec-hash: src/kubetrain/k8s/render/spec_hash.py, in the chart's terms. */ -}}\n"
+        '{{- define "kubetrain.specHash" -}}\n'
+        '{{- $context := dict "Values" .Values "Release" .Release "specHash" "" -}}\n'
+        "{{- $objects := list -}}\n"
+        "{{- range $name := list " + " ".join(json.dumps(n) for n in names) + " -}}\n"
+        "{{- $objects = append $objects (include $name $context | fromYaml) -}}\n"
+        "{{- end -}}\n"
+        + "".join(f"{{{{- $config := index $objects {i} -}}}}\n"
+                  f"{{{{- $_ := set $config.data {json.dumps(CONFIG_FILE)} "
+                  f"(index $config.data {json.dumps(CONFIG_FILE)} | fromYaml) -}}}}\n" for i in configs)
+        + f"{{{{- toJson $objects | sha256sum | trunc {HASH_LENGTH} -}}}}\n"
+        "{{- end }}\n"
+    )
+    out = []
+    for name, (stem, text) in zip(names, templates, strict=True):
+        out.append((stem, f'{{{{- define "{name}" }}}}\n{text}{{{{- end }}}}\n'
+                          f'{{{{- include "{name}" (dict "Values" .Values "Release" .Release '
+                          '"specHash" (include "kubetrain.specHash" .)) }}\n'))
+    return helper, out
 
 
 def write_chart(folder: Path, *, name: str, description: str, variants: list[Variant], notes_txt: str,
@@ -338,19 +361,24 @@ def write_chart(folder: Path, *, name: str, description: str, variants: list[Var
     values = [v for variant in variants for v in variant.lifted]
     values = [v for i, v in enumerate(values) if v.key not in {w.key for w in values[:i]}]
     tree = _values_tree(values)
-    spec_hashes = {m["annotations"][SPEC_HASH] for v in variants for o in v.objects for m in _hashed(o)}
+    hashed = any(True for v in variants for o in v.objects for _ in _hashed(o))
+    templates = merge(variants)
+    helpers = _helpers(tree)
+    if hashed:  # a job's chart: one variant, no choices
+        helper, templates = _hashed_objects(templates, variants[0].objects)
+        helpers += helper
     chart = {"apiVersion": "v2", "name": name, "description": description, "type": "application",
              "version": __version__, "appVersion": __version__}
     files = {
         chart_file: HEADER + yaml.safe_dump(chart, sort_keys=False),
         folder / "values.yaml": HEADER + (yaml.safe_dump(tree, sort_keys=False) if tree else "{}\n"),
         folder / "values.schema.json": json.dumps(_schema_of(values), indent=2) + "\n",
-        folder / "templates" / "_helpers.tpl": _helpers(tree, next(iter(spec_hashes), None)),
+        folder / "templates" / "_helpers.tpl": helpers,
         folder / "templates" / "NOTES.txt": notes_txt,
     }
     for env, overrides in (environments or {}).items():
         files[folder / f"values-{env}.yaml"] = HEADER + yaml.safe_dump(overrides, sort_keys=False)
-    for i, (stem, text) in enumerate(merge(variants)):
+    for i, (stem, text) in enumerate(templates):
         files[folder / "templates" / f"{i:02d}-{stem}.yaml"] = HEADER + text
     for path, text in files.items():
         path.write_text(text, encoding="utf-8")

@@ -89,10 +89,10 @@ def job_chart(cfg: Config, objects: list[dict[str, Any]], folder: Path, workload
     lift(variant, notes)
     name = job_name(cfg)
     namespace = objects[0]["metadata"]["namespace"]
-    notes_txt = (f"kubetrain job {name} ({objects[-1]['kind']}) in {{{{ .Values.namespace | default "
-                 ".Release.Namespace }}}}:\n"
-                 f"  kubetrain k8s status {name} -n {{{{ .Values.namespace | default .Release.Namespace }}}}\n"
-                 f"  kubetrain k8s logs {name} -f -n {{{{ .Values.namespace | default .Release.Namespace }}}}\n")
+    where = "{{ .Values.namespace | default .Release.Namespace }}"
+    notes_txt = (f"kubetrain job {name} ({objects[-1]['kind']}) in {where}:\n"
+                 f"  kubetrain k8s status {name} -n {where}\n"
+                 f"  kubetrain k8s logs {name} -f -n {where}\n")
     files = write_chart(folder, name=name, description=f"kubetrain training job {name} (namespace {namespace} by "
                         "default), rendered by `kubetrain k8s render --format helm`", variants=[variant],
                         notes_txt=notes_txt)
