@@ -17,6 +17,7 @@ mlflow:
     secretName: kubetrain-mlflow-auth
 monitoring:
   interval: 30s
+  dashboardNamespace: monitoring
 {{- end }}
 {{- /* A scalar in the config text: as rendered under the default, else as JSON (which YAML reads). */ -}}
 {{- define "kubetrain.scalar" -}}

@@ -79,6 +79,9 @@ def _values(cfg: PlatformConfig) -> list[Value]:
     if cfg.monitoring.enabled:
         out.append(value("monitoring.interval", "monitoring.interval", "7331s",
                          {"type": "string", "pattern": r"^[0-9]+(ms|s|m|h)$"}))
+        if cfg.monitoring.dashboard_namespace:  # another namespace than the platform's: it must exist
+            out.append(value("monitoring.dashboardNamespace", "monitoring.dashboard_namespace", "kthelm-dashboards",
+                             {"type": "string", "pattern": DNS_LABEL, "maxLength": 63}))
     return out
 
 
@@ -135,6 +138,10 @@ def platform_chart(cfg: PlatformConfig, folder: Path) -> tuple[list[Path], list[
     notes_txt = ("kubetrain platform {{ .Release.Name }} in {{ .Values.namespace | default .Release.Namespace }}.\n"
                  "Jobs log to MLflow with track.mlflow.tracking_uri: http://" + f"{cfg.name}-mlflow." +
                  "{{ .Values.namespace | default .Release.Namespace }}:" + f"{cfg.mlflow.port}\n")
+    if cfg.monitoring.enabled and cfg.monitoring.dashboard_namespace:
+        notes_txt += ("The Grafana dashboard is the ConfigMap " + f"{cfg.name}-dashboard" + " in namespace "
+                      "{{ .Values.monitoring.dashboardNamespace }} (which the install needed to exist; Grafana's "
+                      "sidecar must watch it).\n")
     files = write_chart(folder, name=f"{cfg.name}-platform", description="kubetrain's platform of one namespace: "
                         "MLflow on PostgreSQL, PodMonitor, alert rules, the Grafana dashboard",
                         variants=variants, notes_txt=notes_txt, environments=environments)

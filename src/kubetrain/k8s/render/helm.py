@@ -347,8 +347,11 @@ def _hashed_objects(templates: list[tuple[str, str]], objects: Objects) -> tuple
 
 
 def write_chart(folder: Path, *, name: str, description: str, variants: list[Variant], notes_txt: str,
-                environments: dict[str, dict[str, Any]] | None = None) -> list[Path]:
-    """Write Chart.yaml, values.yaml, values.schema.json, the templates (and values-ENV.yaml files)."""
+                environments: dict[str, dict[str, Any]] | None = None, checks: str = "") -> list[Path]:
+    """Write Chart.yaml, values.yaml, values.schema.json, the templates (and values-ENV.yaml files).
+
+    `checks`: template text that renders nothing, or fails the install with its message (templates/checks.yaml).
+    """
     if folder.exists() and not folder.is_dir():
         raise UserInputError(f"-o {folder}: that is a file; name a folder for the chart")
     chart_file = folder / "Chart.yaml"
@@ -376,6 +379,8 @@ def write_chart(folder: Path, *, name: str, description: str, variants: list[Var
         folder / "templates" / "_helpers.tpl": helpers,
         folder / "templates" / "NOTES.txt": notes_txt,
     }
+    if checks:
+        files[folder / "templates" / "checks.yaml"] = HEADER + checks
     for env, overrides in (environments or {}).items():
         files[folder / f"values-{env}.yaml"] = HEADER + yaml.safe_dump(overrides, sort_keys=False)
     for i, (stem, text) in enumerate(templates):

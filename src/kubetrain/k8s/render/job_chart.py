@@ -9,6 +9,7 @@ installed.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from kubetrain.k8s.render.grace import MeasuredSave
 from kubetrain.k8s.render.helm import Value, Variant, lift, write_chart
 from kubetrain.k8s.render.manifest import render
 from kubetrain.k8s.render.podspec import image
+from kubetrain.k8s.workloads import SPEC_HASH
 
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -93,7 +95,40 @@ def job_chart(cfg: Config, objects: list[dict[str, Any]], folder: Path, workload
     notes_txt = (f"kubetrain job {name} ({objects[-1]['kind']}) in {where}:\n"
                  f"  kubetrain k8s status {name} -n {where}\n"
                  f"  kubetrain k8s logs {name} -f -n {where}\n")
+    lifted = {v.key for v in variant.lifted}
+    namespace_expr = "(.Values.namespace | default .Release.Namespace)" if "namespace" in lifted else json.dumps(
+        namespace)
     files = write_chart(folder, name=name, description=f"kubetrain training job {name} (namespace {namespace} by "
                         "default), rendered by `kubetrain k8s render --format helm`", variants=[variant],
-                        notes_txt=notes_txt)
+                        notes_txt=notes_txt, checks=upgrade_check(objects[-1], namespace_expr))
     return files, notes
+
+
+def upgrade_check(workload: dict[str, Any], namespace: str) -> str:
+    """Template text that fails `helm upgrade` of a job running with another spec, before anything is applied.
+
+    Helm applies by kind, the ConfigMap before the workload: the API server would refuse the workload (a Job's
+    pod template is immutable; JobSet and TrainJob refuse changes to their replicated Jobs too) after the ConfigMap
+    took the new config, and the running pods would disagree with it. `launch` asks the server first (a dry run of
+    every object); a chart can ask only before it renders: `lookup` of the workload, whose spec hash says whether
+    these values are what runs. A StatefulSet takes a new pod template (it replaces its pods), so it is let through.
+    """
+    kind, name = workload["kind"], workload["metadata"]["name"]
+    if kind == "StatefulSet":
+        return ""
+    message = (f"{kind.lower()}/{name} exists with another spec (spec-hash %s; these values give %s), and its pod "
+               "template cannot change (field is immutable); nothing was changed. "
+               f"`kubetrain k8s stop {name} -n %s` first (claims and checkpoints stay, the run resumes), then upgrade")
+    annotation = f'index ($running.metadata.annotations | default dict) {json.dumps(SPEC_HASH)} | default ""'
+    return (
+        "{{- /* An upgrade the API server would refuse halfway fails here, before anything changes. */ -}}\n"
+        "{{- if .Release.IsUpgrade }}\n"
+        f"{{{{- $running := lookup {json.dumps(workload['apiVersion'])} {json.dumps(kind)} {namespace} "
+        f"{json.dumps(name)} }}}}\n"
+        "{{- if $running }}\n"
+        f"{{{{- $hash := {annotation} }}}}\n"
+        '{{- $ours := include "kubetrain.specHash" . }}\n'
+        "{{- if ne $hash $ours }}\n"
+        f"{{{{- fail (printf {json.dumps(message)} $hash $ours {namespace}) }}}}\n"
+        "{{- end }}\n{{- end }}\n{{- end }}\n"
+    )
