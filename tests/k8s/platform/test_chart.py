@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kubetrain.k8s.platform.chart import ENVIRONMENTS, platform_chart, with_settings
+from kubetrain.k8s.platform.chart import ENVIRONMENTS, EXTERNAL_DB, platform_chart, with_settings
 from kubetrain.k8s.platform.config import PlatformConfig, load_platform
 from kubetrain.k8s.platform.render import render_platform
 from kubetrain.k8s.render import validate
@@ -145,3 +145,20 @@ def test_the_documented_install_works_on_a_fresh_cluster(tmp_path: Path, helm_bi
     assert len(applied) == len(template(helm_binary, COMMITTED, "-f", str(COMMITTED / "values-prod.yaml"))), \
         installed.stdout
     assert not [o for o in apiserver.objects.values() if o["kind"] not in ("Namespace",)]  # a dry run stores nothing
+
+
+def test_each_object_is_written_once_with_its_choices_inside(tmp_path: Path, helm_binary: str) -> None:
+    """A choice that changes a few lines of an object (the database's URI, basic auth's app and Secret) keeps one
+    copy of the object, those lines under `{{ if }}`: a change to the object is made in one place."""
+    for path in sorted((COMMITTED / "templates").glob("*.yaml")):
+        heads = re.findall(r"^kind: (\w+)$", path.read_text(), flags=re.M)
+        assert len(heads) <= 1, (path.name, heads)
+    deployment = (COMMITTED / "templates" / "06-deployment-kubetrain-mlflow.yaml").read_text()
+    assert "{{- if .Values.mlflow.auth.enabled }}" in deployment
+    # and each side of each choice still templates what the platform renders for it
+    cfg = load_platform(PLATFORM)
+    for settings in ({}, {"mlflow.auth.enabled": True}, {"mlflow.postgres.uri": EXTERNAL_DB},
+                     {"mlflow.auth.enabled": True, "mlflow.postgres.uri": EXTERNAL_DB}):
+        args = [a for k, v in settings.items() for a in ("--set", f"{k}={str(v).lower()}")]
+        assert by_name(template(helm_binary, COMMITTED, *args)) == by_name(
+            render_platform(with_settings(cfg, settings))), settings

@@ -2,7 +2,8 @@
 
 Two choices change which objects there are, so the chart holds both sides of each, picked by values: the
 database (`mlflow.postgres.uri` empty: the PostgreSQL StatefulSet, its Service and NetworkPolicy; set: an
-existing database by reference) and MLflow's basic auth (`mlflow.auth.enabled`). values-dev.yaml and
+existing database by reference) and MLflow's basic auth (`mlflow.auth.enabled`): one template per object, the
+lines that differ between the choices under `{{ if }}`. values-dev.yaml and
 values-prod.yaml are the environments of ENVIRONMENTS, written in platform config keys and lifted like the rest.
 """
 
@@ -99,7 +100,7 @@ def _variants(cfg: PlatformConfig, notes: list[str]) -> list[Variant]:
         tests = [f"(not {URI_EXPR})" if k.endswith("uri") and v is None else URI_EXPR if k.endswith("uri")
                  else AUTH_EXPR if v else f"(not {AUTH_EXPR})" for k, v in choice]
         condition = " ".join(["and", *tests]) if tests else ""
-        variant = Variant(condition, render_platform(variant_cfg), _values(variant_cfg))
+        variant = Variant(condition, render_platform(variant_cfg), _values(variant_cfg), tuple(tests))
         lift(variant, notes)
         out.append(variant)
     return out

@@ -62,6 +62,7 @@ class Variant:
     condition: str  # "" for a chart without choices
     objects: Objects
     values: list[Value]
+    tests: tuple[str, ...] = ()  # the condition's parts (it is `and` of them): a shorter test for lines they share
     lifted: list[Value] = field(default_factory=list)
     templated: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> template text
 
@@ -254,25 +255,61 @@ def _marked_text(text: str, exprs: dict[FieldPath, str], mark: Callable[[str], s
 
 
 def merge(variants: list[Variant]) -> list[tuple[str, str]]:
-    """(file stem, template) of every object of every variant; one a variant lacks is wrapped in its condition."""
+    """(file stem, template) of every object of every variant: one template per object, its lines that differ
+    between variants wrapped in their variants' condition, and an object some variants lack in theirs."""
     keys: list[tuple[str, str]] = []
     for v in variants:
         keys += [k for k in v.templated if k not in keys]
     out = []
     for kind, name in keys:
-        texts: dict[str, list[str]] = {}
-        for v in variants:
-            if (kind, name) in v.templated:
-                texts.setdefault(v.templated[(kind, name)], []).append(v.condition)
-        parts = []
-        for text, conditions in texts.items():
-            if len(conditions) == len(variants):
-                parts.append(text)
-                continue
-            test = conditions[0] if len(conditions) == 1 else "or " + " ".join(f"({c})" for c in conditions)
-            parts.append(f"{{{{- if {test} }}}}\n{text}{{{{- end }}}}\n")
-        out.append((f"{kind.lower()}-{name}", "---\n".join(parts)))
+        having = [i for i, v in enumerate(variants) if (kind, name) in v.templated]
+        lines: list[tuple[str, frozenset[int]]] = []
+        for i in having:
+            lines = _merge_lines(lines, variants[i].templated[(kind, name)].splitlines(keepends=True), i)
+        text = "".join(_conditional(block, _condition(variants, among)) if among != frozenset(having) else block
+                       for block, among in _blocks(lines))
+        if len(having) < len(variants):
+            text = _conditional(text, _condition(variants, frozenset(having)))
+        out.append((f"{kind.lower()}-{name}", text))
     return out
+
+
+def _merge_lines(merged: list[tuple[str, frozenset[int]]], lines: list[str],
+                 variant: int) -> list[tuple[str, frozenset[int]]]:
+    """The lines of the variants so far (each with the variants that have it) and one more variant's lines."""
+    import difflib
+
+    matcher = difflib.SequenceMatcher(a=[line for line, _ in merged], b=lines, autojunk=False)
+    out: list[tuple[str, frozenset[int]]] = []
+    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+        if tag == "equal":
+            out += [(line, among | {variant}) for line, among in merged[a0:a1]]
+            continue
+        out += merged[a0:a1]
+        out += [(line, frozenset({variant})) for line in lines[b0:b1]]
+    return out
+
+
+def _blocks(lines: list[tuple[str, frozenset[int]]]) -> Iterator[tuple[str, frozenset[int]]]:
+    """Runs of lines that the same variants have."""
+    start = 0
+    for end in range(1, len(lines) + 1):
+        if end == len(lines) or lines[end][1] != lines[start][1]:
+            yield "".join(line for line, _ in lines[start:end]), lines[start][1]
+            start = end
+
+
+def _condition(variants: list[Variant], among: frozenset[int]) -> str:
+    """The test that holds in exactly these variants: one part of their conditions when one does, else `or`."""
+    for test in dict.fromkeys(t for i in sorted(among) for t in variants[i].tests):
+        if {i for i, v in enumerate(variants) if test in v.tests} == among:
+            return test
+    tests = [variants[i].condition for i in sorted(among)]
+    return tests[0] if len(tests) == 1 else "or " + " ".join(f"({t})" for t in tests)
+
+
+def _conditional(text: str, condition: str) -> str:
+    return f"{{{{- if {condition} }}}}\n{text}{{{{- end }}}}\n"
 
 
 def _schema_of(values: list[Value]) -> dict[str, Any]:
