@@ -14,14 +14,10 @@ from typing import Any
 SYSTEM_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
 
 
-def namespace(name: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}, "spec": {"finalizers": ["kubernetes"]},
-            "status": {"phase": "Active"}}
-
-
-def missing_namespace(objects: dict[str, dict[str, Any]], obj: dict[str, Any], namespaced: bool) -> str | None:
-    """The namespace a create needs and lacks, else None."""
+def missing_namespace(objects: dict[str, dict[str, Any]], namespaces: set[str], obj: dict[str, Any],
+                      namespaced: bool) -> str | None:
+    """The namespace a create needs and lacks (neither applied nor among `namespaces`), else None."""
     ns = obj["metadata"].get("namespace")
-    if not namespaced or not ns or f"/api/v1/namespaces/{ns}" in objects:
+    if not namespaced or not ns or ns in namespaces or f"/api/v1/namespaces/{ns}" in objects:
         return None
     return str(ns)

@@ -76,8 +76,8 @@ class ApiServer(Controllers):
     """
 
     def __init__(self) -> None:
-        self.objects: dict[str, dict[str, Any]] = {f"/api/v1/namespaces/{ns}": admission.namespace(ns)
-                                                   for ns in admission.SYSTEM_NAMESPACES}
+        self.objects: dict[str, dict[str, Any]] = {}
+        self.namespaces = set(admission.SYSTEM_NAMESPACES)  # that exist besides those applied (admission.py)
         self.logs: dict[str, str] = {}  # pod name -> what its container wrote
         self.previous_logs: dict[str, str] = {}  # pod name -> what its container's previous instance wrote
         self.log_stamps: dict[str, list[int]] = {}  # pod name -> when each line of its log was taken (ns)
@@ -130,7 +130,7 @@ class ApiServer(Controllers):
 
     def kubeconfig(self, folder: Path, namespace: str = "ml") -> Path:
         """A kubeconfig whose context names `namespace`, which exists (a user's context names one they work in)."""
-        self.objects.setdefault(f"/api/v1/namespaces/{namespace}", admission.namespace(namespace))
+        self.namespaces.add(namespace)
         path = folder / "kubeconfig"
         path.write_text(yaml.safe_dump({
             "apiVersion": "v1", "kind": "Config", "current-context": "test",
@@ -359,7 +359,8 @@ class ApiServer(Controllers):
                                      name=name, group="batch", kind="Job",
                                      causes=[{"reason": "FieldValueInvalid", "message": message,
                                               "field": "spec.template"}]))
-        missing = admission.missing_namespace(self.objects, obj, getattr(KINDS.get(kind), "namespaced", True)) if old is None else None
+        namespaced = getattr(KINDS.get(kind), "namespaced", True)
+        missing = admission.missing_namespace(self.objects, self.namespaces, obj, namespaced) if old is None else None
         if missing:
             return _json(404, status(404, "NotFound", f'namespaces "{missing}" not found', name=missing,
                                      kind="namespaces"))

@@ -105,8 +105,8 @@ DOCS = ROOT / "docs" / "kubernetes-helm.md"
 def _documented(command: str) -> str:
     """The one documented shell block of the platform's install steps that holds `command`."""
     blocks = re.findall(r"```bash\n(.*?)```", DOCS.read_text(), flags=re.S)
-    (block,) = [textwrap.dedent(b) for b in blocks if command in b and "deploy/helm/kubetrain-platform" in b
-                or command in b and "create namespace" in command]
+    (block,) = [textwrap.dedent(b) for b in blocks if (command in b and "deploy/helm/kubetrain-platform" in b)
+                or (command in b and "create namespace" in command)]
     return block
 
 

@@ -74,7 +74,8 @@ def test_changed_values_template_what_the_changed_config_renders(workload: str, 
     cfg, objects, notes = chart_of(REGULATED, workload, tmp_path)
     assert notes == []  # every value of the regulated example is lifted
     values = yaml.safe_load((tmp_path / "values.yaml").read_text())
-    assert set(values) == {"namespace", "image", "nodes", "resources", "secrets"}
+    assert set(values) == {"namespace", "image", "nodes", "resources", "secrets", "nodeSelector", "tolerations",
+                           "annotations"}
     raw = cfg.model_dump(mode="json")
     k = raw["k8s"]
     k.update(namespace="ml-prod", image="registry.internal/ml/kubetrain:2.0", nnodes=4)
@@ -167,6 +168,14 @@ CHANGES = [
      {"image": "registry.internal/ml/kubetrain:2.0", "resources": {"gpu": 2}}),
     (["--set", "secrets.MLFLOW_TRACKING_PASSWORD=mlflow-prod"],
      {"secrets": {"env": {"MLFLOW_TRACKING_PASSWORD": {"name": "mlflow-prod"}}}}),
+    # Helm merges a mapping given with --set into the default (as _merged does), and replaces a list
+    (["--set", "nodeSelector.nvidia\\.com/gpu\\.product=A100"], {"node_selector": {"nvidia.com/gpu.product": "A100"}}),
+    (["--set-json", 'tolerations=[{"key":"gpu","operator":"Exists","effect":"NoSchedule"},'
+                    '{"key":"spot","operator":"Equal","value":"yes","effect":"NoExecute","toleration_seconds":300}]'],
+     {"tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"},
+                      {"key": "spot", "operator": "Equal", "value": "yes", "effect": "NoExecute",
+                       "toleration_seconds": 300}]}),
+    (["--set", "annotations.team=vision"], {"annotations": {"team": "vision"}}),
 ]
 
 
@@ -179,17 +188,19 @@ def _merged(raw: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-@pytest.mark.parametrize("workload", ["indexed-job", "pytorchjob"])
+@pytest.mark.parametrize("workload", ["indexed-job", "pytorchjob", "trainjob"])
 def test_the_spec_hash_helm_writes_is_the_one_render_gives_for_the_same_values(workload: str, tmp_path: Path,
                                                                              helm_binary: str) -> None:
     """`launch` and `status` read the hash to tell an unchanged job: a Helm install must write what `render` of the
-    same values writes, or a relaunch of the same values is taken for another spec (and one of other values not)."""
+    same values writes, or a relaunch of the same values is taken for another spec (and one of other values not).
+    The objects are the same too: nodeSelector, tolerations and annotations included."""
     cfg, objects, _ = chart_of(REGULATED, workload, tmp_path)
     seen = set()
     for args, change in CHANGES:
         expected = render(validate_config(_merged(cfg.model_dump(mode="json"), {"k8s": copy.deepcopy(change)})),
                           workload)
         templated = template(helm_binary, tmp_path, *args)
+        assert _normalized(templated) == _normalized(expected), args
         assert _spec_hashes(templated) == _spec_hashes(expected) and len(_spec_hashes(expected)) == 1, args
         seen |= _spec_hashes(expected)
     assert len(seen) == len(CHANGES)  # every change is another spec

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ Objects = list[dict[str, Any]]
 FieldPath = tuple[Any, ...]
 HEADER = "# Written by kubetrain (--format helm); rendered again, it is replaced. Change values, not templates.\n"
 _MARK = "KTHELMVALUE{:04d}X"  # plain YAML scalars that no rendered field holds
+_INDENT = "KTHELMINDENT"  # in a template action: the indentation of the block scalar it writes into
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's when present: a config text per probe
 
 
@@ -49,6 +51,9 @@ class Value:
     render: Callable[[Any], Objects]  # the objects with this value set to the one given
     source: str  # the config key it comes from, for notes
     expr: str = ""  # Go expression of the value; default `.Values.<key>`
+    # how the renderer writes the value into an object, in Python and as a Go expression of `%s` (the value)
+    transform: Callable[[Any], Any] | None = None
+    go_transform: str = ""
 
     @property
     def go(self) -> str:
@@ -98,9 +103,29 @@ def _rendered_yaml(text: str) -> dict[str, Any] | None:
     return parsed if parsed is not None and yaml.safe_dump(parsed, sort_keys=False) == text else None
 
 
-# A field's template: a Go expression (the field's value), or for a field holding YAML, the expressions of the
-# fields inside it.
-Expr = str | dict[FieldPath, Any]
+@dataclass(frozen=True)
+class OptionalKey:
+    """A key the renderer writes only for a value that is not empty (nodeSelector, tolerations)."""
+
+    key: str
+    expr: str
+
+
+@dataclass(frozen=True)
+class Merged:
+    """A mapping of the value's entries and the renderer's own (a pod's annotations); the renderer's win."""
+
+    fixed: tuple[tuple[str, Any], ...]
+    expr: str
+
+    def go(self) -> str:
+        pairs = " ".join(f"{json.dumps(k)} {'.specHash' if k == SPEC_HASH else json.dumps(v)}" for k, v in self.fixed)
+        return f"(merge (dict {pairs}) ({self.expr} | default dict))"
+
+
+# A field's template: a Go expression (the field's value), a key present with a value that is not empty, a mapping
+# merged with the renderer's own entries, or for a field holding YAML, the expressions of the fields inside it.
+Expr = str | OptionalKey | Merged | dict[FieldPath, Any]
 
 
 def _explain(value: Value, a: Any, b: Any) -> Expr | None:
@@ -108,13 +133,29 @@ def _explain(value: Value, a: Any, b: Any) -> Expr | None:
     d, s = value.default, value.sentinel
     if a == d and b == s and type(a) is type(d):
         return f"(int {value.go})" if isinstance(d, int) and not isinstance(d, bool) else value.go
+    if value.transform is not None and a == value.transform(d) and b == value.transform(s):
+        return value.go_transform % value.go
+    if isinstance(a, dict) and isinstance(b, dict) and isinstance(s, dict | list) and not d:
+        extra = b.keys() - a.keys()
+        if len(extra) == 1 and a.keys() <= b.keys() and all(a[k] == b[k] for k in a):
+            (key,) = extra
+            inner = _explain(value, value.transform(d) if value.transform else d, b[key])
+            if isinstance(inner, str):
+                return OptionalKey(key, inner)
+    if isinstance(a, dict) and isinstance(b, dict) and isinstance(d, dict) and isinstance(s, dict):
+        fixed_a = {k: v for k, v in a.items() if k not in d}
+        fixed_b = {k: v for k, v in b.items() if k not in s}
+        if (all(a.get(k) == v for k, v in d.items()) and all(b.get(k) == v for k, v in s.items())
+                and fixed_a.keys() == fixed_b.keys() and fixed_a
+                and all(fixed_a[k] == fixed_b[k] for k in fixed_a if k != SPEC_HASH)):
+            return Merged(tuple(fixed_a.items()), value.go)
     inner_a = _rendered_yaml(a) if isinstance(a, str) else None
     inner_b = _yaml_mapping(b) if inner_a is not None else None
     if inner_a is not None and inner_b is not None:  # the config in the ConfigMap: key by key
         out: dict[FieldPath, Any] = {}
         for path, x, y in _differences(inner_a, inner_b):
             expr = _explain(value, x, y)
-            if expr is None or isinstance(expr, dict):
+            if not isinstance(expr, str):
                 return None
             out[path] = expr
         return out
@@ -147,7 +188,7 @@ def lift(variant: Variant, notes: list[str]) -> None:
             if expr is None:
                 unexplained = path
                 break
-            found[path] = expr
+            found[(*path, expr.key) if isinstance(expr, OptionalKey) else path] = expr
         if unexplained is not None:
             whole = not unexplained or unexplained[0] >= len(variant.objects)
             what = "which objects there are" if whole else (
@@ -196,20 +237,34 @@ def _templates(objects: Objects, substitutions: dict[FieldPath, Any]) -> dict[tu
     for obj in marked:
         for meta in _hashed(obj):
             meta["annotations"][SPEC_HASH] = mark("{{ toJson .specHash }}")  # see _hashed_objects
+    optional: dict[str, tuple[str, OptionalKey]] = {}  # marker key -> (its marker value, the key)
     for path, expr in substitutions.items():
         if isinstance(expr, dict):
             _set(marked, path, _marked_text(_get(objects, path), expr, mark))
+        elif isinstance(expr, OptionalKey):  # a marker entry where the key goes; its line becomes a `with`
+            name = _MARK.format(len(actions))
+            actions[name] = ""
+            optional[name] = (mark(""), expr)
+            _get(marked, path[:-1])[name] = optional[name][0]
+        elif isinstance(expr, Merged):
+            _set(marked, path, mark(f"{{{{ toJson {expr.go()} }}}}"))
         else:
             _set(marked, path, mark(f"{{{{ toJson {expr} }}}}"))
     out = {}
     for obj in marked:
         # what the renderer writes between braces (alert descriptions, dashboard legends) stays text for helm
         text = to_yaml([obj]).replace("{{", '{{ "{{" }}')
+        for name, (value_mark, expr) in optional.items():
+            text = re.sub(rf"^( *){name}: {value_mark}\n",
+                          lambda m, e=expr: (f"{{{{- with {e.expr} }}}}\n{m[1]}{e.key}: {{{{ toJson . }}}}\n"
+                                             "{{- end }}\n"), text, flags=re.M)
         uses_defaults = False
         for name, action in actions.items():
-            if name in text:
+            if action and name in text:
                 text = text.replace(name, action)
                 uses_defaults = uses_defaults or "$d" in action
+        text = re.sub(rf"^( *)(.*){_INDENT}(\d{{3}})",
+                      lambda m: m[1] + m[2] + " " * (len(m[1]) - int(m[3])), text, flags=re.M)
         if uses_defaults:  # the chart's own defaults, for fields kept byte for byte under them
             text = '{{- $d := include "kubetrain.defaults" . | fromYaml }}\n' + text
         out[(obj["kind"], obj["metadata"]["name"])] = text
@@ -239,19 +294,50 @@ def _marked_text(text: str, exprs: dict[FieldPath, str], mark: Callable[[str], s
         _set(raw, path, f"{_MARK.format(9999)}{len(names):04d}")
     marked_lines = yaml.safe_dump(raw, sort_keys=False).splitlines(keepends=True)
     lines = text.splitlines(keepends=True)
-    if len(marked_lines) != len(lines):
-        raise UserInputError("a lifted config key changes the config's layout; render without --format helm")
-    out = []
     markers = {f"{_MARK.format(9999)}{i + 1:04d}": pair for i, pair in enumerate(names.values())}
-    for marked_line, line in zip(marked_lines, lines, strict=True):
-        for name, (expr, default) in markers.items():
-            if name in marked_line:
-                prefix, suffix = marked_line.split(name)
-                token = line[len(prefix):len(line) - len(suffix)]
-                action = (f'{{{{ include "kubetrain.scalar" (list {expr} {default} {json.dumps(token)}) }}}}')
-                marked_line = prefix + mark(action) + suffix
-        out.append(marked_line)
+    out = []
+    at = 0  # the line of `text` the next marked line stands for
+    for marked_line in marked_lines:
+        name = next((n for n in markers if n in marked_line), None)
+        if name is None:
+            if at >= len(lines) or lines[at] != marked_line:
+                raise UserInputError("a lifted config key changes the config's layout; render without --format helm")
+            out.append(marked_line)
+            at += 1
+            continue
+        expr, default = markers[name]
+        prefix, suffix = marked_line.split(name)
+        end = _value_end(lines, at)
+        if end == at + 1:  # a scalar, or an empty mapping or list: its text on the key's line
+            token = lines[at][len(prefix):len(lines[at]) - len(suffix)]
+            action = f'{{{{ include "kubetrain.scalar" (list {expr} {default} {json.dumps(token)}) }}}}'
+            out.append(prefix + mark(action) + suffix)
+        else:  # a block mapping or list under the key: the key's line and the block, or the key and JSON
+            key = prefix.rstrip(" ")
+            token = "".join(lines[at:end])[len(key):-1]
+            # the block's lines go into the ConfigMap's block scalar: _templates puts the scalar's indentation for
+            # the placeholder, from the line the key lands on and the key's own indentation here
+            depth = len(key) - len(key.lstrip(" "))
+            action = (f'{{{{ include "kubetrain.block" (list {expr} {default} {json.dumps(token)} '
+                      f'"{_INDENT}{depth:03d}") }}}}')
+            out.append(key + mark(action) + "\n")
+        at = end
     return "".join(out)
+
+
+def _value_end(lines: list[str], at: int) -> int:
+    """The line after the value of the key on line `at`: lines indented deeper, or list items at its indentation
+    (PyYAML writes a list under a key without indenting it), are its value's."""
+    indent = len(lines[at]) - len(lines[at].lstrip(" "))
+    end = at + 1
+    while end < len(lines):
+        line = lines[end]
+        depth = len(line) - len(line.lstrip(" "))
+        if depth > indent or (depth == indent and line.lstrip(" ").startswith("- ")):
+            end += 1
+        else:
+            break
+    return end
 
 
 def merge(variants: list[Variant]) -> list[tuple[str, str]]:
@@ -349,6 +435,11 @@ def _helpers(values: dict[str, Any]) -> str:
         '{{- define "kubetrain.scalar" -}}\n'
         "{{- if eq (toJson (index . 0)) (toJson (index . 1)) }}{{ index . 2 }}{{ else }}{{ toJson (index . 0) }}"
         "{{ end }}\n{{- end }}\n"
+        '{{- /* A mapping or list in the config text: its block under the default, else JSON after the key. */ -}}\n'
+        '{{- define "kubetrain.block" -}}\n'
+        "{{- if eq (toJson (index . 0)) (toJson (index . 1)) }}"
+        '{{ index . 2 | replace "\\n" (print "\\n" (index . 3)) }}'
+        "{{ else }} {{ toJson (index . 0) }}{{ end }}\n{{- end }}\n"
     )
 
 
@@ -384,7 +475,8 @@ def _hashed_objects(templates: list[tuple[str, str]], objects: Objects) -> tuple
 
 
 def write_chart(folder: Path, *, name: str, description: str, variants: list[Variant], notes_txt: str,
-                environments: dict[str, dict[str, Any]] | None = None, checks: str = "") -> list[Path]:
+                environments: dict[str, dict[str, Any]] | None = None, checks: str = "",
+                helpers: str = "") -> list[Path]:
     """Write Chart.yaml, values.yaml, values.schema.json, the templates (and values-ENV.yaml files).
 
     `checks`: template text that renders nothing, or fails the install with its message (templates/checks.yaml).
@@ -403,7 +495,7 @@ def write_chart(folder: Path, *, name: str, description: str, variants: list[Var
     tree = _values_tree(values)
     hashed = any(True for v in variants for o in v.objects for _ in _hashed(o))
     templates = merge(variants)
-    helpers = _helpers(tree)
+    helpers = _helpers(tree) + helpers
     if hashed:  # a job's chart: one variant, no choices
         helper, templates = _hashed_objects(templates, variants[0].objects)
         helpers += helper

@@ -20,13 +20,45 @@ from kubetrain.k8s.render.context import job_name
 from kubetrain.k8s.render.grace import MeasuredSave
 from kubetrain.k8s.render.helm import Value, Variant, lift, write_chart
 from kubetrain.k8s.render.manifest import render
-from kubetrain.k8s.render.podspec import image
+from kubetrain.k8s.render.podspec import TOLERATION_FIELDS, image, pod_toleration
 from kubetrain.k8s.workloads import SPEC_HASH
 
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 SECRET_NAME = {"type": "string", "pattern": DNS_SUBDOMAIN, "maxLength": 253}
+# k8s.tolerations, in the config's own form (toleration_seconds; the pods get tolerationSeconds)
+TOLERATIONS = {"type": "array", "items": {
+    "type": "object", "additionalProperties": False,
+    "properties": {"key": {"type": ["string", "null"]}, "operator": {"enum": ["Equal", "Exists"]},
+                   "value": {"type": ["string", "null"]},
+                   "effect": {"enum": ["NoSchedule", "PreferNoSchedule", "NoExecute", None]},
+                   "toleration_seconds": {"type": ["integer", "null"], "minimum": 0}}}}
+# The value as the config holds it (every field, unset ones null), and the pods' tolerations from that, as
+# podspec.pod_toleration writes them (an unset field is left out).
+TOLERATIONS_HELPER = (
+    '{{- define "kubetrain.configTolerations" -}}\n'
+    "{{- $out := list -}}\n"
+    "{{- range $t := . -}}\n"
+    '{{- $item := dict "key" nil "operator" "Equal" "value" nil "effect" nil "toleration_seconds" nil -}}\n'
+    "{{- range $k, $v := $t }}{{ $_ := set $item $k $v }}{{ end -}}\n"
+    "{{- $out = append $out $item -}}\n"
+    "{{- end -}}\n"
+    "{{- toJson $out -}}\n"
+    "{{- end }}\n"
+    '{{- define "kubetrain.tolerations" -}}\n'
+    "{{- $out := list -}}\n"
+    "{{- range $t := . -}}\n"
+    '{{- $item := dict "operator" (get $t "operator" | default "Equal") -}}\n'
+    "{{- range $ours, $theirs := dict " + " ".join(f'"{a}" "{b}"' for a, b in TOLERATION_FIELDS.items()) + " -}}\n"
+    '{{- if and (hasKey $t $ours) (not (kindIs "invalid" (index $t $ours))) }}'
+    "{{ $_ := set $item $theirs (index $t $ours) }}{{ end -}}\n"
+    "{{- end -}}\n"
+    "{{- $out = append $out $item -}}\n"
+    "{{- end -}}\n"
+    "{{- toJson $out -}}\n"
+    "{{- end }}\n"
+)
 
 
 def _values(cfg: Config, workload: str | None, measured: MeasuredSave | None) -> list[Value]:
@@ -43,9 +75,10 @@ def _values(cfg: Config, workload: str | None, measured: MeasuredSave | None) ->
             return render(validate_config(changed, "chart value"), workload, measured, memory_check=False)
         return render_with
 
-    def value(key: str, path: str, default: Any, sentinel: Any, schema: dict[str, Any], expr: str = "") -> Value:
+    def value(key: str, path: str, default: Any, sentinel: Any, schema: dict[str, Any], expr: str = "",
+              **how: Any) -> Value:
         keys = path.split("/")
-        return Value(key, default, sentinel, schema, setting(*keys), ".".join(keys), expr)
+        return Value(key, default, sentinel, schema, setting(*keys), ".".join(keys), expr, **how)
 
     nodes_min = 2 if (workload or k.workload) == "pytorchjob" else 1  # a Master and at least one Worker
     out = [
@@ -75,6 +108,20 @@ def _values(cfg: Config, workload: str | None, measured: MeasuredSave | None) ->
     if cfg.checkpoint.secret_name:
         out.append(value("checkpointSecret", "checkpoint/secret_name", cfg.checkpoint.secret_name,
                          "kthelm-store-secret", SECRET_NAME))
+    # where the pods run and what they carry: mappings and lists, set whole (Helm merges a mapping given with
+    # --set into the default; `key: null` in a values file removes one)
+    out += [
+        value("nodeSelector", "k8s/node_selector", dict(k.node_selector), {**k.node_selector, "kthelm.dev/n": "kt"},
+              {"type": "object", "additionalProperties": {"type": "string"}}),
+        value("tolerations", "k8s/tolerations", raw["k8s"]["tolerations"],
+              [*raw["k8s"]["tolerations"], {"key": "kthelm.dev/taint", "operator": "Equal", "value": "kt",
+                                            "effect": "NoSchedule", "toleration_seconds": None}],
+              TOLERATIONS, '(include "kubetrain.configTolerations" .Values.tolerations | fromJsonArray)',
+              transform=lambda v: [pod_toleration(t) for t in v],
+              go_transform='(include "kubetrain.tolerations" %s | fromJsonArray)'),
+        value("annotations", "k8s/annotations", dict(k.annotations), {**k.annotations, "kthelm.dev/a": "kt"},
+              {"type": "object", "additionalProperties": {"type": "string"}}),
+    ]
     mlflow = cfg.track.mlflow
     if mlflow.enabled and mlflow.tracking_uri:
         out.append(value("trackingUri", "track/mlflow/tracking_uri", mlflow.tracking_uri,
@@ -100,7 +147,8 @@ def job_chart(cfg: Config, objects: list[dict[str, Any]], folder: Path, workload
         namespace)
     files = write_chart(folder, name=name, description=f"kubetrain training job {name} (namespace {namespace} by "
                         "default), rendered by `kubetrain k8s render --format helm`", variants=[variant],
-                        notes_txt=notes_txt, checks=upgrade_check(objects[-1], namespace_expr))
+                        notes_txt=notes_txt, checks=upgrade_check(objects[-1], namespace_expr),
+                        helpers=TOLERATIONS_HELPER if "tolerations" in lifted else "")
     return files, notes
 
 
