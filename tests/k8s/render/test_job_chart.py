@@ -16,6 +16,7 @@ from kubetrain.config import load_config
 from kubetrain.config.k8s import WORKLOADS
 from kubetrain.config.loading import validate as validate_config
 from kubetrain.k8s.render import validate
+from kubetrain.k8s.render.context import RenderError
 from kubetrain.k8s.render.job_chart import job_chart
 from kubetrain.k8s.render.manifest import pod_templates, render
 from kubetrain.k8s.render.podsecurity import level
@@ -194,7 +195,7 @@ def test_the_spec_hash_helm_writes_is_the_one_render_gives_for_the_same_values(w
     """`launch` and `status` read the hash to tell an unchanged job: a Helm install must write what `render` of the
     same values writes, or a relaunch of the same values is taken for another spec (and one of other values not).
     The objects are the same too: nodeSelector, tolerations and annotations included."""
-    cfg, objects, _ = chart_of(REGULATED, workload, tmp_path)
+    cfg, _, _ = chart_of(REGULATED, workload, tmp_path)
     seen = set()
     for args, change in CHANGES:
         expected = render(validate_config(_merged(cfg.model_dump(mode="json"), {"k8s": copy.deepcopy(change)})),
@@ -254,3 +255,30 @@ def test_an_upgrade_the_api_server_would_refuse_fails_before_it_changes_anything
     same = helm(helm_binary, *upgrade)
     assert same.returncode == 0, same.stderr
     assert json.dumps(apiserver.objects["/api/v1/namespaces/ml/configmaps/audited-gpt-config"]) == config_before
+
+
+def test_a_memory_request_render_refuses_is_refused_at_install(tmp_path: Path, helm_binary: str) -> None:
+    """Helm does not run kubetrain's checks: the chart carries render's verdict. Under FSDP a pod's need falls with
+    the node count, so the memory and the node count are judged together, and helm refuses exactly what render
+    refuses (one line naming the request), before anything reaches the cluster."""
+    example = next(p for p in EXAMPLES if p.stem == "c10d-64x8gpu")
+    cfg, _, _ = chart_of(example, "jobset", tmp_path)
+    values = yaml.safe_load((tmp_path / "values.yaml").read_text())
+    assert {"nodes", "resources"} <= set(values) and "memory" in values["resources"]
+    verdicts = []
+    for nodes, memory in (("2", "40Gi"), ("64", "40Gi"), ("64", "16Gi"), ("2", "80Gi")):
+        raw = cfg.model_dump(mode="json")
+        raw["k8s"]["nnodes"], raw["k8s"]["resources"]["memory"] = int(nodes), memory
+        try:
+            render(validate_config(raw), "jobset")
+            refused = False
+        except RenderError as e:
+            assert "cannot hold" in str(e)
+            refused = True
+        out = helm(helm_binary, "template", "rel", str(tmp_path), "--set", f"nodes={nodes}",
+                   "--set-string", f"resources.memory={memory}")
+        assert (out.returncode != 0) == refused, (nodes, memory, out.stderr)
+        if refused:
+            assert f"resources.memory ({memory}) cannot hold what a pod's processes need" in out.stderr
+        verdicts.append(refused)
+    assert verdicts == [True, False, True, False]  # 40Gi holds 64 nodes' shards, not 2 nodes'; both sides tried

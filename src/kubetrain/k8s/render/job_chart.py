@@ -16,6 +16,7 @@ from typing import Any
 
 from kubetrain.config.loading import validate as validate_config
 from kubetrain.config.schema import Config
+from kubetrain.errors import UserInputError
 from kubetrain.k8s.render.context import job_name
 from kubetrain.k8s.render.grace import MeasuredSave
 from kubetrain.k8s.render.helm import Value, Variant, lift, write_chart
@@ -147,9 +148,90 @@ def job_chart(cfg: Config, objects: list[dict[str, Any]], folder: Path, workload
         namespace)
     files = write_chart(folder, name=name, description=f"kubetrain training job {name} (namespace {namespace} by "
                         "default), rendered by `kubetrain k8s render --format helm`", variants=[variant],
-                        notes_txt=notes_txt, checks=upgrade_check(objects[-1], namespace_expr),
-                        helpers=TOLERATIONS_HELPER if "tolerations" in lifted else "")
+                        notes_txt=notes_txt + NOT_CHECKED,
+                        checks=render_checks(cfg, lifted) + upgrade_check(objects[-1], namespace_expr),
+                        helpers=(TOLERATIONS_HELPER if "tolerations" in lifted else "") + BYTES_HELPER)
     return files, notes
+
+
+MAX_CHECKED_NODES = 64  # the node counts the chart knows render's verdict for
+NOT_CHECKED = ("Helm checked the values' types (values.schema.json), and the node count and the memory request as "
+               f"`kubetrain k8s render` does (up to {MAX_CHECKED_NODES} nodes); the rest of the config's validation "
+               "is render's: `kubetrain k8s render CONFIG --set k8s.KEY=VALUE` for the values you changed.\n")
+
+
+def render_checks(cfg: Config, lifted: set[str]) -> str:
+    """Template text that refuses, as `render` refuses, a node count the config does not validate with, and a memory
+    request that cannot hold a pod's processes (render/memory.py) for the node count given.
+
+    Render's verdict for every node count the chart may be given (up to MAX_CHECKED_NODES; more are not checked
+    here) is written into the chart: the estimate needs torch, which a template cannot run.
+    """
+    from kubetrain.k8s.render.memory import host_need, size
+
+    checked_memory = "resources.memory" in lifted and cfg.run.check_memory
+    if "nodes" not in lifted and not checked_memory:
+        return ""
+    shape: dict[str, Any] = {"error": "not checked"}
+    if checked_memory:
+        from kubetrain.memory import model_shape
+
+        shape = model_shape(cfg)
+    verdicts: dict[str, Any] = {}
+    counts = range(1, MAX_CHECKED_NODES + 1) if "nodes" in lifted else [cfg.k8s.nnodes]
+    for n in counts:
+        raw = cfg.model_dump(mode="json")
+        raw["k8s"]["nnodes"] = n
+        try:
+            changed = validate_config(raw, "chart value")
+        except UserInputError as e:
+            verdicts[str(n)] = str(e).splitlines()[0]
+            continue
+        if "error" not in shape:
+            need = host_need(changed, shape)[0]
+            verdicts[str(n)] = [float(need), size(need)]
+    if not verdicts:
+        return ""
+    table = " ".join(f"{json.dumps(n)} {_go_literal(v)}" for n, v in verdicts.items())
+    nodes = '(toString (int .Values.nodes))' if "nodes" in lifted else json.dumps(str(cfg.k8s.nnodes))
+    out = (
+        "{{- /* What `kubetrain k8s render` refuses for these values: a node count the config refuses, a memory "
+        "request below what a pod's processes need (render/memory.py), by node count. */ -}}\n"
+        f"{{{{- $verdict := index (dict {table}) {nodes} }}}}\n"
+        '{{- if kindIs "string" $verdict }}\n'
+        f'{{{{- fail (printf "nodes=%s: %s" {nodes} $verdict) }}}}\n'
+        "{{- end }}\n"
+    )
+    if checked_memory:
+        out += (
+            '{{- if and (kindIs "slice" $verdict) (lt (include "kubetrain.bytes" .Values.resources.memory | float64) '
+            "(index $verdict 0)) }}\n"
+            '{{- fail (printf "resources.memory (%s) cannot hold what a pod\'s processes need: about %s; raise '
+            "resources.memory (`kubetrain k8s render CONFIG --set k8s.resources.memory=...` says what takes the "
+            'space)" .Values.resources.memory (index $verdict 1)) }}\n'
+            "{{- end }}\n"
+        )
+    return out
+
+
+def _go_literal(value: Any) -> str:
+    if isinstance(value, list):
+        return "(list " + " ".join(_go_literal(v) for v in value) + ")"
+    if isinstance(value, float):
+        return repr(value)
+    return json.dumps(value)
+
+
+# A quantity (resources.memory) in bytes, as a float: its number times its suffix (k8s.io/apimachinery's resource).
+BYTES_HELPER = (
+    '{{- define "kubetrain.bytes" -}}\n'
+    '{{- $number := regexFind "^[0-9]+(\\\\.[0-9]+)?" . -}}\n'
+    "{{- $scale := get (dict \"\" 1.0 \"m\" 0.001 \"k\" 1e3 \"M\" 1e6 \"G\" 1e9 \"T\" 1e12 \"P\" 1e15 "
+    '"Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0) '
+    "(trimPrefix $number .) -}}\n"
+    "{{- mulf ($number | float64) $scale -}}\n"
+    "{{- end }}\n"
+)
 
 
 def upgrade_check(workload: dict[str, Any], namespace: str) -> str:
