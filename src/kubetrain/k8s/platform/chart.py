@@ -18,7 +18,8 @@ from typing import Any
 from kubetrain.errors import UserInputError
 from kubetrain.k8s.platform.config import PlatformConfig
 from kubetrain.k8s.platform.render import render_platform
-from kubetrain.k8s.render.helm import Value, Variant, lift, write_chart
+from kubetrain.k8s.render.helm import Value, Variant, lift
+from kubetrain.k8s.render.helm_chart import write_chart
 from kubetrain.k8s.render.job_chart import DNS_LABEL, DNS_SUBDOMAIN, QUANTITY
 
 EXTERNAL_DB = "postgresql://mlflow@postgres.databases.svc:5432/mlflow"  # the external database's stand-in

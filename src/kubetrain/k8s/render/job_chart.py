@@ -19,7 +19,8 @@ from kubetrain.config.schema import Config
 from kubetrain.errors import UserInputError
 from kubetrain.k8s.render.context import job_name
 from kubetrain.k8s.render.grace import MeasuredSave
-from kubetrain.k8s.render.helm import Value, Variant, lift, write_chart
+from kubetrain.k8s.render.helm import Value, Variant, lift
+from kubetrain.k8s.render.helm_chart import write_chart
 from kubetrain.k8s.render.manifest import render
 from kubetrain.k8s.render.podspec import TOLERATION_FIELDS, image, pod_toleration
 from kubetrain.k8s.workloads import SPEC_HASH
