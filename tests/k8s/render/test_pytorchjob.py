@@ -67,3 +67,4 @@ def test_a_replaced_pods_exit_is_no_failure_in_status(code: int) -> None:
     pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] = EXIT_PREFLIGHT
     failure = pod_failure(pod)
     assert failure is not None and failure["exit_code"] == EXIT_PREFLIGHT
+
