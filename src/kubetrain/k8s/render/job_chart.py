@@ -147,18 +147,24 @@ def job_chart(cfg: Config, objects: list[dict[str, Any]], folder: Path, workload
     lifted = {v.key for v in variant.lifted}
     namespace_expr = "(.Values.namespace | default .Release.Namespace)" if "namespace" in lifted else json.dumps(
         namespace)
+    checks = render_checks(cfg, lifted)
     files = write_chart(folder, name=name, description=f"kubetrain training job {name} (namespace {namespace} by "
                         "default), rendered by `kubetrain k8s render --format helm`", variants=[variant],
-                        notes_txt=notes_txt + NOT_CHECKED,
-                        checks=render_checks(cfg, lifted) + upgrade_check(objects[-1], namespace_expr),
+                        notes_txt=notes_txt + not_checked(bool(checks)),
+                        checks=checks + upgrade_check(objects[-1], namespace_expr),
                         helpers=(TOLERATIONS_HELPER if "tolerations" in lifted else "") + BYTES_HELPER)
     return files, notes
 
 
 MAX_CHECKED_NODES = 64  # the node counts the chart knows render's verdict for
-NOT_CHECKED = ("Helm checked the values' types (values.schema.json), and the node count and the memory request as "
-               f"`kubetrain k8s render` does (up to {MAX_CHECKED_NODES} nodes); the rest of the config's validation "
-               "is render's: `kubetrain k8s render CONFIG --set k8s.KEY=VALUE` for the values you changed.\n")
+
+
+def not_checked(render_checked: bool) -> str:
+    """The NOTES' line on what Helm checked of the values, and what is left to `render`."""
+    also = (f", and the node count and the memory request as `kubetrain k8s render` does (up to {MAX_CHECKED_NODES} "
+            "nodes)") if render_checked else ""
+    return (f"Helm checked the values' types (values.schema.json){also}; the rest of the config's validation is "
+            "render's: `kubetrain k8s render CONFIG --set k8s.KEY=VALUE` for the values you changed.\n")
 
 
 def render_checks(cfg: Config, lifted: set[str]) -> str:
