@@ -23,7 +23,7 @@ from urllib.parse import parse_qs, urlsplit
 import yaml
 
 from kubetrain.k8s.cluster.resources import RESOURCES
-from tests.k8s import waiting_fakes
+from tests.k8s import admission, waiting_fakes
 from tests.k8s.api_answers import JSON, Answer, json_answer, status
 from tests.k8s.controllers import KINDS, Controllers, _path_of
 from tests.k8s.pod_streams import ConnectionDropped, PodStreams
@@ -44,6 +44,7 @@ class ApiServer(Controllers, PodStreams):
 
     def __init__(self) -> None:
         self.objects: dict[str, dict[str, Any]] = {}
+        self.namespaces = set(admission.SYSTEM_NAMESPACES)  # that exist besides those applied (admission.py)
         self.logs: dict[str, str] = {}  # pod name -> what its container wrote
         self.previous_logs: dict[str, str] = {}  # pod name -> what its container's previous instance wrote
         self.log_stamps: dict[str, list[int]] = {}  # pod name -> when each line of its log was taken (ns)
@@ -95,6 +96,8 @@ class ApiServer(Controllers, PodStreams):
         return obj
 
     def kubeconfig(self, folder: Path, namespace: str = "ml") -> Path:
+        """A kubeconfig whose context names `namespace`, which exists (a user's context names one they work in)."""
+        self.namespaces.add(namespace)
         path = folder / "kubeconfig"
         path.write_text(yaml.safe_dump({
             "apiVersion": "v1", "kind": "Config", "current-context": "test",
@@ -323,6 +326,11 @@ class ApiServer(Controllers, PodStreams):
                                      name=name, group="batch", kind="Job",
                                      causes=[{"reason": "FieldValueInvalid", "message": message,
                                               "field": "spec.template"}]))
+        namespaced = getattr(KINDS.get(kind), "namespaced", True)
+        missing = admission.missing_namespace(self.objects, self.namespaces, obj, namespaced) if old is None else None
+        if missing:
+            return json_answer(404, status(404, "NotFound", f'namespaces "{missing}" not found', name=missing,
+                                           kind="namespaces"))
         new = copy.deepcopy(obj)
         meta = new["metadata"]
         queued = self.kueue and kind == "Job" and waiting_fakes.QUEUE_LABEL in (meta.get("labels") or {})

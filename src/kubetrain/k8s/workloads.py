@@ -20,6 +20,15 @@ FIELD_MANAGER = "kubetrain"  # server-side apply, and the TrainJob's runtime pat
 # launch makes the workload their owner from their first apply.
 OWNED_KINDS = ("ConfigMap", "NetworkPolicy", "Service")
 INDEX_KEY = "batch.kubernetes.io/job-completion-index"
+# Kubeflow training-operator's `restartPolicy: ExitCode` (pkg/controller.v1/common/pod.go, v1.9.0): a pod that exits
+# 1-127 fails the PyTorchJob at once, one that exits 128-255 is deleted and created again. Bad input (2) and a failed
+# preflight (71) are to end the job, as a Job's podFailurePolicy ends it; a pod that stopped after a checkpoint (75) or
+# lost its rendezvous host (69) is to be replaced. Under this policy the entrypoint exits those two as 128 + code
+# (203, 197: above 128 + 64, so no signal can be read into them).
+EXIT_CODE_POLICY_ENV = "KUBETRAIN_EXIT_CODE_POLICY"
+KUBEFLOW_EXIT_CODE = "kubeflow-exitcode"
+RETRYABLE_EXIT_CODES = (75, 69)  # errors.EXIT_STOPPED_RESUMABLE, errors.EXIT_PEER_LOST
+RETRYABLE_OFFSET = 128
 # What a StatefulSet pod's entrypoint logs once training finished: the pod idles instead of exiting.
 IDLE_MARKER = "training finished; idling"
 _ORDINAL = re.compile(r"-(\d+)$")
@@ -100,3 +109,16 @@ def finished(obj: dict[str, Any]) -> str | None:
     if wl.succeeded in true:
         return "succeeded"
     return None
+
+
+def pod_exit_code(code: int, policy: str | None) -> int:
+    """The exit code a pod gives its controller: under Kubeflow's ExitCode policy a resumable one is moved above 128
+    (retried by the operator); every other code, and every code under any other controller, is kubetrain's own."""
+    if policy == KUBEFLOW_EXIT_CODE and code in RETRYABLE_EXIT_CODES:
+        return RETRYABLE_OFFSET + code
+    return code
+
+
+def kubetrain_exit_code(code: int) -> int:
+    """kubetrain's exit code behind a pod's: the inverse of pod_exit_code (203 is 75, 197 is 69)."""
+    return code - RETRYABLE_OFFSET if code - RETRYABLE_OFFSET in RETRYABLE_EXIT_CODES else code

@@ -27,6 +27,7 @@ def cluster(tmp_path: Path, apiserver: Any) -> str:
         ("/api/v1/namespaces/homelab/secrets/hf-token", "secret_hf_token"),
     ]:
         apiserver.answer("GET", path, 200, apiserver.recorded(name))
+    apiserver.namespaces.add("homelab")  # as the answer above says: it exists
     return str(apiserver.kubeconfig(tmp_path))
 
 

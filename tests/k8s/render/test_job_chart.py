@@ -5,6 +5,7 @@ renders."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,12 @@ from kubetrain.config import load_config
 from kubetrain.config.k8s import WORKLOADS
 from kubetrain.config.loading import validate as validate_config
 from kubetrain.k8s.render import validate
+from kubetrain.k8s.render.context import RenderError
 from kubetrain.k8s.render.job_chart import job_chart
 from kubetrain.k8s.render.manifest import pod_templates, render
 from kubetrain.k8s.render.podsecurity import level
 from kubetrain.k8s.workloads import SPEC_HASH
-from tests.k8s.helm_run import by_name, helm, template
+from tests.k8s.helm_run import as_helm_installs, by_name, helm, serve_discovery, template
 from tests.k8s.render.test_render import EXAMPLES, UNSUPPORTED
 
 REGULATED = next(p for p in EXAMPLES if p.stem == "regulated")
@@ -73,7 +75,8 @@ def test_changed_values_template_what_the_changed_config_renders(workload: str, 
     cfg, objects, notes = chart_of(REGULATED, workload, tmp_path)
     assert notes == []  # every value of the regulated example is lifted
     values = yaml.safe_load((tmp_path / "values.yaml").read_text())
-    assert set(values) == {"namespace", "image", "nodes", "resources", "secrets"}
+    assert set(values) == {"namespace", "image", "nodes", "resources", "secrets", "nodeSelector", "tolerations",
+                           "annotations"}
     raw = cfg.model_dump(mode="json")
     k = raw["k8s"]
     k.update(namespace="ml-prod", image="registry.internal/ml/kubetrain:2.0", nnodes=4)
@@ -147,3 +150,136 @@ def test_cli_writes_the_chart_and_says_what_stays_fixed(tmp_path: Path, cli: Cli
     code, _, err = cli("k8s", "render", "--format", "helm", "-o", str(tmp_path / "theirs"))
     assert code == 2 and "was not written by kubetrain" in err, err
     assert (tmp_path / "theirs" / "Chart.yaml").read_text().startswith("apiVersion: v2\nname: theirs")
+
+
+def _spec_hashes(objects: list[dict[str, Any]]) -> set[str]:
+    return {m["annotations"][SPEC_HASH] for o in objects
+            for m in [o["metadata"], *(t.get("metadata") or {} for _, t in pod_templates(o))]
+            if SPEC_HASH in (m.get("annotations") or {})}
+
+
+# (helm arguments, the same change in config keys)
+CHANGES = [
+    ([], {}),
+    (["--set", "nodes=4"], {"nnodes": 4}),
+    (["--set-string", "resources.cpu=16,resources.memory=64Gi"], {"resources": {"cpu": "16", "memory": "64Gi"}}),
+    (["--set", "namespace=ml-prod"], {"namespace": "ml-prod"}),
+    (["--set", "namespace=", "--namespace", "team-a"], {"namespace": "team-a"}),
+    (["--set", "image=registry.internal/ml/kubetrain:2.0,resources.gpu=2"],
+     {"image": "registry.internal/ml/kubetrain:2.0", "resources": {"gpu": 2}}),
+    (["--set", "secrets.MLFLOW_TRACKING_PASSWORD=mlflow-prod"],
+     {"secrets": {"env": {"MLFLOW_TRACKING_PASSWORD": {"name": "mlflow-prod"}}}}),
+    # Helm merges a mapping given with --set into the default (as _merged does), and replaces a list
+    (["--set", "nodeSelector.nvidia\\.com/gpu\\.product=A100"], {"node_selector": {"nvidia.com/gpu.product": "A100"}}),
+    (["--set-json", 'tolerations=[{"key":"gpu","operator":"Exists","effect":"NoSchedule"},'
+                    '{"key":"spot","operator":"Equal","value":"yes","effect":"NoExecute","toleration_seconds":300}]'],
+     {"tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"},
+                      {"key": "spot", "operator": "Equal", "value": "yes", "effect": "NoExecute",
+                       "toleration_seconds": 300}]}),
+    (["--set", "annotations.team=vision"], {"annotations": {"team": "vision"}}),
+]
+
+
+def _merged(raw: dict[str, Any], change: dict[str, Any]) -> dict[str, Any]:
+    for key, value in change.items():
+        if isinstance(value, dict):
+            _merged(raw[key], value)
+        else:
+            raw[key] = value
+    return raw
+
+
+@pytest.mark.parametrize("workload", ["indexed-job", "pytorchjob", "trainjob"])
+def test_the_spec_hash_helm_writes_is_the_one_render_gives_for_the_same_values(workload: str, tmp_path: Path,
+                                                                             helm_binary: str) -> None:
+    """`launch` and `status` read the hash to tell an unchanged job: a Helm install must write what `render` of the
+    same values writes, or a relaunch of the same values is taken for another spec (and one of other values not).
+    The objects are the same too: nodeSelector, tolerations and annotations included."""
+    cfg, _, _ = chart_of(REGULATED, workload, tmp_path)
+    seen = set()
+    for args, change in CHANGES:
+        expected = render(validate_config(_merged(cfg.model_dump(mode="json"), {"k8s": copy.deepcopy(change)})),
+                          workload)
+        templated = template(helm_binary, tmp_path, *args)
+        assert _normalized(templated) == _normalized(expected), args
+        assert _spec_hashes(templated) == _spec_hashes(expected) and len(_spec_hashes(expected)) == 1, args
+        seen |= _spec_hashes(expected)
+    assert len(seen) == len(CHANGES)  # every change is another spec
+
+
+def test_the_notes_name_the_namespace_and_the_commands(tmp_path: Path, helm_binary: str) -> None:
+    chart_of(REGULATED, "indexed-job", tmp_path)
+    out = helm(helm_binary, "install", "rel", str(tmp_path), "--dry-run=client", "--set", "namespace=ml-prod")
+    assert out.returncode == 0, out.stderr
+    notes = out.stdout.split("NOTES:\n", 1)[1]
+    assert notes.splitlines()[:3] == ["kubetrain job audited-gpt (Job) in ml-prod:",
+                                      "  kubetrain k8s status audited-gpt -n ml-prod",
+                                      "  kubetrain k8s logs audited-gpt -f -n ml-prod"]
+    assert "kubetrain k8s render CONFIG --set k8s.KEY=VALUE" in notes  # what Helm did not check
+
+
+def _install(helm_binary: str, chart: Path, apiserver: Any, tmp_path: Path, *args: str) -> Path:
+    """`helm install rel CHART` on the test API server: what helm templates, applied as Helm applies it."""
+    from kubetrain.k8s.cluster.connect import connect
+
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    cluster = connect(kubeconfig)
+    for obj in as_helm_installs(template(helm_binary, chart, *args), "rel", "ml"):
+        cluster.apply(obj)
+    return kubeconfig
+
+
+def test_k8s_list_shows_a_job_that_helm_installed(tmp_path: Path, helm_binary: str, apiserver: Any, cli: Cli) -> None:
+    chart_of(None, "indexed-job", tmp_path / "chart", "k8s.namespace=ml")
+    kubeconfig = _install(helm_binary, tmp_path / "chart", apiserver, tmp_path)
+    code, out, err = cli("k8s", "list", "--kubeconfig", str(kubeconfig), "--json")
+    assert code == 0, err
+    assert [(j["name"], j["namespace"], j["workload"]) for j in json.loads(out)] == [("tiny", "ml", "indexed-job")]
+
+
+def test_an_upgrade_the_api_server_would_refuse_fails_before_it_changes_anything(
+        tmp_path: Path, helm_binary: str, apiserver: Any) -> None:
+    """Helm applies the ConfigMap before the Job: the Job's immutable pod template is refused after the config
+    changed. The chart looks the running job up first (`lookup`, which helm answers from the cluster under
+    --dry-run=server, as in `helm upgrade`) and fails while nothing has changed; the same values pass."""
+    chart = tmp_path / "chart"
+    chart_of(REGULATED, "indexed-job", chart, "k8s.namespace=ml")
+    kubeconfig = _install(helm_binary, chart, apiserver, tmp_path)
+    serve_discovery(apiserver)
+    config_before = json.dumps(apiserver.objects["/api/v1/namespaces/ml/configmaps/audited-gpt-config"])
+    upgrade = ["template", "rel", str(chart), "--is-upgrade", "--dry-run=server", "--disable-openapi-validation",
+               "--kubeconfig", str(kubeconfig)]
+    refused = helm(helm_binary, *upgrade, "--set-string", "resources.cpu=12")
+    assert refused.returncode != 0, refused.stdout
+    assert "job/audited-gpt exists with another spec" in refused.stderr and "nothing was changed" in refused.stderr
+    assert "kubetrain k8s stop audited-gpt -n ml" in refused.stderr, refused.stderr
+    same = helm(helm_binary, *upgrade)
+    assert same.returncode == 0, same.stderr
+    assert json.dumps(apiserver.objects["/api/v1/namespaces/ml/configmaps/audited-gpt-config"]) == config_before
+
+
+def test_a_memory_request_render_refuses_is_refused_at_install(tmp_path: Path, helm_binary: str) -> None:
+    """Helm does not run kubetrain's checks: the chart carries render's verdict. Under FSDP a pod's need falls with
+    the node count, so the memory and the node count are judged together, and helm refuses exactly what render
+    refuses (one line naming the request), before anything reaches the cluster."""
+    example = next(p for p in EXAMPLES if p.stem == "c10d-64x8gpu")
+    cfg, _, _ = chart_of(example, "jobset", tmp_path)
+    values = yaml.safe_load((tmp_path / "values.yaml").read_text())
+    assert {"nodes", "resources"} <= set(values) and "memory" in values["resources"]
+    verdicts = []
+    for nodes, memory in (("2", "40Gi"), ("64", "40Gi"), ("64", "16Gi"), ("2", "80Gi")):
+        raw = cfg.model_dump(mode="json")
+        raw["k8s"]["nnodes"], raw["k8s"]["resources"]["memory"] = int(nodes), memory
+        try:
+            render(validate_config(raw), "jobset")
+            refused = False
+        except RenderError as e:
+            assert "cannot hold" in str(e)
+            refused = True
+        out = helm(helm_binary, "template", "rel", str(tmp_path), "--set", f"nodes={nodes}",
+                   "--set-string", f"resources.memory={memory}")
+        assert (out.returncode != 0) == refused, (nodes, memory, out.stderr)
+        if refused:
+            assert f"resources.memory ({memory}) cannot hold what a pod's processes need" in out.stderr
+        verdicts.append(refused)
+    assert verdicts == [True, False, True, False]  # 40Gi holds 64 nodes' shards, not 2 nodes'; both sides tried

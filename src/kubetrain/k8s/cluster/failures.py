@@ -18,7 +18,7 @@ import datetime
 from typing import Any
 
 from kubetrain.errors import EXIT_PEER_LOST, EXIT_STOPPED_RESUMABLE
-from kubetrain.k8s.workloads import main_container, node_rank
+from kubetrain.k8s.workloads import kubetrain_exit_code, main_container, node_rank
 
 IMAGE_PULL = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 
@@ -51,7 +51,8 @@ def pod_failure(pod: dict[str, Any], advice: str = "") -> dict[str, Any] | None:
         return {"rank": rank, "pod": name, "reason": waiting["reason"], "exit_code": None, "time": _when(pod, None),
                 "message": f"{who} cannot pull image {spec.get('image', '?')} ({waiting['reason']}{text})"}
     ended = (container.get("state") or {}).get("terminated") or (container.get("lastState") or {}).get("terminated")
-    if not ended or ended.get("exitCode") in (None, 0, EXIT_STOPPED_RESUMABLE, EXIT_PEER_LOST):
+    if not ended or ended.get("exitCode") is None or kubetrain_exit_code(ended["exitCode"]) in (
+            0, EXIT_STOPPED_RESUMABLE, EXIT_PEER_LOST):
         return None  # 75 and 69 are no failures: stopped after a checkpoint, lost the rendezvous host
     code, reason = int(ended["exitCode"]), str(ended.get("reason") or "Error")
     if reason == "OOMKilled":

@@ -27,7 +27,6 @@ from kubetrain.k8s.render.indexed_job import pod_failure_policy
 from kubetrain.k8s.workloads import (
     IDLE_MARKER,
     JOB_LABEL,
-    MANAGED_BY,
     WORKLOAD_LABEL,
     conditions,
     finished,
@@ -404,8 +403,11 @@ def format_status(status: dict[str, Any]) -> str:
 
 
 def list_jobs(cluster: Cluster, namespace: str, all_namespaces: bool = False) -> list[dict[str, Any]]:
-    """Every job kubetrain launched (found by the ConfigMap each one has), with its state."""
-    selector = f"app.kubernetes.io/managed-by={MANAGED_BY},{JOB_LABEL}"
+    """Every kubetrain job (found by the ConfigMap each one has), with its state: launched, or installed by Helm.
+
+    Selected by kubetrain's own job label: Helm sets `app.kubernetes.io/managed-by: Helm` on every object it
+    installs (pkg/action/validate.go, setMetadataVisitor), so that label cannot say whose job it is."""
+    selector = JOB_LABEL
     out = []
     for cm in cluster.list("ConfigMap", namespace, selector, all_namespaces=all_namespaces):
         labels = cm["metadata"].get("labels") or {}

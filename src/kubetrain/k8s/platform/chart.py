@@ -2,7 +2,8 @@
 
 Two choices change which objects there are, so the chart holds both sides of each, picked by values: the
 database (`mlflow.postgres.uri` empty: the PostgreSQL StatefulSet, its Service and NetworkPolicy; set: an
-existing database by reference) and MLflow's basic auth (`mlflow.auth.enabled`). values-dev.yaml and
+existing database by reference) and MLflow's basic auth (`mlflow.auth.enabled`): one template per object, the
+lines that differ between the choices under `{{ if }}`. values-dev.yaml and
 values-prod.yaml are the environments of ENVIRONMENTS, written in platform config keys and lifted like the rest.
 """
 
@@ -17,7 +18,8 @@ from typing import Any
 from kubetrain.errors import UserInputError
 from kubetrain.k8s.platform.config import PlatformConfig
 from kubetrain.k8s.platform.render import render_platform
-from kubetrain.k8s.render.helm import Value, Variant, lift, write_chart
+from kubetrain.k8s.render.helm import Value, Variant, lift
+from kubetrain.k8s.render.helm_chart import write_chart
 from kubetrain.k8s.render.job_chart import DNS_LABEL, DNS_SUBDOMAIN, QUANTITY
 
 EXTERNAL_DB = "postgresql://mlflow@postgres.databases.svc:5432/mlflow"  # the external database's stand-in
@@ -79,6 +81,9 @@ def _values(cfg: PlatformConfig) -> list[Value]:
     if cfg.monitoring.enabled:
         out.append(value("monitoring.interval", "monitoring.interval", "7331s",
                          {"type": "string", "pattern": r"^[0-9]+(ms|s|m|h)$"}))
+        if cfg.monitoring.dashboard_namespace:  # another namespace than the platform's: it must exist
+            out.append(value("monitoring.dashboardNamespace", "monitoring.dashboard_namespace", "kthelm-dashboards",
+                             {"type": "string", "pattern": DNS_LABEL, "maxLength": 63}))
     return out
 
 
@@ -96,7 +101,7 @@ def _variants(cfg: PlatformConfig, notes: list[str]) -> list[Variant]:
         tests = [f"(not {URI_EXPR})" if k.endswith("uri") and v is None else URI_EXPR if k.endswith("uri")
                  else AUTH_EXPR if v else f"(not {AUTH_EXPR})" for k, v in choice]
         condition = " ".join(["and", *tests]) if tests else ""
-        variant = Variant(condition, render_platform(variant_cfg), _values(variant_cfg))
+        variant = Variant(condition, render_platform(variant_cfg), _values(variant_cfg), tuple(tests))
         lift(variant, notes)
         out.append(variant)
     return out
@@ -135,6 +140,10 @@ def platform_chart(cfg: PlatformConfig, folder: Path) -> tuple[list[Path], list[
     notes_txt = ("kubetrain platform {{ .Release.Name }} in {{ .Values.namespace | default .Release.Namespace }}.\n"
                  "Jobs log to MLflow with track.mlflow.tracking_uri: http://" + f"{cfg.name}-mlflow." +
                  "{{ .Values.namespace | default .Release.Namespace }}:" + f"{cfg.mlflow.port}\n")
+    if cfg.monitoring.enabled and cfg.monitoring.dashboard_namespace:
+        notes_txt += ("The Grafana dashboard is the ConfigMap " + f"{cfg.name}-dashboard" + " in namespace "
+                      "{{ .Values.monitoring.dashboardNamespace }} (which the install needed to exist; Grafana's "
+                      "sidecar must watch it).\n")
     files = write_chart(folder, name=f"{cfg.name}-platform", description="kubetrain's platform of one namespace: "
                         "MLflow on PostgreSQL, PodMonitor, alert rules, the Grafana dashboard",
                         variants=variants, notes_txt=notes_txt, environments=environments)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kubetrain.errors import EXIT_PEER_LOST, KubetrainError, UserInputError
 from kubetrain.k8s.pod.node import NodeEnv, node_env
-from kubetrain.k8s.workloads import IDLE_MARKER
+from kubetrain.k8s.workloads import EXIT_CODE_POLICY_ENV, IDLE_MARKER, pod_exit_code
 from kubetrain.launch.elastic import LaunchOptions, launch
 from kubetrain.launch.watch import watch_options
 
@@ -108,7 +108,10 @@ def run(config: Path, *, rdzv_id: str, max_restarts: int, wait_timeout: float, s
     say(f"starting the elastic agent: kubetrain train {' '.join(train_args)}")
     code = run_agent(opts, train_args, runs.run_dir(cfg), say)
     if code != 0 or not idle_after_finish:
-        return code
+        exit_code = pod_exit_code(code, os.environ.get(EXIT_CODE_POLICY_ENV))
+        if exit_code != code:
+            say(f"exiting {exit_code} (kubetrain's {code}): the operator replaces this pod instead of failing the job")
+        return exit_code
     say(f"{IDLE_MARKER} so the StatefulSet does not restart it (kubetrain k8s stop removes it)")
     return idle_until_stopped()
 

@@ -2,29 +2,28 @@
 
 The templates are the rendered objects with `{{ ... }}` at the fields a value of values.yaml decides. Where
 those fields are is not written down here: each value is rendered once more with a sentinel in its place, and
-every field that changes is matched to it (the sentinel itself, its text, one less, or inside a longer string;
-a field holding YAML, such as the config in the ConfigMap, is compared key by key). A value that changes a field
-in any other way (a claim's access mode that follows the node count, an egress rule built from the tracking
-URI's host) cannot be lifted for that config: it stays as rendered, and a note says so. A choice that adds or
-removes objects (the platform's own database or an external one) is rendered both ways (`Variant`), and the
-documents that differ are wrapped in `{{ if }}`. Under its default values the chart renders exactly the objects
-of the render (tests/k8s/render/test_job_chart.py and tests/k8s/platform/test_chart.py run the real helm).
-"""
+every field that changes is matched to it (the sentinel itself, its text, one less, inside a longer string, a key
+written only for a value that is not empty, a mapping merged with the renderer's own entries, or the value as the
+renderer rewrites it; a field holding YAML, such as the config in the ConfigMap, is compared key by key). A value
+that changes a field in any other way (a claim's access mode that follows the node count, an egress rule built
+from the tracking URI's host) cannot be lifted for that config: it stays as rendered, and a note says so. A choice
+that adds or removes objects (the platform's own database or an external one) is rendered both ways (`Variant`);
+helm_chart.py writes one template per object, the lines that differ under `{{ if }}`. Under its default values
+the chart renders exactly the objects of the render (tests/k8s/render/test_job_chart.py and
+tests/k8s/platform/test_chart.py run the real helm)."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import json
-import shutil
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import yaml
 
-from kubetrain import __version__
 from kubetrain.errors import UserInputError
 from kubetrain.k8s.render.manifest import to_yaml
 from kubetrain.k8s.workloads import SPEC_HASH
@@ -33,6 +32,7 @@ Objects = list[dict[str, Any]]
 FieldPath = tuple[Any, ...]
 HEADER = "# Written by kubetrain (--format helm); rendered again, it is replaced. Change values, not templates.\n"
 _MARK = "KTHELMVALUE{:04d}X"  # plain YAML scalars that no rendered field holds
+_INDENT = "KTHELMINDENT"  # in a template action: the indentation of the block scalar it writes into
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's when present: a config text per probe
 
 
@@ -47,6 +47,9 @@ class Value:
     render: Callable[[Any], Objects]  # the objects with this value set to the one given
     source: str  # the config key it comes from, for notes
     expr: str = ""  # Go expression of the value; default `.Values.<key>`
+    # how the renderer writes the value into an object, in Python and as a Go expression of `%s` (the value)
+    transform: Callable[[Any], Any] | None = None
+    go_transform: str = ""
 
     @property
     def go(self) -> str:
@@ -60,6 +63,7 @@ class Variant:
     condition: str  # "" for a chart without choices
     objects: Objects
     values: list[Value]
+    tests: tuple[str, ...] = ()  # the condition's parts (it is `and` of them): a shorter test for lines they share
     lifted: list[Value] = field(default_factory=list)
     templated: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> template text
 
@@ -95,9 +99,29 @@ def _rendered_yaml(text: str) -> dict[str, Any] | None:
     return parsed if parsed is not None and yaml.safe_dump(parsed, sort_keys=False) == text else None
 
 
-# A field's template: a Go expression (the field's value), or for a field holding YAML, the expressions of the
-# fields inside it.
-Expr = str | dict[FieldPath, Any]
+@dataclass(frozen=True)
+class OptionalKey:
+    """A key the renderer writes only for a value that is not empty (nodeSelector, tolerations)."""
+
+    key: str
+    expr: str
+
+
+@dataclass(frozen=True)
+class Merged:
+    """A mapping of the value's entries and the renderer's own (a pod's annotations); the renderer's win."""
+
+    fixed: tuple[tuple[str, Any], ...]
+    expr: str
+
+    def go(self) -> str:
+        pairs = " ".join(f"{json.dumps(k)} {'.specHash' if k == SPEC_HASH else json.dumps(v)}" for k, v in self.fixed)
+        return f"(merge (dict {pairs}) ({self.expr} | default dict))"
+
+
+# A field's template: a Go expression (the field's value), a key present with a value that is not empty, a mapping
+# merged with the renderer's own entries, or for a field holding YAML, the expressions of the fields inside it.
+Expr = str | OptionalKey | Merged | dict[FieldPath, Any]
 
 
 def _explain(value: Value, a: Any, b: Any) -> Expr | None:
@@ -105,13 +129,29 @@ def _explain(value: Value, a: Any, b: Any) -> Expr | None:
     d, s = value.default, value.sentinel
     if a == d and b == s and type(a) is type(d):
         return f"(int {value.go})" if isinstance(d, int) and not isinstance(d, bool) else value.go
+    if value.transform is not None and a == value.transform(d) and b == value.transform(s):
+        return value.go_transform % value.go
+    if isinstance(a, dict) and isinstance(b, dict) and isinstance(s, dict | list) and not d:
+        extra = b.keys() - a.keys()
+        if len(extra) == 1 and a.keys() <= b.keys() and all(a[k] == b[k] for k in a):
+            (key,) = extra
+            inner = _explain(value, value.transform(d) if value.transform else d, b[key])
+            if isinstance(inner, str):
+                return OptionalKey(key, inner)
+    if isinstance(a, dict) and isinstance(b, dict) and isinstance(d, dict) and isinstance(s, dict):
+        fixed_a = {k: v for k, v in a.items() if k not in d}
+        fixed_b = {k: v for k, v in b.items() if k not in s}
+        if (all(a.get(k) == v for k, v in d.items()) and all(b.get(k) == v for k, v in s.items())
+                and fixed_a.keys() == fixed_b.keys() and fixed_a
+                and all(fixed_a[k] == fixed_b[k] for k in fixed_a if k != SPEC_HASH)):
+            return Merged(tuple(fixed_a.items()), value.go)
     inner_a = _rendered_yaml(a) if isinstance(a, str) else None
     inner_b = _yaml_mapping(b) if inner_a is not None else None
     if inner_a is not None and inner_b is not None:  # the config in the ConfigMap: key by key
         out: dict[FieldPath, Any] = {}
         for path, x, y in _differences(inner_a, inner_b):
             expr = _explain(value, x, y)
-            if expr is None or isinstance(expr, dict):
+            if not isinstance(expr, str):
                 return None
             out[path] = expr
         return out
@@ -144,7 +184,7 @@ def lift(variant: Variant, notes: list[str]) -> None:
             if expr is None:
                 unexplained = path
                 break
-            found[path] = expr
+            found[(*path, expr.key) if isinstance(expr, OptionalKey) else path] = expr
         if unexplained is not None:
             whole = not unexplained or unexplained[0] >= len(variant.objects)
             what = "which objects there are" if whole else (
@@ -191,29 +231,48 @@ def _templates(objects: Objects, substitutions: dict[FieldPath, Any]) -> dict[tu
         return name
 
     for obj in marked:
-        for meta in _hashed(obj):
-            meta["annotations"][SPEC_HASH] = mark('{{ include "kubetrain.specHash" . | toJson }}')
+        for meta in hashed_metadata(obj):
+            meta["annotations"][SPEC_HASH] = mark("{{ toJson .specHash }}")  # helm_chart._hashed_objects
+    optional: dict[str, tuple[str, OptionalKey]] = {}  # marker key -> (its marker value, the key)
     for path, expr in substitutions.items():
         if isinstance(expr, dict):
             _set(marked, path, _marked_text(_get(objects, path), expr, mark))
+        elif isinstance(expr, OptionalKey):  # a marker entry where the key goes; its line becomes a `with`
+            name = _MARK.format(len(actions))
+            actions[name] = ""
+            optional[name] = (mark(""), expr)
+            _get(marked, path[:-1])[name] = optional[name][0]
+        elif isinstance(expr, Merged):
+            _set(marked, path, mark(f"{{{{ toJson {expr.go()} }}}}"))
         else:
             _set(marked, path, mark(f"{{{{ toJson {expr} }}}}"))
     out = {}
     for obj in marked:
         # what the renderer writes between braces (alert descriptions, dashboard legends) stays text for helm
         text = to_yaml([obj]).replace("{{", '{{ "{{" }}')
+        for name, (value_mark, key) in optional.items():
+            text = re.sub(rf"^( *){name}: {value_mark}\n", _with_line(key), text, flags=re.M)
         uses_defaults = False
         for name, action in actions.items():
-            if name in text:
+            if action and name in text:
                 text = text.replace(name, action)
                 uses_defaults = uses_defaults or "$d" in action
+        text = re.sub(rf"^( *)(.*){_INDENT}(\d{{3}})",
+                      lambda m: m[1] + m[2] + " " * (len(m[1]) - int(m[3])), text, flags=re.M)
         if uses_defaults:  # the chart's own defaults, for fields kept byte for byte under them
             text = '{{- $d := include "kubetrain.defaults" . | fromYaml }}\n' + text
         out[(obj["kind"], obj["metadata"]["name"])] = text
     return out
 
 
-def _hashed(obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
+def _with_line(key: OptionalKey) -> Callable[[re.Match[str]], str]:
+    """The marker entry's line as the key under `with`: written only when the value is not empty."""
+    def line(match: re.Match[str]) -> str:
+        return f"{{{{- with {key.expr} }}}}\n{match[1]}{key.key}: {{{{ toJson . }}}}\n{{{{- end }}}}\n"
+    return line
+
+
+def hashed_metadata(obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """The metadata blocks of an object (itself and its pod templates) that carry the spec hash."""
     from kubetrain.k8s.render.manifest import pod_templates
 
@@ -236,122 +295,47 @@ def _marked_text(text: str, exprs: dict[FieldPath, str], mark: Callable[[str], s
         _set(raw, path, f"{_MARK.format(9999)}{len(names):04d}")
     marked_lines = yaml.safe_dump(raw, sort_keys=False).splitlines(keepends=True)
     lines = text.splitlines(keepends=True)
-    if len(marked_lines) != len(lines):
-        raise UserInputError("a lifted config key changes the config's layout; render without --format helm")
-    out = []
     markers = {f"{_MARK.format(9999)}{i + 1:04d}": pair for i, pair in enumerate(names.values())}
-    for marked_line, line in zip(marked_lines, lines, strict=True):
-        for name, (expr, default) in markers.items():
-            if name in marked_line:
-                prefix, suffix = marked_line.split(name)
-                token = line[len(prefix):len(line) - len(suffix)]
-                action = (f'{{{{ include "kubetrain.scalar" (list {expr} {default} {json.dumps(token)}) }}}}')
-                marked_line = prefix + mark(action) + suffix
-        out.append(marked_line)
+    out = []
+    at = 0  # the line of `text` the next marked line stands for
+    for marked_line in marked_lines:
+        name = next((n for n in markers if n in marked_line), None)
+        if name is None:
+            if at >= len(lines) or lines[at] != marked_line:
+                raise UserInputError("a lifted config key changes the config's layout; render without --format helm")
+            out.append(marked_line)
+            at += 1
+            continue
+        expr, default = markers[name]
+        prefix, suffix = marked_line.split(name)
+        end = _value_end(lines, at)
+        if end == at + 1:  # a scalar, or an empty mapping or list: its text on the key's line
+            token = lines[at][len(prefix):len(lines[at]) - len(suffix)]
+            action = f'{{{{ include "kubetrain.scalar" (list {expr} {default} {json.dumps(token)}) }}}}'
+            out.append(prefix + mark(action) + suffix)
+        else:  # a block mapping or list under the key: the key's line and the block, or the key and JSON
+            key = prefix.rstrip(" ")
+            token = "".join(lines[at:end])[len(key):-1]
+            # the block's lines go into the ConfigMap's block scalar: _templates puts the scalar's indentation for
+            # the placeholder, from the line the key lands on and the key's own indentation here
+            depth = len(key) - len(key.lstrip(" "))
+            action = (f'{{{{ include "kubetrain.block" (list {expr} {default} {json.dumps(token)} '
+                      f'"{_INDENT}{depth:03d}") }}}}')
+            out.append(key + mark(action) + "\n")
+        at = end
     return "".join(out)
 
 
-def merge(variants: list[Variant]) -> list[tuple[str, str]]:
-    """(file stem, template) of every object of every variant; one a variant lacks is wrapped in its condition."""
-    keys: list[tuple[str, str]] = []
-    for v in variants:
-        keys += [k for k in v.templated if k not in keys]
-    out = []
-    for kind, name in keys:
-        texts: dict[str, list[str]] = {}
-        for v in variants:
-            if (kind, name) in v.templated:
-                texts.setdefault(v.templated[(kind, name)], []).append(v.condition)
-        parts = []
-        for text, conditions in texts.items():
-            if len(conditions) == len(variants):
-                parts.append(text)
-                continue
-            test = conditions[0] if len(conditions) == 1 else "or " + " ".join(f"({c})" for c in conditions)
-            parts.append(f"{{{{- if {test} }}}}\n{text}{{{{- end }}}}\n")
-        out.append((f"{kind.lower()}-{name}", "---\n".join(parts)))
-    return out
-
-
-def _schema_of(values: list[Value]) -> dict[str, Any]:
-    root: dict[str, Any] = {"$schema": "https://json-schema.org/draft-07/schema#", "type": "object",
-                            "additionalProperties": False, "properties": {}, "required": []}
-    for value in values:
-        node = root
-        *parents, last = value.key.split(".")
-        for part in parents:
-            if part not in node["properties"]:
-                node["properties"][part] = {"type": "object", "additionalProperties": False, "properties": {},
-                                            "required": []}
-                node["required"].append(part)
-            node = node["properties"][part]
-        node["properties"][last] = value.schema
-        node["required"].append(last)
-    return root
-
-
-def _values_tree(values: list[Value]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for value in values:
-        *parents, last = value.key.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value.default
-    return out
-
-
-def _helpers(values: dict[str, Any], spec_hash: str | None) -> str:
-    defaults = yaml.safe_dump(values, sort_keys=False) if values else "{}\n"
-    text = HEADER + (
-        '{{- /* The chart\'s default values (values.yaml): fields keep the render\'s exact text under them. */ -}}\n'
-        '{{- define "kubetrain.defaults" }}\n' + defaults + "{{- end }}\n"
-        '{{- /* A scalar in the config text: as rendered under the default, else as JSON (which YAML reads). */ -}}\n'
-        '{{- define "kubetrain.scalar" -}}\n'
-        "{{- if eq (toJson (index . 0)) (toJson (index . 1)) }}{{ index . 2 }}{{ else }}{{ toJson (index . 0) }}"
-        "{{ end }}\n{{- end }}\n"
-    )
-    if spec_hash:
-        text += (
-            "{{- /* kubetrain.dev/spec-hash: the render's under the default values, else one of those and the values"
-            " (launch reads it to tell an unchanged relaunch). */ -}}\n"
-            '{{- define "kubetrain.specHash" -}}\n'
-            '{{- if eq (toJson .Values) (toJson (include "kubetrain.defaults" . | fromYaml)) }}' + spec_hash +
-            "{{ else }}{{ print " + json.dumps(spec_hash) + " (toJson .Values) | sha256sum | trunc 16 }}{{ end }}\n"
-            "{{- end }}\n"
-        )
-    return text
-
-
-def write_chart(folder: Path, *, name: str, description: str, variants: list[Variant], notes_txt: str,
-                environments: dict[str, dict[str, Any]] | None = None) -> list[Path]:
-    """Write Chart.yaml, values.yaml, values.schema.json, the templates (and values-ENV.yaml files)."""
-    if folder.exists() and not folder.is_dir():
-        raise UserInputError(f"-o {folder}: that is a file; name a folder for the chart")
-    chart_file = folder / "Chart.yaml"
-    if chart_file.exists():
-        if not chart_file.read_text(encoding="utf-8").startswith(HEADER):
-            raise UserInputError(f"{chart_file} was not written by kubetrain; write the chart into an empty folder "
-                                 "(or one kubetrain wrote before)")
-        shutil.rmtree(folder / "templates", ignore_errors=True)
-    (folder / "templates").mkdir(parents=True, exist_ok=True)
-    values = [v for variant in variants for v in variant.lifted]
-    values = [v for i, v in enumerate(values) if v.key not in {w.key for w in values[:i]}]
-    tree = _values_tree(values)
-    spec_hashes = {m["annotations"][SPEC_HASH] for v in variants for o in v.objects for m in _hashed(o)}
-    chart = {"apiVersion": "v2", "name": name, "description": description, "type": "application",
-             "version": __version__, "appVersion": __version__}
-    files = {
-        chart_file: HEADER + yaml.safe_dump(chart, sort_keys=False),
-        folder / "values.yaml": HEADER + (yaml.safe_dump(tree, sort_keys=False) if tree else "{}\n"),
-        folder / "values.schema.json": json.dumps(_schema_of(values), indent=2) + "\n",
-        folder / "templates" / "_helpers.tpl": _helpers(tree, next(iter(spec_hashes), None)),
-        folder / "templates" / "NOTES.txt": notes_txt,
-    }
-    for env, overrides in (environments or {}).items():
-        files[folder / f"values-{env}.yaml"] = HEADER + yaml.safe_dump(overrides, sort_keys=False)
-    for i, (stem, text) in enumerate(merge(variants)):
-        files[folder / "templates" / f"{i:02d}-{stem}.yaml"] = HEADER + text
-    for path, text in files.items():
-        path.write_text(text, encoding="utf-8")
-    return list(files)
+def _value_end(lines: list[str], at: int) -> int:
+    """The line after the value of the key on line `at`: lines indented deeper, or list items at its indentation
+    (PyYAML writes a list under a key without indenting it), are its value's."""
+    indent = len(lines[at]) - len(lines[at].lstrip(" "))
+    end = at + 1
+    while end < len(lines):
+        line = lines[end]
+        depth = len(line) - len(line.lstrip(" "))
+        if depth > indent or (depth == indent and line.lstrip(" ").startswith("- ")):
+            end += 1
+        else:
+            break
+    return end

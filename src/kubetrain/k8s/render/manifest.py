@@ -6,8 +6,6 @@ common objects of objects.py.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,6 @@ from kubetrain.k8s.render.network import network_policy
 from kubetrain.k8s.render.objects import claims, config_map
 from kubetrain.k8s.render.podsecurity import level_note
 from kubetrain.k8s.render.renderers import RENDERERS
-from kubetrain.k8s.workloads import SPEC_HASH
 
 
 def render(cfg: Config, workload: str | None = None, measured: MeasuredSave | None = None, *,
@@ -49,16 +46,15 @@ def pod_security_note(objects: list[dict[str, Any]]) -> str | None:
 
 
 def stamp(objects: list[dict[str, Any]]) -> None:
-    """Put a hash of everything rendered on the workload and its pod templates.
+    """Put a hash of everything rendered on the workload and its pod templates (spec_hash.py defines it).
 
     The same hash on the cluster means an unchanged relaunch (launch then does nothing); a different one
     changes the pod template, which a running Job refuses (immutable) instead of running on with an old
     config while the ConfigMap holds a new one.
     """
-    digest = hashlib.sha256(json.dumps(objects, sort_keys=True).encode()).hexdigest()[:16]
-    workload = objects[-1]
-    for meta in [workload["metadata"], *(t.setdefault("metadata", {}) for _, t in pod_templates(workload))]:
-        meta["annotations"] = {**(meta.get("annotations") or {}), SPEC_HASH: digest}
+    from kubetrain.k8s.render.spec_hash import stamp as put_hash
+
+    put_hash(objects)
 
 
 class _Dumper(yaml.SafeDumper):

@@ -241,20 +241,21 @@ def startup_probe(ctx: RenderContext) -> dict[str, Any] | None:
             "failureThreshold": math.ceil(ctx.k.wait_timeout_seconds / STARTUP_PERIOD) + STARTUP_SLACK_PERIODS}
 
 
+# k8s.tolerations' fields and the pod's (what is unset is left out)
+TOLERATION_FIELDS = {"key": "key", "value": "value", "effect": "effect", "toleration_seconds": "tolerationSeconds"}
+
+
 def tolerations(ctx: RenderContext) -> list[dict[str, Any]]:
-    out = []
-    for t in ctx.k.tolerations:
-        item: dict[str, Any] = {"operator": t.operator}
-        for key, value in (
-            ("key", t.key),
-            ("value", t.value),
-            ("effect", t.effect),
-            ("tolerationSeconds", t.toleration_seconds),
-        ):
-            if value is not None:
-                item[key] = value
-        out.append(item)
-    return out
+    return [pod_toleration(t.model_dump(mode="json")) for t in ctx.k.tolerations]
+
+
+def pod_toleration(fields: dict[str, Any]) -> dict[str, Any]:
+    """A toleration of k8s.tolerations (its fields as the config writes them) as the pod spec takes it."""
+    item: dict[str, Any] = {"operator": fields.get("operator") or "Equal"}
+    for ours, theirs in TOLERATION_FIELDS.items():
+        if fields.get(ours) is not None:
+            item[theirs] = fields[ours]
+    return item
 
 
 def container(
