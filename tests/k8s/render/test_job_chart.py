@@ -305,3 +305,12 @@ def test_a_memory_request_render_refuses_is_refused_at_install(tmp_path: Path, h
             assert f"resources.memory ({memory}) cannot hold what a pod's processes need" in out.stderr
         verdicts.append(refused)
     assert verdicts == [True, False, True, False]  # 40Gi holds 64 nodes' shards, not 2 nodes'; both sides tried
+
+
+def test_a_value_that_stays_fixed_is_explained_in_the_users_terms(tmp_path: Path, cli: Cli) -> None:
+    """The homelab example's chart said `k8s.nnodes = 61 is refused`: 61 is the probe's value, never the user's."""
+    example = Path(__file__).parents[3] / "examples" / "k8s" / "homelab-3090.yaml"
+    code, _, err = cli("k8s", "render", str(example), "--format", "helm", "-o", str(tmp_path / "chart"))
+    assert code == 0, err
+    [note] = [line for line in err.splitlines() if line.startswith("note: nodes stays fixed")]
+    assert "61" not in note and "ReadWriteOnce" in note and "--set k8s.nnodes=" in note, note
