@@ -21,7 +21,7 @@ from kubetrain.cli.k8s_options import (
     checked_workload,
     cluster_for,
 )
-from kubetrain.cli.options import ConfigArg, PresetOpt, SetOpt, load
+from kubetrain.cli.options import ConfigArg, PresetOpt, SetOpt, folder_path, load
 
 
 def render(
@@ -30,8 +30,9 @@ def render(
     set_: SetOpt = None,
     workload: WorkloadOpt = None,
     namespace: NamespaceOpt = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write one file per object and a "
-                                                "kustomization.yaml into this folder instead of printing.")] = None,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", parser=folder_path,
+        help="Write one file per object and a kustomization.yaml into this folder instead of printing.")] = None,
     no_validate: NoValidateOpt = False,
     crds: CrdsOpt = None,
     fmt: FormatOpt = Format.yaml,

@@ -53,3 +53,11 @@ def positive_seconds(flag: str) -> Callable[[float | None], float | None]:
         return value
 
     return check
+
+
+def folder_path(text: str) -> Path:
+    """A folder option's value (`-o DIR`): an empty one is refused, not read as `.` (it wrote into the current
+    folder, among whatever is there)."""
+    if not text.strip():
+        raise UserInputError("-o/--output: an empty path; name the folder to write into (`-o .` for this one)")
+    return Path(text)

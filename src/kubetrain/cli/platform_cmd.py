@@ -18,6 +18,7 @@ from kubetrain.cli.k8s_options import (
     NoValidateOpt,
     cluster_for,
 )
+from kubetrain.cli.options import folder_path
 from kubetrain.errors import UserInputError
 
 app = typer.Typer(help="The platform around the jobs: MLflow on PostgreSQL, PodMonitor, alert rules and "
@@ -33,8 +34,9 @@ PlatformArg = Annotated[
 def platform_render(
     config: PlatformArg = None,
     namespace: NamespaceOpt = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write one file per object and a "
-                                                "kustomization.yaml into this folder instead of printing.")] = None,
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", parser=folder_path,
+        help="Write one file per object and a kustomization.yaml into this folder instead of printing.")] = None,
     no_validate: NoValidateOpt = False,
     crds: CrdsOpt = None,
     fmt: FormatOpt = Format.yaml,

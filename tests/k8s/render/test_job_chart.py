@@ -152,6 +152,28 @@ def test_cli_writes_the_chart_and_says_what_stays_fixed(tmp_path: Path, cli: Cli
     assert (tmp_path / "theirs" / "Chart.yaml").read_text().startswith("apiVersion: v2\nname: theirs")
 
 
+def test_a_chart_is_never_written_among_files_kubetrain_did_not_write(tmp_path: Path, cli: Cli) -> None:
+    """`-o ''` wrote into the current folder; a folder holding someone's templates had them merged into the chart
+    (installed with it), or, beside kubetrain's Chart.yaml, deleted."""
+    code, _, err = cli("k8s", "render", "--format", "helm", "-o", "")
+    assert code == 2 and err == "error: -o/--output: an empty path; name the folder to write into (`-o .` for " \
+        "this one)\n", err
+    assert not (tmp_path / "Chart.yaml").exists() and not (tmp_path / "templates").exists()
+    theirs = tmp_path / "charts" / "templates" / "ingress.yaml"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_text("apiVersion: networking.k8s.io/v1\nkind: Ingress\n")
+    code, _, err = cli("k8s", "render", "--format", "helm", "-o", str(tmp_path / "charts"))
+    assert code == 2 and f"{theirs} was not written by kubetrain" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "charts" / "Chart.yaml").exists()
+    code, _, err = cli("k8s", "render", "--format", "helm", "-o", str(tmp_path / "ours"))
+    assert code == 0, err
+    added = tmp_path / "ours" / "templates" / "extra.yaml"  # a file added by hand to kubetrain's chart
+    added.write_text("kind: ConfigMap\n")
+    code, _, err = cli("k8s", "render", "--format", "helm", "-o", str(tmp_path / "ours"))
+    assert code == 2 and f"{added} was not written by kubetrain" in err, err
+    assert added.read_text() == "kind: ConfigMap\n"  # refused, not deleted
+
+
 def _spec_hashes(objects: list[dict[str, Any]]) -> set[str]:
     return {m["annotations"][SPEC_HASH] for o in objects
             for m in [o["metadata"], *(t.get("metadata") or {} for _, t in pod_templates(o))]
@@ -283,3 +305,12 @@ def test_a_memory_request_render_refuses_is_refused_at_install(tmp_path: Path, h
             assert f"resources.memory ({memory}) cannot hold what a pod's processes need" in out.stderr
         verdicts.append(refused)
     assert verdicts == [True, False, True, False]  # 40Gi holds 64 nodes' shards, not 2 nodes'; both sides tried
+
+
+def test_a_value_that_stays_fixed_is_explained_in_the_users_terms(tmp_path: Path, cli: Cli) -> None:
+    """The homelab example's chart said `k8s.nnodes = 61 is refused`: 61 is the probe's value, never the user's."""
+    example = Path(__file__).parents[3] / "examples" / "k8s" / "homelab-3090.yaml"
+    code, _, err = cli("k8s", "render", str(example), "--format", "helm", "-o", str(tmp_path / "chart"))
+    assert code == 0, err
+    [note] = [line for line in err.splitlines() if line.startswith("note: nodes stays fixed")]
+    assert "61" not in note and "ReadWriteOnce" in note and "--set k8s.nnodes=" in note, note

@@ -173,7 +173,10 @@ def lift(variant: Variant, notes: list[str]) -> None:
         try:
             probe = value.render(value.sentinel)
         except UserInputError as e:
-            notes.append(f"{value.key} stays fixed in the chart: {value.source} = {value.sentinel!r} is refused ({e})")
+            # the probe's value is ours, not the user's: say why other values cannot be taken, in words about theirs
+            why = str(e).replace(f"{value.sentinel} ", "other ").replace(repr(value.sentinel), "another value")
+            notes.append(f"{value.key} stays fixed in the chart: the config refuses other values of {value.source} "
+                         f"({why}); change it with --set {value.source}=... when rendering")
             continue
         found: dict[FieldPath, Any] = {}
         unexplained = None

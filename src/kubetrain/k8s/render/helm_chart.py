@@ -151,6 +151,31 @@ def _hashed_objects(templates: list[tuple[str, str]], objects: Objects) -> tuple
     return helper, out
 
 
+_OWN_UNMARKED = {"_helpers.tpl", "NOTES.txt", "values.schema.json"}  # written without the header (no comments)
+
+
+def _not_ours(folder: Path) -> Path | None:
+    """A file in the chart folder that kubetrain did not write (the header marks its own), or None. A folder
+    without kubetrain's Chart.yaml is the user's: anything in it is theirs."""
+    if not folder.is_dir():
+        return None
+    chart_file = folder / "Chart.yaml"
+    ours = chart_file.is_file() and chart_file.read_text(encoding="utf-8").startswith(HEADER)
+    for path in sorted(folder.rglob("*")):
+        if path.is_dir():
+            continue
+        if not ours:
+            return path
+        if path.name in _OWN_UNMARKED and path.parent in (folder, folder / "templates"):
+            continue
+        try:
+            if not path.read_text(encoding="utf-8").startswith(HEADER):
+                return path
+        except (OSError, UnicodeDecodeError):
+            return path
+    return None
+
+
 def write_chart(folder: Path, *, name: str, description: str, variants: list[Variant], notes_txt: str,
                 environments: dict[str, dict[str, Any]] | None = None, checks: str = "",
                 helpers: str = "") -> list[Path]:
@@ -161,10 +186,11 @@ def write_chart(folder: Path, *, name: str, description: str, variants: list[Var
     if folder.exists() and not folder.is_dir():
         raise UserInputError(f"-o {folder}: that is a file; name a folder for the chart")
     chart_file = folder / "Chart.yaml"
+    foreign = _not_ours(folder)
+    if foreign:  # merged into the chart they would install with it; replaced, they would be lost
+        raise UserInputError(f"-o {folder}: {foreign} was not written by kubetrain; write the chart into an empty "
+                             "folder (or one kubetrain wrote before)")
     if chart_file.exists():
-        if not chart_file.read_text(encoding="utf-8").startswith(HEADER):
-            raise UserInputError(f"{chart_file} was not written by kubetrain; write the chart into an empty folder "
-                                 "(or one kubetrain wrote before)")
         shutil.rmtree(folder / "templates", ignore_errors=True)
     (folder / "templates").mkdir(parents=True, exist_ok=True)
     values = [v for variant in variants for v in variant.lifted]
