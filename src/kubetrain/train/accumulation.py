@@ -9,6 +9,9 @@ what is trained would change with micro_batch_size, grad_accum_steps, the world 
 The count is summed over ranks in one small all-reduce per step, started before the first forward and waited for
 before the first backward; it stays on the device (no host sync). DDP and FSDP average gradients over ranks, so
 each rank scales its summed loss by world_size / counted tokens, and the average is the global batch's gradient.
+
+A window that counts no token on any rank (chat rows of prompt only) has nothing to learn from: the same count, read
+on every rank, tells the step to leave the optimizer alone (train/nonfinite.py), with no other collective.
 """
 
 from __future__ import annotations
