@@ -1,6 +1,6 @@
 """The trainer against a bare loop of the same model and loss, eager and compiled, on this machine's device.
 
-What issue 34 asked the next GPU run to measure, in one process: `kubetrain train` on the gpt2-124m shape (bf16,
+What the next GPU run measures, in one process: `kubetrain train` on the gpt2-124m shape (bf16,
 micro-batch 16, context 1024) with `train.compile` false and true, each against the least loop that trains the same
 model (its model and loss compiled together, its optimizer, autocast and clipping, one batch already on the
 device), plus doctor's memory estimate of each run. Tokens/s is the median of the windows after the first; peak

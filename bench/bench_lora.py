@@ -93,7 +93,7 @@ def kubetrain_config(root: Path, packing: bool, steps: int, threads: int) -> Any
         "model": {"kind": "hf", "name_or_path": str(root / "model"), "block_size": BLOCK, "lora": LORA},
         "train": {"max_steps": steps, "micro_batch_size": BATCH, "lr": LR, "warmup_steps": 2,
                   "log_every_steps": 1, "weight_decay": 0.0, "grad_clip": 1.0},
-        "eval": {"every_steps": 100_000, "batches": 1, "sample_prompt": None, "sample_tokens": 1},
+        "eval": {"every_steps": 100_000, "windows": 1, "sample_prompt": None, "sample_tokens": 1},
         "checkpoint": {"every_steps": 100_000},
         "track": {"console": False},
     })

@@ -1,6 +1,6 @@
-"""The loss alone: kubetrain's chunked cross-entropy against cross-entropy on an fp32 copy of the logits (the loop
-before issue 34), kubetrain's head + loss fused chunk by chunk (models/loss.py `LinearCrossEntropy`, issue 40) and,
-where the installed torch has it (2.13+), torch's chunked F.linear_cross_entropy.
+"""The loss alone: kubetrain's chunked cross-entropy against cross-entropy on an fp32 copy of the logits (the loop's
+loss before it ran inside the compiled step), kubetrain's head + loss fused chunk by chunk (models/loss.py
+`LinearCrossEntropy`) and, where the installed torch has it (2.13+), torch's chunked F.linear_cross_entropy.
 
 Forward and backward of the loss (with the head's matmul, so the three do the same work), rounds interleaved;
 the median round's seconds, and the peak memory each adds (CUDA: the allocator's; the CPU: none, reported 0).

@@ -9,7 +9,7 @@ The baseline is one process that imported kubetrain's trainer, torch, FSDP and D
 are given of the peaks and of the growth over that baseline (what the model and its training add).
 
     PYTHONPATH=src .venv/bin/python bench/bench_memory.py [--layers 12 --width 768 --context 256] [--out auto]
-        [--only ddp4,fsdp4]   (the figure of issue 27: FSDP's largest process over DDP's, 4 ranks)
+        [--only ddp4,fsdp4]   (FSDP's largest process over DDP's, 4 ranks: the figure FSDP is held to)
 
 The default shape is GPT-2 small's blocks with a byte vocabulary: 85M parameters. 4 ranks under DDP take ~10 GB
 of RAM together: run it alone.
@@ -39,7 +39,7 @@ BASELINE = ("import resource, kubetrain.train.trainer, torch.distributed.fsdp, t
 def settings(args: argparse.Namespace, cwd: Path) -> list[str]:
     return [f"model.n_layer={args.layers}", f"model.n_head={args.width // 64}", f"model.n_embd={args.width}",
             f"model.block_size={args.context}", f"train.micro_batch_size={args.batch}", f"train.max_steps={args.steps}",
-            "train.warmup_steps=0", "train.log_every_steps=1", "eval.every_steps=100000", "eval.batches=1",
+            "train.warmup_steps=0", "train.log_every_steps=1", "eval.every_steps=100000", "eval.windows=1",
             "eval.sample_prompt=null", f"checkpoint.every_steps={args.every}", "checkpoint.keep_last=1",
             "run.threads=1",
             f"data.sources=[{{kind: text, path: {cwd / 'corpus.txt'}}}]", f"data.cache_dir={cwd / 'cache'}",

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests/hf_models.py builds the small Llama the LoRA case fine-tunes
 
 COMMON = ["run.threads=1", "track.console=false", "eval.sample_prompt=null", "train.max_steps=3",
-          "train.log_every_steps=1", "checkpoint.every_steps=2", "eval.every_steps=1000", "eval.batches=2",
+          "train.log_every_steps=1", "checkpoint.every_steps=2", "eval.every_steps=1000", "eval.windows=2",
           "train.warmup_steps=1"]
 SMALL = ["model.n_layer=4", "model.n_embd=256", "model.n_head=4", "model.block_size=256",
          "train.micro_batch_size=8", "train.grad_accum_steps=1"]
@@ -45,7 +45,7 @@ def cases(work: Path) -> dict[str, tuple[list[str], int | None]]:
         "ddp-4": (["--preset", "tiny", *_sets(SMALL)], 4),
         "fsdp-4": (["--preset", "tiny", *_sets(SMALL), "--set", "dist.strategy=fsdp"], 4),
         "lora-hf-llama": (lora_args(work), None),
-        "tiny-with-eval": (["--preset", "tiny", "--set", "eval.every_steps=1", "--set", "eval.batches=4"], None),
+        "tiny-with-eval": (["--preset", "tiny", "--set", "eval.every_steps=1", "--set", "eval.windows=4"], None),
     }
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What a session lent a GPU machine runs there, as one script (about 10 minutes on an H200): the offline install,
-# the self-test, and the GPU figures issue 34 asked for. Build the bundle here first, then carry it:
+# the self-test, and the GPU figures the CPU cannot give (tokens/s, peak memory, the estimate's accuracy). Build the bundle here first, then carry it:
 #   scripts/bundle -o kubetrain-bundle        (here, where the package index is reachable)
 #   bench/gpu-session.sh kubetrain-bundle     (there; results go to $OUT, or ./gpu-results)
 # Commit the JSON files under bench/results/ with the device and date in their names.

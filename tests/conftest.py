@@ -33,7 +33,7 @@ TINY = [
     "train.warmup_steps=2",
     "train.log_every_steps=1",
     "eval.every_steps=3",
-    "eval.batches=2",
+    "eval.windows=2",
     "eval.sample_tokens=8",
     "checkpoint.every_steps=3",
 ]

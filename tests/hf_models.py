@@ -114,7 +114,7 @@ def lora_config(out: Path, llama: Path, chat: Path, **overrides: object) -> Conf
                                               "down_proj"]}},
         "train": {"max_steps": 24, "micro_batch_size": 4, "lr": 2e-2, "warmup_steps": 2,
                   "log_every_steps": 1},
-        "eval": {"every_steps": 8, "batches": 1, "sample_prompt": None, "sample_tokens": 4},
+        "eval": {"every_steps": 8, "windows": 1, "sample_prompt": None, "sample_tokens": 4},
         "checkpoint": {"every_steps": 8, "keep_last": 5},
         "track": {"console": False},
     }
@@ -150,7 +150,7 @@ def hf_full_run(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path, chat_
         "data": {"sources": [{"kind": "chat", "path": str(chat_file)}], "val_fraction": 0.1},
         "model": {"kind": "hf", "name_or_path": str(llama_dir), "block_size": 64},
         "train": {"max_steps": 3, "micro_batch_size": 2, "lr": 1e-3, "warmup_steps": 0},
-        "eval": {"every_steps": 3, "batches": 1, "sample_prompt": None, "sample_tokens": 2},
+        "eval": {"every_steps": 3, "windows": 1, "sample_prompt": None, "sample_tokens": 2},
         "track": {"console": False},
     })
     return Path(train(cfg, log=lambda m: None).run_dir)
@@ -174,7 +174,7 @@ def gpt_lora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                               "down_proj"]}},
         "train": {"max_steps": 4, "micro_batch_size": 2, "lr": 1e-2, "warmup_steps": 0},
-        "eval": {"every_steps": 4, "batches": 1, "sample_prompt": None, "sample_tokens": 2},
+        "eval": {"every_steps": 4, "windows": 1, "sample_prompt": None, "sample_tokens": 2},
         "track": {"console": False},
     })
     return Path(train(cfg, log=lambda m: None).run_dir)

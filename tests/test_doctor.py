@@ -40,6 +40,16 @@ def test_report_with_a_config_estimates_the_fit_and_names_the_settings(tmp_path:
     assert report["disk"]["path"] == str(tmp_path / "runs")  # not created yet: its file system is asked
 
 
+def test_tokens_per_step_counts_every_process_as_the_run_does(tmp_path: Path) -> None:
+    """`doctor --nproc 2` reports the run's figure: each process trains its own micro-batches."""
+    cfg = load_config(overrides=[f"run.output_dir={tmp_path / 'runs'}", "run.device=cpu", "run.threads=1"])
+    one = doctor.doctor(cfg)["settings"]
+    two = doctor.doctor(cfg, Layout.of(cfg, 2, 2))["settings"]
+    assert two["grad_accum_steps"] == one["grad_accum_steps"]  # a fixed micro-batch: the world adds tokens
+    assert two["tokens_per_step"] == 2 * one["tokens_per_step"] == 2 * (
+        cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.model.block_size)
+
+
 def _tiny_model(cfg: object) -> torch.nn.Module:
     from kubetrain.models import build_model
 

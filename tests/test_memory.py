@@ -53,7 +53,7 @@ def test_the_64_node_example_fits_an_80_gb_gpu_once_fsdp_over_512_ranks_is_count
     worker = estimate(cfg, shape, Layout.of(cfg, 512, 8), "cuda", precision="bf16", attention="flash")
     assert worker.per_process == pods.per_process
     alone = estimate(cfg, shape, Layout.of(cfg), "cuda", precision="bf16", attention="flash")
-    assert alone.per_process > 80e9  # each worker checking as one process would refuse an 80 GB GPU (issue 27)
+    assert alone.per_process > 80e9  # each worker checking as one process would refuse an 80 GB GPU that fits
 
 
 def _figure(message: str) -> str:
@@ -212,7 +212,7 @@ def test_compiling_and_the_fused_head_lower_the_gpt2_estimate() -> None:
     assert compiled["loss"] == 2 * tokens_x_vocab  # the bf16 logits, their gradient written over them
     # eager, the head is fused with the loss: never the whole logits, only the hidden states' gradient and a chunk
     assert eager["loss"] < 4 * tokens_x_vocab / 10  # a tenth of one fp32 copy of the logits at most
-    # the H200 run (issue 34): a bare loop with model and loss compiled together peaked at 8.8 GiB (its tensors:
+    # the H200 run: a bare loop with model and loss compiled together peaked at 8.8 GiB (its tensors:
     # no loader, no checkpoint)
     step = sum(size for part, size in compiled.items() if part not in ("data", "checkpoint_staging"))
     assert 0.9 < step / (8.8 * GIB) < 1.0
@@ -222,7 +222,7 @@ def test_compiling_and_the_fused_head_lower_the_gpt2_estimate() -> None:
 
 # 2 steps, a background checkpoint at step 1 that overlaps step 2, the final evaluation: what a run holds at most
 MEASURED_RUN = ["run.threads=1", "track.console=false", "eval.sample_prompt=null", "train.max_steps=2",
-                "train.log_every_steps=1", "checkpoint.every_steps=1", "eval.every_steps=1000", "eval.batches=1",
+                "train.log_every_steps=1", "checkpoint.every_steps=1", "eval.every_steps=1000", "eval.windows=1",
                 "train.warmup_steps=1", "train.grad_accum_steps=1"]
 SMALL_GPT = ["model.n_layer=4", "model.n_embd=256", "model.n_head=4", "model.block_size=256",
              "train.micro_batch_size=8"]
@@ -233,7 +233,7 @@ MEASURED_CASES: dict[str, tuple[list[str], int | None]] = {  # --set items, --np
     "ddp-2": (SMALL_GPT, 2),
     "ddp-4": (SMALL_GPT, 4),
     "fsdp-4": ([*SMALL_GPT, "dist.strategy=fsdp"], 4),
-    "with-eval": (["eval.every_steps=1", "eval.batches=4"], None),
+    "with-eval": (["eval.every_steps=1", "eval.windows=4"], None),
 }
 
 

@@ -213,7 +213,7 @@ def test_two_launchers_meet_as_two_nodes(tmp_path: Path) -> None:
 def test_a_two_pod_simulated_job_finishes(tmp_path: Path) -> None:
     items = ["run.threads=1", "run.device=cpu", "model.n_layer=1", "model.n_head=2", "model.n_embd=32",
              "model.block_size=32", "train.micro_batch_size=4", "train.max_steps=4", "checkpoint.every_steps=2",
-             "eval.batches=1", "eval.sample_prompt=null", "k8s.nnodes=2"]
+             "eval.windows=1", "eval.sample_prompt=null", "k8s.nnodes=2"]
     done = subprocess.run([sys.executable, "-m", "kubetrain", "k8s", "simulate", "--root", str(tmp_path / "sim"),
                            *[a for item in items for a in ("--set", item)], "--timeout", "300"],
                           env=cli_env(), capture_output=True, text=True, check=False, timeout=400)

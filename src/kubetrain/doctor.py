@@ -49,7 +49,7 @@ def doctor(cfg: Config | None, layout: Layout | None = None) -> dict[str, Any]:
     }
     if cfg is not None:
         attention = first_usable(backends)
-        report["settings"] = settings(cfg, device, precision, attention)
+        report["settings"] = settings(cfg, device, precision, attention, (layout or Layout.of(cfg)).world_size)
         report["micro_batch"] = auto.to_json() | {"line": auto.describe()} if auto else None
         report["fit"] = fit_estimate(cfg, shape, precision, attention, info.memory_free, layout, device.type)
     return report
@@ -98,8 +98,10 @@ def fit_estimate(
     return est.to_json() | {"free": free, "fits": None if free is None else est.device_need <= free}
 
 
-def settings(cfg: Config, device: torch.device, precision: str, attention: str | None) -> dict[str, Any]:
-    """What a run of `cfg` started here would use."""
+def settings(cfg: Config, device: torch.device, precision: str, attention: str | None,
+             world_size: int = 1) -> dict[str, Any]:
+    """What a run of `cfg` started here would use, over `world_size` processes (tokens per step counts them all,
+    as the run's own line does)."""
     from kubetrain.train.device import peak_flops, torch_settings
 
     torch_set = torch_settings(cfg, device.type)
@@ -111,7 +113,7 @@ def settings(cfg: Config, device: torch.device, precision: str, attention: str |
         "threads": cfg.run.threads or torch.get_num_threads(), "deterministic": torch_set.deterministic,
         "tf32": torch_set.tf32, "peak_flops": peak_flops(device, precision, torch_set.tf32),
         "micro_batch_size": cfg.train.micro_batch, "grad_accum_steps": cfg.train.grad_accum_steps,
-        "tokens_per_step": cfg.train.micro_batch * cfg.train.grad_accum_steps * cfg.model.block_size,
+        "tokens_per_step": cfg.train.micro_batch * cfg.train.grad_accum_steps * world_size * cfg.model.block_size,
     }
 
 

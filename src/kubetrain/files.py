@@ -7,6 +7,7 @@ so it cannot live in either without the two importing each other.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from pathlib import Path
@@ -66,3 +67,16 @@ def special_kind(path: Path) -> str:
         if test(mode):
             return name
     return "special file"
+
+
+def why_missing(path: Path) -> str:
+    """Why a path names nothing readable, in words: "not found", or "is" the link that leads nowhere."""
+    if not path.is_symlink():
+        return "not found"
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symbolic link loop"
+        return f"is a symbolic link to {os.readlink(path)}, which is not there"
+    return "not found"

@@ -165,8 +165,8 @@ def test_a_store_that_is_down_stops_a_run_with_no_checkpoint_and_resume_never_st
 def test_a_checkpoint_in_the_store_that_names_a_file_outside_is_never_restored(
     reference: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """The attack of issue 29: a path store whose newest checkpoint's meta.json lists ../../../../<name> (with that
-    file and its checksum), restored by --resume auto into an empty run folder, wrote <name> outside the run."""
+    """An attack: a path store whose newest checkpoint's meta.json lists ../../../../<name> (with that file and
+    its checksum), restored by --resume auto into an empty run folder, must not write <name> outside the run."""
     import xxhash
 
     _, cache = reference

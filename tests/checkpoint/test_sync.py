@@ -87,6 +87,28 @@ def test_a_plain_path_is_a_store_too(tmp_path: Path) -> None:
     assert checkpoint.find_resumable(tmp_path / "backup" / "checkpoints") is not None
 
 
+def test_a_file_uri_with_three_slashes_is_the_path_it_names(tmp_path: Path, run_main: RunMain) -> None:
+    """file:///PATH, the form the refusal itself offers, and file://localhost/PATH are the path (RFC 8089)."""
+    run = _fake_run(tmp_path / "run")
+    code, _, err = run_main("runs", "sync", str(run), f"file://{tmp_path}/backup")
+    assert code == 0, err
+    assert (tmp_path / "backup" / MANIFEST).is_file()
+    code, _, err = run_main("runs", "sync", f"file://localhost{tmp_path}/backup", f"file://{tmp_path}/back")
+    assert code == 0, err
+    assert checkpoint.find_resumable(tmp_path / "back" / "checkpoints") is not None
+
+
+def test_a_file_uri_with_a_host_is_refused_and_writes_nothing(tmp_path: Path, run_main: RunMain,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """file://tmp/x names the host `tmp`: never the folder ./tmp/x under wherever the command ran."""
+    run = _fake_run(tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main("runs", "sync", str(run), "file://tmp/x")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "host 'tmp'" in err and "file:///PATH" in err
+    assert not (tmp_path / "tmp").exists()
+
+
 def test_bad_arguments_are_one_error_line(run_main: RunMain, tmp_path: Path) -> None:
     code, _, err = run_main("runs", "sync", "s3://a/x", "s3://b/y")
     assert code == 2

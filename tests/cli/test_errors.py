@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -251,3 +252,23 @@ def test_debug_in_a_real_process(cli: Cli, tmp_cwd: Path) -> None:
     assert done.returncode == 2
     assert "Traceback (most recent call last)" in done.stderr
     assert done.stderr.splitlines()[-1].startswith("error: the corpus is empty")
+
+
+@pytest.mark.parametrize("case", ["wrong type", "missing data path", "malformed --set", "a flag without its value"])
+def test_json_gets_one_object_on_stdout_whatever_happens(case: str, run_main: RunMain, tmp_cwd: Path) -> None:
+    """A script that asked for --json reads stdout only: a refusal is an object there too, beside the error line."""
+    args = setup_case(case, tmp_cwd)
+    code, out, err = run_main(*args[:1], "--json", *args[1:])
+    assert code == 2 and err.startswith("error: ")
+    assert json.loads(out) == {"error": err.strip().removeprefix("error: ").split(" (see '")[0], "exit": 2}
+
+
+@pytest.mark.slow
+def test_json_from_the_launcher_is_one_object_too(cli: Cli, tmp_cwd: Path, tiny_args: list[str]) -> None:
+    """--nproc 2: the workers print none; the launcher's exit is the one object, with the workers' reason."""
+    done = cli("train", *tiny_args, "--nproc", "2", "--json", "--set", "train.profile.ranks=[5]")
+    assert done.returncode == 2, done.stderr
+    [line] = done.stdout.strip().splitlines()[-1:]
+    result = json.loads(line)
+    assert result["exit"] == 2 and result["error"].startswith("train.profile.ranks: no rank 5"), result
+    assert sum(1 for x in done.stdout.splitlines() if x.startswith("{")) == 1

@@ -14,7 +14,7 @@ from tests.conftest import RunMain
 
 TINY = ["run.threads=1", "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
         "train.max_steps=10", "train.micro_batch_size=4", "train.warmup_steps=2", "train.log_every_steps=5",
-        "eval.every_steps=5", "eval.batches=2", "eval.sample_tokens=8", "checkpoint.every_steps=5"]
+        "eval.every_steps=5", "eval.windows=2", "eval.sample_tokens=8", "checkpoint.every_steps=5"]
 
 
 @pytest.fixture(scope="module")

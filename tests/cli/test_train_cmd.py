@@ -63,8 +63,10 @@ def test_train_json_run_directory_and_redaction(cli: Cli, tiny_args: list[str], 
 
 
 @pytest.mark.slow
-def test_dry_run_writes_no_run_directory(cli: Cli, tiny_args: list[str], tmp_cwd: Path) -> None:
-    done = cli("train", *tiny_args, "--set", "run.name=dry", "--dry-run")
+@pytest.mark.parametrize("launcher", [[], ["--nproc", "2"]], ids=["one-process", "nproc-2"])
+def test_dry_run_writes_no_run_directory(cli: Cli, tiny_args: list[str], tmp_cwd: Path, launcher: list[str]) -> None:
+    """It says "no run directory was written": with the launcher too, which readies folders for its workers."""
+    done = cli("train", *tiny_args, *launcher, "--set", "run.name=dry", "--dry-run")
     assert done.returncode == 0, done.stderr
     assert "dry run: one forward pass, loss" in done.stdout
     assert "model: " in done.stdout and "tokens per step: " in done.stdout
@@ -89,10 +91,10 @@ GOLDEN_ARGS = [
     "run.seed=1234", "run.threads=1", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
     "model.block_size=32",
     "train.max_steps=12", "train.micro_batch_size=4", "train.grad_accum_steps=2", "train.lr=0.01",
-    "train.warmup_steps=3", "train.log_every_steps=1", "eval.every_steps=6", "eval.batches=8",
+    "train.warmup_steps=3", "train.log_every_steps=1", "eval.every_steps=6", "eval.windows=8",
     "eval.sample_tokens=8", "checkpoint.every_steps=100",
 ]
-# eval.batches counts windows: 8 are the 2 micro-batches of 4 the values were made with.
+# eval.windows: 8 are the 2 micro-batches of 4 the values were made with.
 # Refreshed when the cosine was made to reach min_lr on the last step (it reached it one step after): the first
 # five steps, warmup and the peak, are unchanged.
 GOLDEN_LOSS = [

@@ -37,7 +37,7 @@ def test_a_field_shows_its_type_default_description_and_bounds() -> None:
 
 def test_a_section_lists_itself_and_every_key_under_it() -> None:
     keys = [d.key for d in explain("eval")]
-    assert keys == ["eval", "eval.every_steps", "eval.batches", "eval.sample_prompt", "eval.sample_tokens"]
+    assert keys == ["eval", "eval.every_steps", "eval.windows", "eval.sample_prompt", "eval.sample_tokens"]
     assert "k8s.volumes.data.claim" in [d.key for d in explain("k8s.volumes")]
 
 

@@ -16,7 +16,7 @@ from kubetrain.config import (
     preset_names,
     to_yaml,
 )
-from kubetrain.config.loading import DEFAULT_PRESET, flatten, read_preset
+from kubetrain.config.loading import DEFAULT_PRESET, _says_config_warnings, flatten, read_preset, validate
 from kubetrain.errors import ConfigError, UserInputError
 
 
@@ -135,7 +135,7 @@ def test_unknown_key_with_nothing_close_has_no_suggestion(tmp_path: Path) -> Non
         ("train:\n  lr: fast\n", "train.lr: Input should be a valid number"),
         ("train:\n  max_steps: 0\n", "train.max_steps: Input should be greater than or equal to 1"),
         ("run:\n  device: gpu\n", "run.device: Input should be"),
-        ("model: 5\n", "model: Input should be a valid dictionary"),
+        ("model: 5\n", "model: takes a section of keys (kubetrain config explain model) (got 5)"),
         ("model:\n  n_embd: 100\n  n_head: 3\n", "must be divisible by model.n_head"),
         ("data:\n  sources:\n    - kind: text\n",
          "data.sources.0: a data source of kind 'text' needs a path"),
@@ -284,8 +284,30 @@ def test_bad_set_is_one_clear_line(item: str, message: str) -> None:
 def test_set_with_a_wrong_type_names_the_key(item: str, message: str) -> None:
     with pytest.raises(ConfigError) as e:
         over(item)
-    assert message in str(e.value)
-    assert "preset 'tiny'" in str(e.value)
+    assert message.removeprefix(item.split("=")[0] + ": ") in str(e.value)
+    # the argument the user typed is blamed, not a preset that never said it
+    assert str(e.value).startswith(f"--set {item.split('=')[0]}: "), e.value
+    assert "preset 'tiny'" not in str(e.value)
+
+
+def test_a_bad_value_in_the_file_is_still_blamed_on_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  max_steps: abc\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides=["train.lr=1e-3"])
+    assert str(e.value).startswith(f"{path}: train.max_steps: "), e.value
+
+
+@pytest.mark.parametrize("item", ["train.max_steps=true", "train.lr=false", "model.dropout=yes", "run.threads=on"])
+def test_a_boolean_is_not_a_number(item: str, tmp_path: Path) -> None:
+    """YAML reads `true` as a boolean; pydantic's lax mode would make it 1 (one training step)."""
+    with pytest.raises(ConfigError, match=r"a number, not (true|false)"):
+        over(item)
+    path = tmp_path / "c.yaml"
+    section, key = item.split("=")[0].split(".")
+    path.write_text(f"{section}:\n  {key}: true\n")
+    with pytest.raises(ConfigError, match=f"{section}.{key}: a number, not true"):
+        load_config(path)
 
 
 def test_apply_override_on_a_raw_mapping() -> None:
@@ -328,3 +350,72 @@ def test_flatten() -> None:
               "data": {"sources": [{"kind": "text", "path": "a"}]}}
     assert flatten(nested) == {"train.lr": 0.1, "train.betas": [0.9, 0.95], "data.sources.0.kind": "text",
                                "data.sources.0.path": "a", "phases": [], "model.lora": None}
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ("train.micro_batch_size=abc", "--set train.micro_batch_size: takes int | auto (got 'abc')"),
+        ("dist.preflight=5", "--set dist.preflight: takes a section of keys (kubetrain config explain dist.preflight)"),
+        ("track.wandb=3", "--set track.wandb: takes a section of keys (kubetrain config explain track.wandb)"),
+        ("model.lora=3", "--set model.lora: takes a section of keys or null (kubetrain config explain model.lora)"),
+    ],
+)
+def test_a_refusal_speaks_the_configs_words_not_the_librarys(item: str, message: str) -> None:
+    """The key a user can type and what it takes; never pydantic's union tags or the schema's class names."""
+    with pytest.raises(ConfigError) as e:
+        over(item)
+    assert str(e.value).startswith(message), e.value
+    for internal in ("constrained-int", "literal[", "Config", "instance of"):
+        assert internal not in str(e.value)
+
+
+# eval.batches, the old name of eval.windows, counted micro-batches of train.micro_batch_size windows: an old config
+# must evaluate the windows it evaluated before (or `best` would compare two different eval sets), and say so once.
+OLD_EVAL = "train:\n  micro_batch_size: 4\neval:\n  batches: 8\n"
+
+
+def test_old_eval_batches_evaluates_the_windows_it_did_with_one_warning(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "old.yaml"
+    path.write_text(OLD_EVAL)
+    cfg = load_config(path)
+    assert cfg.eval.windows == 8 * 4
+    assert load_config(path).eval.windows == 32  # read again (each phase, the run's config): no second line
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith("warning: ")
+    assert "eval.batches" in warnings[0] and "eval.windows: 32" in warnings[0] and "micro-batches" in warnings[0]
+    assert "batches" not in cfg.model_dump(mode="json")["eval"]  # the run's config.yaml says windows from now on
+
+
+@pytest.mark.parametrize(("environ", "says"), [
+    ({}, True),  # one process, or the launcher of `--nproc N`
+    ({"RANK": "0"}, True),  # rank 0 of a bare torchrun: no launcher of ours said it
+    ({"RANK": "0", "KUBETRAIN_LAUNCHER_PID": "7"}, False),  # our launcher read the same config and said it
+    ({"RANK": "3"}, False),
+])
+def test_a_job_says_the_old_eval_batches_once_not_once_per_rank(environ: dict[str, str], says: bool) -> None:
+    assert _says_config_warnings(environ) is says
+
+
+def test_old_eval_batches_on_the_command_line_and_in_a_phase(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = load_config(None, None, ["eval.batches=3", "train.micro_batch_size=2"])  # over the preset's eval.windows
+    assert cfg.eval.windows == 6
+    raw = {"train": {"micro_batch_size": 4}, "eval": {"windows": 40},
+           "phases": [{"name": "chat", "train": {"micro_batch_size": 2}, "eval": {"batches": 5}}]}
+    assert phase_config(validate(raw), 0).eval.windows == 10
+    assert len(capsys.readouterr().err.splitlines()) == 2  # one line for each translation
+    assert load_config(None, None, ["eval.windows=7"]).eval.windows == 7
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("train:\n  micro_batch_size: auto\n  global_batch_size: 16\neval:\n  batches: 8\n",
+     "train.micro_batch_size, which is 'auto' here"),
+    ("eval:\n  batches: 8\n  windows: 32\n", "eval.batches and eval.windows are both given"),
+])
+def test_old_eval_batches_that_cannot_be_read_as_before_is_refused(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "old.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message) as refused:
+        load_config(path)
+    assert "\n" not in str(refused.value) and "eval.windows" in str(refused.value)

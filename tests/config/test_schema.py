@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kubetrain.config import SourceConfig, load_config, validate
+from kubetrain.config.schema import local_file_path
 from kubetrain.errors import ConfigError
 from tests.conftest import RunMain
 
@@ -58,3 +59,15 @@ def test_credentials_in_the_config_are_one_error_line_and_exit_2(run_main: RunMa
     assert code == 2
     assert err.strip().startswith("error: ") and len(err.strip().splitlines()) == 1
     assert "p4ss" not in out + err
+
+
+@pytest.mark.parametrize("uri", ["file:///srv/checkpoints", "file://localhost/srv/checkpoints", "file:/srv/ckpt"])
+def test_a_file_uri_that_names_a_local_path_is_a_store(uri: str) -> None:
+    """The refusal of a bad store offers file:///PATH: that form, and RFC 8089's others for this machine, load."""
+    assert validate({"checkpoint": {"uri": uri}}).checkpoint.uri == uri
+    assert local_file_path(uri) == "/srv/" + uri.rsplit("/srv/", 1)[1]
+
+
+def test_a_file_uri_with_a_host_is_refused_at_load() -> None:
+    with pytest.raises(ConfigError, match="names the host 'tmp'"):
+        validate({"checkpoint": {"uri": "file://tmp/x"}})

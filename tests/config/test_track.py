@@ -64,3 +64,21 @@ def test_wandb_tags_are_what_wandb_accepts() -> None:
             load_config(None, None, [f"track.wandb.tags=[{bad!r}]"])
     with pytest.raises(ConfigError, match=r"track\.wandb\.mode"):
         load_config(None, None, ["track.wandb.mode=sometimes"])
+
+
+@pytest.mark.parametrize("project", ["team/proj", "a\\b", "run#1", "what?", "100%", "c:d", "my-project_2", "ünï cödé"])
+def test_a_wandb_project_is_refused_at_load_exactly_when_wandb_refuses_it(project: str) -> None:
+    """W&B's own settings decide (its validator); kubetrain says so when the config is read, not at the run's start."""
+    wandb_settings = pytest.importorskip("wandb.sdk.wandb_settings")
+    try:
+        wandb_settings.Settings(project=project)
+        wandb_accepts = True
+    except Exception:  # wandb raises its UsageError inside pydantic's ValidationError
+        wandb_accepts = False
+    try:
+        load_config(None, None, [f"track.wandb.project={project}"])
+        ours = True
+    except ConfigError as e:
+        ours = False
+        assert str(e).startswith("--set track.wandb.project: ") and "entity" in str(e) and "\n" not in str(e)
+    assert ours == wandb_accepts

@@ -53,6 +53,20 @@ def test_text_folder_reads_every_visible_file(tmp_path: Path) -> None:
     assert [f.name for f in files] == ["y.md", "z.txt"]
 
 
+@pytest.mark.parametrize("kind", ["text", "auto"])
+def test_a_link_that_leads_nowhere_is_named_for_what_it_is(tmp_path: Path, kind: str) -> None:
+    """A symbolic link loop or a dangling link exists as a name: "not found" sends the user looking for a typo."""
+    loop = tmp_path / "loop.txt"
+    loop.symlink_to(loop)
+    with pytest.raises(DataError) as e:
+        sources.resolve_kind(src(kind, loop)) if kind == "auto" else sources.source_files(src(kind, loop))
+    assert str(e.value) == f"data path is a symbolic link loop: {loop}"
+    dangling = tmp_path / "gone.txt"
+    dangling.symlink_to(tmp_path / "moved.txt")
+    with pytest.raises(DataError, match=r"symbolic link to .*moved\.txt, which is not there"):
+        sources.source_files(src("text", dangling))
+
+
 def test_missing_path_empty_glob_and_empty_folder_name_the_path(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"data path not found: .*nope\.txt"):
         sources.source_files(src("text", tmp_path / "nope.txt"))

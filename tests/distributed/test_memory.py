@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ci]
 TINY = ["model.n_layer=1", "model.n_head=1", "model.n_embd=8"]
 # 6 blocks of 512: 19M parameters, 77 MB in fp32; a short context and one sequence keep activations small.
 MODEL = ["model.n_layer=6", "model.n_head=8", "model.n_embd=512", "model.block_size=64", "train.micro_batch_size=1",
-         "train.max_steps=2", "train.warmup_steps=0", "eval.every_steps=1000", "eval.batches=1",
+         "train.max_steps=2", "train.warmup_steps=0", "eval.every_steps=1000", "eval.windows=1",
          "eval.sample_prompt=null", "checkpoint.every_steps=1000", "run.threads=1", "track.console=false"]
 
 

@@ -1,6 +1,6 @@
 """The controllers behind the test API server: the Job and StatefulSet controllers, the scheduler and the
 kubelet as tests move pods through their life, and Kueue. Each behaviour names where the real one does the same
-(kubernetes/kubernetes, kubernetes-sigs/kueue paths); the HTTP side is tests/k8s/conftest.py's ApiServer.
+(kubernetes/kubernetes, kubernetes-sigs/kueue paths); the HTTP side is tests/k8s/apiserver.py's ApiServer.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kubetrain.k8s.cluster.api import RESOURCES, Resource
+from kubetrain.k8s.cluster.resources import RESOURCES, Resource
 from tests.k8s import waiting_fakes
 
 INDEX = "batch.kubernetes.io/job-completion-index"

@@ -25,7 +25,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "k8s"
 KJV = Path(__file__).resolve().parents[2] / "src" / "kubetrain" / "data" / "corpus" / "kjv.txt"
 TINY = ["run.device=cpu", "run.threads=1", "train.max_steps=2", "train.micro_batch_size=2", "train.grad_accum_steps=1",
         "train.warmup_steps=1", "train.log_every_steps=1", "train.precision=auto", "train.compile=false",
-        "checkpoint.every_steps=2", "eval.every_steps=2", "eval.batches=1", "eval.sample_prompt=null",
+        "checkpoint.every_steps=2", "eval.every_steps=2", "eval.windows=1", "eval.sample_prompt=null",
         "k8s.nproc_per_node=1"]
 # block 128: a chatml conversation of the chat fixtures fits, its assistant turn kept (16 cut every one)
 GPT = ["model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=128", "data.tokenizer.vocab_size=300"]

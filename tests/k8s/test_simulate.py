@@ -17,13 +17,13 @@ import yaml
 from kubetrain.config import load_config
 from kubetrain.config.k8s import WORKLOADS
 from kubetrain.k8s.pod.node import node_env
-from kubetrain.k8s.simulate import Simulation
+from kubetrain.k8s.simulate.simulation import Simulation
 
 # A tiny run: 2 layers x 32 wide, 1 thread per process, no samples, cheap evals.
 TINY = [
     "run.threads=1", "run.device=cpu", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
     "model.block_size=32", "train.micro_batch_size=4", "train.warmup_steps=2", "train.log_every_steps=4",
-    "eval.batches=1", "eval.sample_prompt=null", "k8s.nnodes=2",
+    "eval.windows=1", "eval.sample_prompt=null", "k8s.nnodes=2",
 ]
 
 
@@ -235,13 +235,13 @@ def test_the_kubelet_ends_a_container_whose_liveness_probe_fails(tmp_path: Path)
 @pytest.mark.ci  # minutes of processes together with its peers: .ci/run runs it, not the README's test command
 @pytest.mark.slow
 def test_a_rank_stopped_after_an_elastic_restart_is_named_by_its_pod(tmp_path: Path) -> None:
-    """Issue 43 in two pods: SIGKILL the worker of rank 1, let both agents restart and resume, SIGSTOP the new rank
+    """In two pods: SIGKILL the worker of rank 1, let both agents restart and resume, SIGSTOP the new rank
     0. The node whose worker was only stopped by its agent (a membership change: its restart count stays) watched
     the new round as if it were handled, so the healthy rank was blamed and the frozen one's pod said nothing."""
     import os
     import signal
 
-    from kubetrain.k8s.simulate import _descendants
+    from kubetrain.k8s.simulate.simulation import _descendants
     from kubetrain.runs.incidents import read_all
     from tests.launch.test_watch import _beat_of
     from tests.train.conftest import rank_of

@@ -19,15 +19,19 @@ from kubetrain.errors import EXIT_FAILURE, EXIT_STOPPED_RESUMABLE, UserInputErro
 from kubetrain.k8s.cluster.status import last_incident
 from kubetrain.launch.elastic import (
     FINAL_EXIT_CODES,
+    SHARE_STORE_OFF_ENV,
     LaunchOptions,
     _agent_extended,
     _stopped_by_signal,
     flight_recorder_env,
+    launch,
     root_failure,
+    store_per_round,
     torchrun_args,
 )
 from kubetrain.runs.incidents import read_all
 from kubetrain.torch_compat import elastic_agent, torch_version
+from kubetrain.train.heartbeat import HEARTBEAT_DIR_ENV, LAUNCHER_PID_ENV, round_identity
 from tests.conftest import cli_env
 from tests.train.conftest import kubetrain, lines_in, rank_of, sets, start, wait_until
 
@@ -123,7 +127,7 @@ def test_killed_worker_is_restarted_and_the_run_ends_like_an_uninterrupted_one(t
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert "resuming from" in out
-    # the killed rank is the incident, not rank 0 that lost its peer (issue 28)
+    # the killed rank is the incident, not rank 0 that lost its peer
     [exit] = read_all(tmp_path / "runs" / "elastic")
     assert (exit["kind"], exit["rank"], exit["message"]) == ("worker-exit", 1, "killed by SIGKILL"), exit
     mine, ref = _weights(tmp_path / "runs" / "elastic", 30), _weights(tmp_path / "runs" / "ref", 30)
@@ -311,7 +315,7 @@ def _gone_pid() -> int:
     ("stopped", "step-000010", EXIT_STOPPED_RESUMABLE, "workers stopped (run status: stopped)"),
     ("running", "step-000010", EXIT_STOPPED_RESUMABLE, "the run resumes from step-000010"),  # rank 0 killed
     ("running", None, EXIT_STOPPED_RESUMABLE, "nothing to lose"),
-    ("failed", "step-000010", EXIT_FAILURE, "the run had failed"),  # issue 40: was 75
+    ("failed", "step-000010", EXIT_FAILURE, "the run had failed"),  # not 75: a restart would redo the failure
     ("failed", None, EXIT_FAILURE, "the run had failed"),
 ])
 def test_the_launchers_exit_after_a_signal_says_whether_the_run_failed(
@@ -346,3 +350,73 @@ def test_the_watch_learns_whether_the_agent_reports_every_failed_round() -> None
     with elastic_agent(FINAL_EXIT_CODES, 30, lambda failures: None):
         assert _agent_extended()
     assert not _agent_extended()
+
+
+def test_a_stop_before_the_first_checkpoint_is_recorded_in_words(tmp_path: Path) -> None:
+    """The preempted incident of a run that had saved nothing says so, not `latest checkpoint None`."""
+    run_dir = tmp_path / "run"
+    assert _stopped_by_signal(signal.SIGTERM, run_dir, None) == EXIT_STOPPED_RESUMABLE
+    [incident] = read_all(run_dir)
+    assert "None" not in incident["message"] and "unknown" not in incident["message"]
+    assert "no checkpoint yet (the run starts over)" in incident["message"]
+
+
+@pytest.mark.parametrize("preset", ["0", "true", None])
+def test_every_rendezvous_round_has_a_round_key_of_its_own_whatever_the_environment_presets(
+        preset: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hang watch tells rounds apart by the workers' store address (heartbeat.round_identity). torch gives the
+    workers a new store each round only when TORCH_DISABLE_SHARE_RDZV_TCP_STORE is exactly "1"; with any other
+    value they share the agent's, and every round would have the first round's key: a later hang would look like
+    one already handled. Two real rounds of torch's c10d rendezvous, on the store it hosts."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    if preset is None:
+        monkeypatch.delenv(SHARE_STORE_OFF_ENV, raising=False)
+    else:
+        monkeypatch.setenv(SHARE_STORE_OFF_ENV, preset)
+    said: list[str] = []
+    store_per_round(os.environ, said.append)  # what the launcher does before its agent starts
+    assert len(said) == (0 if preset is None else 1) and all(SHARE_STORE_OFF_ENV in line for line in said)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    handler = get_rendezvous_handler(RendezvousParameters(
+        backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="job", min_nodes=1, max_nodes=1, is_host=True,
+        local_addr="127.0.0.1"))
+    keys = []
+    try:
+        for _ in range(2):  # the first round, and the one after a restart
+            store = handler.next_rendezvous().bootstrap_store_info  # the MASTER_ADDR/PORT the workers are given
+            keys.append(round_identity({"MASTER_ADDR": store.master_addr, "MASTER_PORT": str(store.master_port),
+                                        "TORCHELASTIC_RESTART_COUNT": "0"}))  # one node's count: not the round
+    finally:
+        handler.shutdown()
+    assert keys[0] != keys[1]
+
+
+@pytest.mark.slow
+def test_the_callers_signal_handlers_are_back_after_a_launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher turns SIGTERM/SIGINT into an exception while it waits in the rendezvous, and torch's agent
+    installs its own: a program that launches (a test, a notebook, a pod's entrypoint doing more afterwards) gets its
+    own handlers back, not one that raises an exception of a launch long over."""
+    for name in (SHARE_STORE_OFF_ENV, "OMP_NUM_THREADS", HEARTBEAT_DIR_ENV, LAUNCHER_PID_ENV):  # launch sets these
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYTHONPATH", cli_env()["PYTHONPATH"])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nope").mkdir()
+
+    def own_term(signum: int, frame: object) -> None: ...
+
+    def own_int(signum: int, frame: object) -> None: ...
+
+    before = signal.signal(signal.SIGTERM, own_term), signal.signal(signal.SIGINT, own_int)
+    try:
+        # the worker finds no checkpoint to resume from: exit 2 at once, the quickest whole launch there is
+        code = launch(LaunchOptions(max_restarts=0), [*sets("run.name=bad"), "--resume", "nope"],
+                      tmp_path / "runs" / "bad")
+        assert code == 2
+        assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == (own_term, own_int)
+    finally:
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGINT, before[1])

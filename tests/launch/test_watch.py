@@ -76,7 +76,7 @@ def test_a_hang_dumps_the_stacks_of_the_ranks_that_answer_names_the_stopped_one_
 @pytest.mark.parametrize("seen", ["zombie", "reaped"])
 def test_a_round_after_a_membership_change_is_watched_and_the_agents_stop_is_no_incident(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seen: str) -> None:
-    """Issue 43, the node that did not fail: a peer on another node was killed, so this node's agent stopped its
+    """The node that did not fail: a peer on another node was killed, so this node's agent stopped its
     rank 0 with SIGTERM and restarted for the new membership. Its restart count stays 0, and the rendezvous gave it
     rank 1 this time. The stop is no incident (the killed peer's node records that), and a hang of the new round is
     still found: the watch told rounds apart by the restart count, so it saw the new round as handled, and stayed
@@ -242,7 +242,7 @@ def test_no_heartbeat_without_a_launcher(monkeypatch: pytest.MonkeyPatch) -> Non
 @pytest.mark.slow
 def test_a_stopped_worker_is_detected_dumped_restarted_and_the_run_completes(tmp_path: Path) -> None:
     # One setting scales every clock (config/clocks.py): the watch at 8 s acts before the collective timeout
-    # (23 s), so the one incident names the stopped rank 1, not rank 0 that noticed (issue 28).
+    # (23 s), so the one incident names the stopped rank 1, not rank 0 that noticed.
     proc = start("train", *sets("run.name=hang", "train.max_steps=40", "checkpoint.every_steps=5",
                                 "eval.every_steps=100", "dist.hang_timeout_seconds=8"),
                  "--nproc", "2", "--max-restarts", "1", cwd=tmp_path)
@@ -332,7 +332,7 @@ def _beat_of(pid: int) -> Beat | None:
 @pytest.mark.ci  # a hang after a restart (30 s): test_liveness's pod shows it too (CI's stage)
 @pytest.mark.slow
 def test_a_rank_stopped_after_an_elastic_restart_is_named_with_its_stacks(tmp_path: Path) -> None:
-    """Issue 43: kill rank 1, let the agent restart the group and resume, then SIGSTOP the new rank 0. The watch must
+    """Kill rank 1, let the agent restart the group and resume, then SIGSTOP the new rank 0. The watch must
     name rank 0 (the new round's processes and beats), and a SIGKILL is one incident, not one per rank."""
     proc = start("train", *sets("run.name=again", "train.max_steps=100000", "checkpoint.every_steps=5",
                                 "eval.every_steps=100000", "dist.hang_timeout_seconds=8"),

@@ -18,7 +18,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "run": {"name": "r", "output_dir": str(root), "threads": 1},
         "model": {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16},
         "train": {"max_steps": 2, "micro_batch_size": 2, "warmup_steps": 0},
-        "eval": {"every_steps": 1, "batches": 1, "sample_tokens": 2},
+        "eval": {"every_steps": 1, "windows": 1, "sample_tokens": 2},
         "checkpoint": {"every_steps": 1},
         "track": {"console": False},
     })

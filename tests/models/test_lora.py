@@ -129,7 +129,7 @@ def test_load_trained_rebuilds_a_gpt_lora_run_exactly(gpt_lora_run: Path) -> Non
     assert any("modules_to_save" in n for n in ckpt.model_state())
     prepared = prepare(cfg)
     val = TokenWindows(prepared, "val", cfg.model.block_size)
-    loss = evaluate(model, val, cfg.train.micro_batch_size, cfg.eval.batches, torch.device("cpu"),
+    loss = evaluate(model, val, cfg.train.micro_batch_size, cfg.eval.windows, torch.device("cpu"),
                     autocast("fp32", torch.device("cpu")))
     assert loss == ckpt.meta["val_loss"]  # the same frozen base and adapters as at the end of training
 
@@ -149,7 +149,7 @@ def test_lora_on_an_hf_model_under_ddp(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     # with the qlora extra installed (bitsandbytes, which peft imports when present) and quantize: none, a LoRA
-    # command says nothing of bitsandbytes (issue 29 saw a kernel warning; none with the pinned versions)
+    # command says nothing of bitsandbytes (a kernel warning was seen once; none with the pinned versions)
     assert cfg.model.quantize == "none" and "bitsandbytes" not in done.stderr.lower(), done.stderr[-2000:]
     run = tmp_path / "runs" / "lora"
     assert read_meta(run)["world_size"] == 2 and read_meta(run)["status"] == "finished"

@@ -62,6 +62,9 @@ def test_a_job_the_preflight_stopped_is_a_failed_run_that_names_the_rank(tmp_pat
     info = describe_run(run)
     assert info["status"] == "failed" and info["preflight"]["ok"] is False
     assert info["preflight"]["problems"] == _preflight(ok=False)["verdict"]["problems"]  # type: ignore[index]
+    # `runs list` shows it too, with its state: the job's one record is that the preflight stopped it
+    [listed] = runs.list_runs(tmp_path)
+    assert (listed["name"], listed["status"], listed["preflight"]["ok"]) == ("stopped", "failed", False)
 
 
 def test_every_phase_of_a_run_reads_the_jobs_one_preflight(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ TINY = [
     "train.warmup_steps=2",
     "train.log_every_steps=5",
     "eval.every_steps=5",
-    "eval.batches=2",
+    "eval.windows=2",
     "eval.sample_tokens=8",
     "checkpoint.every_steps=10",
 ]

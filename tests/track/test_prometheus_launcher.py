@@ -64,8 +64,8 @@ def test_heartbeats_incidents_and_a_failure_the_last_scrape_sees() -> None:
 
 
 def test_a_launcher_stopped_by_a_signal_says_so_to_its_last_scrape() -> None:
-    """Issue 40: a planned stop (SIGTERM: `k8s stop`, a preemption) ended the series like a kill -9, and
-    KubetrainLauncherGone fired on every one; the launcher now says it was stopped, as it says failed or finished."""
+    """A planned stop (SIGTERM: `k8s stop`, a preemption) must not end the series like a kill -9, or
+    KubetrainLauncherGone fires on every one: the launcher says it was stopped, as it says failed or finished."""
     exporter = LauncherExporter(0, "127.0.0.1", "gpt", 4.0, lambda: [], lambda: 0).start(stream=io.StringIO())
     assert list(scrape(exporter.port)["kubetrain_job_stopped"].values()) == [0]
     seen: list[float] = []
@@ -106,7 +106,7 @@ def _ports() -> int:
 
 @pytest.mark.slow
 def test_rank_0s_gauges_come_from_the_launcher_of_the_node_that_holds_it(tmp_path: Path) -> None:
-    """Node rank 1 starts first, so c10d may give it global rank 0 (issue 28): whichever node holds it, its
+    """Node rank 1 starts first, so c10d may give it global rank 0: whichever node holds it, its
     launcher passes rank 0's gauges on, and each launcher serves its own ranks' heartbeats."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -149,7 +149,7 @@ def test_healthz_judges_the_workers_heartbeats_by_the_liveness_clock(tmp_path: P
     collective timeout applies."""
     from kubetrain.config import load_config
     from kubetrain.config.clocks import derive
-    from kubetrain.k8s.simulate import http_probe
+    from kubetrain.k8s.simulate.kubelet import http_probe
     from kubetrain.launch.watch import HangWatch, launcher_metrics
 
     liveness = derive(load_config(None, "tiny", ["dist.hang_timeout_seconds=8"])).liveness

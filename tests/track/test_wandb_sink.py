@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -57,6 +58,18 @@ def history(records: list[dict[str, Any]], metric: str) -> list[tuple[int, float
     return [(row["step"], row[metric]) for row in rows if metric in row]
 
 
+def synced(parts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The history W&B holds after `wandb sync` of a run's offline parts in order: a part that rewinds the run (its
+    branch point) keeps the rows up to and including that step, then appends its own."""
+    rows: list[dict[str, Any]] = []
+    for records in parts:
+        run = next(r["run"] for r in records if r["type"] == "run")
+        if run.get("branch_point"):
+            rows = [r for r in rows if r["history"]["item"]["_step"] <= run["branch_point"]["value"]]
+        rows += [r for r in records if r["type"] == "history"]
+    return rows
+
+
 def offline_runs(run_dir: Path) -> list[Path]:
     return sorted((run_dir / "wandb").glob("offline-run-*"))
 
@@ -90,13 +103,27 @@ def test_offline_run_read_back_and_a_resume_continues_the_same_run(train_tiny: T
     assert len(folders) == 2 and folder in folders
     resumed = inspect(next(f for f in folders if f != folder))
     run_record = next(r["run"] for r in resumed if r["type"] == "run")
-    assert (run_record["run_id"], run_record["resume"]) == (run_id, True)  # `wandb sync` appends it to that run
+    # `wandb sync` rewinds that run to the checkpoint the resume started from, and appends from there
+    assert run_record["run_id"] == run_id
+    assert (run_record["branch_point"]["run"], run_record["branch_point"]["value"]) == (run_id, 10)
     # the two parts together hold every line of metrics.jsonl, each once
     metrics = read_metrics(run_dir / "metrics.jsonl")
     for kind, name in (("train", "loss"), ("eval", "val_loss")):
-        logged = history(records, f"{kind}/{name}") + history(resumed, f"{kind}/{name}")
+        logged = history(synced([records, resumed]), f"{kind}/{name}")
         assert logged == [(r["step"], pytest.approx(r[name])) for r in metrics if r["kind"] == kind]
     assert [step for step, _ in history(resumed, "train/loss")] == [15, 20]
+
+    # a crash after step 20 but before its checkpoint was complete: the next start resumes from step 10 and trains
+    # steps 11-20 again; W&B shows each step once, with the values of the run that went on
+    shutil.rmtree(run_dir / "checkpoints" / "step-000020")
+    third = train_tiny(*on)
+    assert third.status == "finished" and third.steps == 20
+    [again] = [f for f in offline_runs(run_dir) if f not in folders]
+    parts = [records, resumed, inspect(again)]
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    for kind, name in (("train", "loss"), ("eval", "val_loss")):
+        logged = history(synced(parts), f"{kind}/{name}")
+        assert logged == [(r["step"], pytest.approx(r[name])) for r in metrics if r["kind"] == kind]
     # the key from the environment is in no file of the run: not in W&B's logs, config or transaction log
     for path in run_dir.rglob("*"):
         if path.is_file():

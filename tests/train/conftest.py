@@ -24,7 +24,7 @@ TINY = [
     "train.micro_batch_size=4",
     "train.warmup_steps=2",
     "train.log_every_steps=1",
-    "eval.batches=2",
+    "eval.windows=2",
     "eval.sample_tokens=8",
 ]
 

@@ -29,7 +29,7 @@ def config(root: Path) -> Config:
         # weight decay on: an AdamW step over zero gradients would still shrink every matrix
         "train": {"max_steps": 6, "micro_batch_size": 2, "grad_accum_steps": 2, "warmup_steps": 0,
                   "log_every_steps": 1, "weight_decay": 0.1},
-        "eval": {"every_steps": 100, "batches": 1, "sample_prompt": None},
+        "eval": {"every_steps": 100, "windows": 2, "sample_prompt": None},
         "checkpoint": {"every_steps": 100, "async_save": False},
         "track": {"console": False},
     })

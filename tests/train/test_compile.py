@@ -43,7 +43,7 @@ def test_blocks_compile_in_place_and_reset_drops_their_graphs() -> None:
 def _train(tmp_path: Path, data_cache: Path, name: str, *overrides: str) -> list[float]:
     sets = ["run.threads=1", "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
             "train.micro_batch_size=2", "train.max_steps=2", "train.warmup_steps=1", "train.log_every_steps=1",
-            "eval.batches=1", "eval.sample_prompt=null", f"run.name={name}", f"run.output_dir={tmp_path}",
+            "eval.windows=1", "eval.sample_prompt=null", f"run.name={name}", f"run.output_dir={tmp_path}",
             f"data.cache_dir={data_cache}", *overrides]
     result = train(load_config(None, None, sets), argv=[], log=lambda _: None)
     assert result.status == "finished" and result.steps == 2

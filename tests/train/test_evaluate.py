@@ -25,7 +25,7 @@ from kubetrain.models.loss import lm_loss
 from kubetrain.train.evaluate import eval_batches, evaluate, perplexity
 
 BLOCK, VOCAB = 8, 64
-# (validation windows, micro-batch, eval.batches: windows evaluated): uneven splits, a short last batch, more ranks
+# (validation windows, micro-batch, eval.windows: windows evaluated): uneven splits, a short last batch, more ranks
 # than windows, fewer windows asked than there are
 CASES = [(7, 2, 16), (7, 3, 6), (2, 2, 16), (1, 4, 4), (7, 4, 5)]
 
@@ -44,7 +44,7 @@ def test_every_rank_runs_the_same_forwards_and_all_windows_are_counted_once(
     assert all(plan for plan in plans)  # even a rank without a window runs them
     assert all(len(b) <= batch for plan in plans for b in plan)  # a forward holds a micro-batch at most
     real = sorted(i for plan in plans for b in plan for i in b if i is not None)
-    assert real == list(range(min(n_windows, n_eval)))  # eval.batches counts windows, whatever the micro-batch
+    assert real == list(range(min(n_windows, n_eval)))  # eval.windows counts windows, whatever the micro-batch
 
 
 PART = "parts/00000"  # one part of the shard index holds the windows
@@ -96,7 +96,7 @@ def test_one_process_loss_is_the_token_weighted_mean_over_the_windows(tmp_path: 
 
 
 def test_the_val_loss_does_not_move_with_the_micro_batch(tmp_path: Path) -> None:
-    """eval.batches counts windows: micro_batch_size (auto's choice, a resume's) changes the forwards, not the loss,
+    """eval.windows counts windows: micro_batch_size (auto's choice, a resume's) changes the forwards, not the loss,
     so `best` compares across them. Masked windows count unequal tokens: a mean of per-batch means would move."""
     _write_windows(tmp_path)
     model, cpu = _model(), torch.device("cpu")

@@ -65,8 +65,8 @@ GPT_476M = ["model.n_layer=24", "model.n_embd=1280", "model.n_head=20", "train.m
 @pytest.mark.ci  # 4 processes (19 s); the estimate's unit tests count FSDP and DDP (CI's stage)
 @pytest.mark.slow
 def test_a_476m_gpt_on_4_processes_is_accepted_under_fsdp_and_refused_under_ddp(tmp_path: Path) -> None:
-    # issue 27: each worker checked as one process and the launcher multiplied that by --nproc, so FSDP was
-    # refused ("needs about 30.4 GiB") on a machine where it fits
+    # each worker checking as one process, with the launcher multiplying that by --nproc, would refuse FSDP
+    # ("needs about 30.4 GiB") on a machine where it fits
     from kubetrain.hardware import device_info
     from kubetrain.memory import Layout, estimate_on
 

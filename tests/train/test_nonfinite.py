@@ -70,7 +70,7 @@ def config(root: Path, **train: Any) -> Config:
         "model": {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16},
         "train": {"max_steps": 6, "micro_batch_size": 2, "grad_accum_steps": 2, "warmup_steps": 0,
                   "log_every_steps": 1, **train},
-        "eval": {"every_steps": 100, "batches": 2, "sample_prompt": None},
+        "eval": {"every_steps": 100, "windows": 2, "sample_prompt": None},
         "checkpoint": {"every_steps": 1, "keep_last": 10, "async_save": False},
         "track": {"console": False},
     })
@@ -302,4 +302,6 @@ def test_under_the_launcher_a_nan_loss_is_not_restarted(tmp_path: Path) -> None:
     assert done.stderr.splitlines()[-1].startswith(
         "error: the loss or its gradients were not finite (NaN or inf) for 3 steps in a row")
     assert "Traceback" not in done.stderr
+    # one line for the job, the launcher's: not once per rank and again (the incident is beside it)
+    assert sum("error: " in line for line in done.stderr.splitlines()) == 1, done.stderr[-3000:]
     assert_every_saved_tensor_is_finite(tmp_path / "runs" / "nan" / "checkpoints")

@@ -7,9 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from kubetrain.config import load_config
-from kubetrain.train.profile import sort_key, window
+from kubetrain.errors import UserInputError
+from kubetrain.train.profile import StepProfiler, sort_key, window
 from kubetrain.train.trainer import train
 from tests.train.conftest import TINY, kubetrain, sets
 
@@ -74,3 +76,28 @@ def test_under_two_processes_only_rank_0_traces_by_default(tmp_path: Path) -> No
     out = done.stdout + done.stderr
     assert "micro-batch 8 x 1 accum x 2 processes = global batch 16 (auto: the largest of 8, 4, 2, 1" in out
     assert "profiling steps 2-2 on rank 0" in out and "on rank 1" not in out
+
+
+def test_a_profile_folder_that_cannot_be_written_is_a_warning_and_the_run_goes_on(workdir: Path) -> None:
+    """A trace is a diagnostic: a file where its folder should be costs the trace, never the run."""
+    (workdir / "runs" / "blocked").mkdir(parents=True)
+    (workdir / "runs" / "blocked" / "profile").write_text("in the way")
+    cfg = load_config(None, None, [*TINY, "run.name=blocked", "train.max_steps=3", "train.profile.start=1",
+                                   "train.profile.steps=1", "eval.every_steps=3"])
+    said: list[str] = []
+    result = train(cfg, log=said.append)
+    assert result.steps == 3
+    warned = [line for line in said if line.startswith("profile: warning: ")]
+    assert warned and "runs/blocked/profile" in warned[0] and "the run goes on" in warned[0], said
+    assert not any("before step" in line for line in said)  # no claim that the run stopped before it was traced
+
+
+@pytest.mark.parametrize(("ranks", "world"), [([5], 2), ([0, 2], 2), ([1], 1)])
+def test_a_rank_the_job_does_not_have_is_one_line(tmp_path: Path, ranks: list[int], world: int) -> None:
+    """ranks: [5] at world size 2 would trace nothing, silently; every rank refuses it alike."""
+    cfg = load_config(None, None, [*TINY, f"train.profile.ranks={ranks}"]).train.profile
+    for rank in range(world):
+        with pytest.raises(UserInputError, match=r"^train\.profile\.ranks: no rank \d") as e:
+            StepProfiler.for_rank(cfg, tmp_path, rank, torch.device("cpu"), 0, world_size=world)
+        assert f"ranks 0-{world - 1}" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "profile").exists()

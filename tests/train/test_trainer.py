@@ -68,7 +68,7 @@ def tiny_config(root: Path, **train: Any) -> Config:
         "model": {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 16},
         "train": {"max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2, "warmup_steps": 1,
                   "log_every_steps": 1, **train},
-        "eval": {"every_steps": 100, "batches": 1, "sample_tokens": 4},
+        "eval": {"every_steps": 100, "windows": 1, "sample_tokens": 4},
         "checkpoint": {"every_steps": 100},
         "track": {"console": False},
     })

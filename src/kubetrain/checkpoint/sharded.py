@@ -121,8 +121,8 @@ def pinned_staging(device_type: str) -> bool:
 
     On the CPU, no: the training state is already in host memory, and a copy kept for the run would be one more
     resident copy of each rank's shards (measured: the 85M GPT's largest FSDP process 1,172 -> 1,410 MiB at 4
-    ranks, past issue 27's 0.40x of DDP). Fresh buffers per save (`host_buffers`), freed once written; touching
-    their pages is the copy's cost, and the saver's thread pays it while the next step runs.
+    ranks, past the 0.40x of DDP's that FSDP's memory is held to). Fresh buffers per save (`host_buffers`), freed
+    once written; touching their pages is the copy's cost, and the saver's thread pays it while the next step runs.
     """
     return device_type == "cuda"
 

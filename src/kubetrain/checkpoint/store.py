@@ -14,7 +14,7 @@ import posixpath
 from pathlib import Path
 from typing import Any
 
-from kubetrain.config.schema import store_uri_problem
+from kubetrain.config.schema import local_file_path, store_uri_problem
 from kubetrain.errors import UserInputError
 
 LOCAL_PROTOCOLS = (None, "file", "local")
@@ -165,6 +165,9 @@ def open_store(uri: str, endpoint_url: str | None = None) -> Store:
         import fsspec
     except ModuleNotFoundError:
         raise UserInputError(f"{uri}: object storage needs fsspec: {EXTRA}") from None
+    given = uri
+    if uri.lower().startswith("file:"):  # fsspec reads file://localhost/x as the folder localhost/x
+        uri = local_file_path(uri) or uri
     protocol = protocol_of(uri)
     options: dict[str, Any] = {"skip_instance_cache": True}
     if protocol in S3_PROTOCOLS:
@@ -184,7 +187,7 @@ def open_store(uri: str, endpoint_url: str | None = None) -> Store:
         raise UserInputError(f"{uri}: {describe(e)}") from None
     if getattr(fs, "async_impl", False):
         quiet_dropped_connections()
-    return Store(fs, str(root), uri)
+    return Store(fs, str(root), given)
 
 
 def quiet_dropped_connections() -> None:

@@ -19,6 +19,7 @@ from pathlib import Path, PurePosixPath
 from kubetrain.checkpoint import BEST, CHECKSUM, LATEST, META_FILE, file_digest
 from kubetrain.checkpoint.store import Store, describe, is_remote, open_store
 from kubetrain.checkpoint.verdict import VERDICTS
+from kubetrain.config.schema import local_file_path, store_uri_problem
 from kubetrain.errors import CheckpointError, KubetrainError, UserInputError
 from kubetrain.outside_names import OutsideName, join_inside
 
@@ -58,7 +59,13 @@ def sync_run(source: str, destination: str, endpoint_url: str | None = None) -> 
 
 
 def _local_path(text: str) -> str:
-    return text.removeprefix("file://")
+    """A run folder given as a path or as a `file:` URI (one that names another host is refused)."""
+    if not text.lower().startswith("file:"):
+        return text
+    path = local_file_path(text)
+    if path is None:
+        raise UserInputError(store_uri_problem(text) or f"{text!r} is not a path on this machine")
+    return path
 
 
 def _wanted(rel: str) -> bool:

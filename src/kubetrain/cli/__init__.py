@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import sys
 import traceback
@@ -19,7 +20,7 @@ from kubetrain.errors import (
     TrainingStopped,
     UserInputError,
 )
-from kubetrain.launch.elastic import record_worker_error, worker_exit_code
+from kubetrain.launch.elastic import last_error, record_worker_error, worker_exit_code
 
 app = typer.Typer(
     name="kubetrain",
@@ -119,12 +120,18 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("KUBETRAIN_DEBUG") == "1"
     args = [a for a in args if a != "--debug"]
+    # --json: one JSON object on stdout whatever happens; a failure's is {"error": ..., "exit": N} (a script reads
+    # stdout only). Workers under the launcher print none: their launcher speaks for the job.
+    as_json = "--json" in args and "LOCAL_RANK" not in os.environ
     if not app.registered_commands:  # main() may run more than once in one process (tests, notebooks)
         _register()
     try:
         # not standalone: click's three-line usage form for a mistyped flag or command becomes our one line
         code = app(args=args, prog_name="kubetrain", standalone_mode=False)
-        sys.exit(code if isinstance(code, int) else 0)
+        code = code if isinstance(code, int) else 0
+        if as_json and code != 0:  # the launcher's exit: its error line was said on stderr
+            _json_line({"error": last_error() or f"exited with code {code}", "exit": code})
+        sys.exit(code)
     except NO_ARGS_IS_HELP as e:  # a group with no subcommand: its help, as before
         e.show()
         sys.exit(e.exit_code)
@@ -132,9 +139,11 @@ def main(argv: list[str] | None = None) -> None:
         ctx = getattr(e, "ctx", None)
         where = f" (see '{ctx.command_path} -h')" if ctx is not None else ""
         message = e.format_message().rstrip(".")
-        _bad_input(message[:1].lower() + message[1:] + where)
+        _bad_input(message[:1].lower() + message[1:] + where, as_json)
     except CLICK_EXCEPTION as e:
         print(f"error: {e.format_message()}", file=sys.stderr, flush=True)
+        if as_json:
+            _json_line({"error": e.format_message(), "exit": e.exit_code})
         sys.exit(e.exit_code)
     except typer.Abort:  # Ctrl-C at a prompt
         print("Aborted!", file=sys.stderr, flush=True)
@@ -144,45 +153,77 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
         if os.environ.get("RANK", "0") == "0":
             print(str(e), file=sys.stderr, flush=True)
+        if as_json:
+            _json_line({"stopped": str(e), "exit": e.exit_code})
         sys.exit(e.exit_code)
     except KubetrainError as e:
         if debug:
             traceback.print_exc()
         record_worker_error(e)
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if not _launcher_says_it():
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        if as_json:
+            _json_line({"error": str(e), "exit": worker_exit_code(e)})
         sys.exit(worker_exit_code(e))
     except ModuleNotFoundError as e:
         extra = OPTIONAL_EXTRAS.get((e.name or "").split(".")[0])
         if extra is None:
             record_worker_error(e)
+            _bug(e, as_json)
             raise
         if debug:
             traceback.print_exc()
-        _bad_input(f"this needs the optional package '{e.name}': pip install 'kubetrain[{extra}]'")
+        _bad_input(f"this needs the optional package '{e.name}': pip install 'kubetrain[{extra}]'", as_json)
     except OSError as e:
         if e.errno not in PATH_ERRORS or e.filename is None:  # not a path the user named: a bug or the machine
             record_worker_error(e)
+            _bug(e, as_json)
             raise
         if debug:
             traceback.print_exc()
-        _bad_input(f"{e.strerror}: {e.filename}")
+        _bad_input(f"{e.strerror}: {e.filename}", as_json)
     except RuntimeError as e:  # torch.distributed's errors are RuntimeErrors
         lost = lost_peer(e)
         if lost is None:  # a bug: keep the traceback, and tell the elastic launcher which rank failed
             record_worker_error(e)
+            _bug(e, as_json)
             raise
         if debug:
             traceback.print_exc()
         record_worker_error(TrainingFailed(lost))
-        print(f"error: {lost}", file=sys.stderr, flush=True)
+        if not _launcher_says_it():
+            print(f"error: {lost}", file=sys.stderr, flush=True)
+        if as_json:
+            _json_line({"error": lost, "exit": EXIT_FAILURE})
         sys.exit(EXIT_FAILURE)
     except Exception as e:  # a bug: keep the traceback, and tell the elastic launcher which rank failed
         record_worker_error(e)
+        _bug(e, as_json)
         raise
 
 
-def _bad_input(message: str) -> NoReturn:
+def _launcher_says_it() -> bool:
+    """A worker under the elastic launcher: its error goes to the launcher's error file, and the launcher says the
+    first failure's line once for the job (each worker saying it too printed it once per rank, and again)."""
+    return "LOCAL_RANK" in os.environ and bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
+
+
+def _bad_input(message: str, as_json: bool = False) -> NoReturn:
     """One `error:` line and exit 2; under the elastic launcher, also the line its failure summary repeats."""
     record_worker_error(UserInputError(message))
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    if not _launcher_says_it():
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    if as_json:
+        _json_line({"error": message, "exit": EXIT_BAD_INPUT})
     sys.exit(EXIT_BAD_INPUT)
+
+
+def _bug(e: BaseException, as_json: bool) -> None:
+    """A bug's traceback goes to stderr as Python prints it; --json still gets its one object."""
+    if as_json:
+        _json_line({"error": f"{type(e).__name__}: {e} (a bug in kubetrain: the traceback is on stderr)",
+                    "exit": EXIT_FAILURE})
+
+
+def _json_line(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj), flush=True)

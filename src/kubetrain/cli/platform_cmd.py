@@ -8,7 +8,8 @@ from typing import Annotated
 import typer
 
 from kubetrain.cli.helm_format import Format, FormatOpt, chart_written, require_folder
-from kubetrain.cli.k8s_cmd import (
+from kubetrain.cli.k8s_objects import print_or_write, validate_objects
+from kubetrain.cli.k8s_options import (
     ContextOpt,
     CrdsOpt,
     DryRunOpt,
@@ -16,8 +17,6 @@ from kubetrain.cli.k8s_cmd import (
     NamespaceOpt,
     NoValidateOpt,
     cluster_for,
-    print_or_write,
-    validate_objects,
 )
 from kubetrain.errors import UserInputError
 

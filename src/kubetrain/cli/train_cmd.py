@@ -94,23 +94,35 @@ def _launch(cfg: Config, forwarded: list[str], nproc: int, nnodes: str, node_ran
     """`--nproc`/`--nnodes`: check what can be checked here, then run the elastic agent; its exit code."""
     from kubetrain import runs
     from kubetrain.launch.admission import admit
-    from kubetrain.launch.elastic import LaunchOptions, launch, torchrun_args
+    from kubetrain.launch.elastic import LaunchOptions, launch, parse_nnodes, torchrun_args
     from kubetrain.launch.watch import watch_options
+    from kubetrain.runs.incidents import incidents_dir
     from kubetrain.runs.lock import hold_for_workers
-    from kubetrain.train.device import check_launch
+    from kubetrain.train.launch_plan import plan_launch
 
-    check_launch(cfg, nproc, nnodes)  # one GPU per process (or NCCL fails later), HSDP's shard group
+    fewest_nodes = parse_nnodes(nnodes)[0]
+    # the device (one GPU per process, or NCCL fails later), HSDP's shard group, a CPU run's memory: decided once
+    plan = plan_launch(cfg, nproc, fewest_nodes, int(nnodes) if nnodes.isdigit() else None)
     opts = LaunchOptions(nproc_per_node=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                          rdzv_id=rdzv_id, max_restarts=max_restarts,
                          shutdown_timeout=int(cfg.checkpoint.grace_seconds) + 30, **watch_options(cfg))
     torchrun_args(opts, forwarded)  # bad launch options are refused before the run directory is held
-    admit(cfg, opts.nproc_per_node, nnodes, oversubscribe)  # cores and memory, before any worker starts
+    admit(plan, oversubscribe)  # the plan's cores and memory, before any worker starts
     one_node = nnodes == "1" and rdzv_endpoint is None  # several nodes: rank 0 holds it, wherever it runs
     held: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
     if one_node and not dry_run:  # the launcher holds it across the agent's restarts of its workers
         held = hold_for_workers(runs.run_dir(cfg), lambda m: typer.echo(m, err=True))
-    with held:
-        return launch(opts, forwarded, runs.run_dir(cfg))
+    run_dir = runs.run_dir(cfg)
+    # A dry run writes no run directory: the folders the launcher makes for its workers (incidents/ for the
+    # flight recorder's dumps) go again when nothing was put in them.
+    made = [p for p in (run_dir, incidents_dir(run_dir)) if dry_run and not p.exists()]
+    try:
+        with held:
+            return launch(opts, forwarded, run_dir)
+    finally:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):  # not empty: something worth keeping was written
+                folder.rmdir()
 
 
 def check_torch() -> None:

@@ -6,6 +6,9 @@ import copy
 import difflib
 import hashlib
 import json
+import os
+import sys
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from types import UnionType
@@ -20,6 +23,9 @@ from kubetrain.errors import ConfigError
 from kubetrain.files import special_kind
 
 DEFAULT_PRESET = "tiny"
+# eval.windows's old name: it counted micro-batches of train.micro_batch_size windows, so a config that says it is
+# read as that many windows (old_eval_batches), and `best` compares the same eval set across the upgrade
+OLD_EVAL_SIZE, EVAL_SIZE = "batches", "windows"
 
 
 def preset_names() -> list[str]:
@@ -89,7 +95,15 @@ def load_config(
     for item in overrides:
         apply_override(raw, item)
     source = str(path) if path else f"preset '{preset or DEFAULT_PRESET}'"
-    cfg = validate(raw, source=source)
+    try:
+        cfg = Config.model_validate(old_eval_batches(raw, source))
+    except ValidationError as e:
+        blamed = _set_that_made(e, overrides)
+        problem = describe_error(e)
+        if blamed is None:
+            raise ConfigError(f"{source}: {problem}") from None
+        loc = ".".join(_key_path(e.errors()[0]["loc"]))
+        raise ConfigError(f"{blamed}: {problem.removeprefix(f'{loc}: ')}") from None
     try:  # here, where a user's settings come in (not in the model: a stored run's config stays readable)
         clocks.check(cfg)
     except ValueError as e:
@@ -106,33 +120,132 @@ def phase_config(cfg: Config, index: int) -> Config:
     raw["phases"] = []
     for name, patch in (("data", ph.data), ("train", ph.train), ("eval", ph.eval)):
         if patch:
+            if name == "eval" and OLD_EVAL_SIZE in patch:  # the phase sizes its own eval set, under the old name
+                raw[name].pop(EVAL_SIZE, None)
             raw[name] = _deep_merge(raw.get(name) or {}, patch)
     return validate(raw, source=f"phase '{ph.name}'")
 
 
 def validate(raw: dict[str, Any], source: str = "config") -> Config:
     try:
-        return Config.model_validate(raw)
+        return Config.model_validate(old_eval_batches(raw, source))
     except ValidationError as e:
         raise ConfigError(f"{source}: {describe_error(e)}") from None
 
 
+def _set_that_made(e: ValidationError, overrides: list[str] | tuple[str, ...]) -> str | None:
+    """`--set KEY` when the first problem is at a key the command line set (or in the section a rule over it
+    judges), so the user is sent to the argument they typed, not to a file or preset that never said it."""
+    loc = _key_path(e.errors()[0]["loc"])
+    for item in reversed(overrides):
+        key = item.split("=", 1)[0].strip()
+        parts = [p for p in key.split(".") if p]
+        if loc and parts[: len(loc)] == loc:
+            return f"--set {'.'.join(parts)}"  # the key only: a value may hold a secret
+    return None
+
+
+_warned: set[str] = set()
+
+
+def _says_config_warnings(environ: Mapping[str, str]) -> bool:
+    """One line per job: a worker other than rank 0 stays quiet, and so does rank 0 under kubetrain's launcher
+    (KUBETRAIN_LAUNCHER_PID, train/heartbeat.py), which read the same config and said it already."""
+    rank = environ.get("RANK")
+    return rank is None or (rank == "0" and not environ.get("KUBETRAIN_LAUNCHER_PID"))
+
+
+def old_eval_batches(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """`eval.batches: N` read as what it meant: eval.windows N x train.micro_batch_size, said once per process.
+
+    Refused (one line) where that number is unknown: with micro_batch_size auto, or with eval.windows given too."""
+    section = raw.get("eval")
+    if not isinstance(section, dict) or OLD_EVAL_SIZE not in section:
+        return raw
+    if EVAL_SIZE in section:
+        raise ConfigError(f"{source}: eval.batches and eval.windows are both given; eval.windows replaces "
+                          "eval.batches (which counted micro-batches): keep eval.windows only")
+    batches = section[OLD_EVAL_SIZE]
+    train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+    micro = (train or {}).get("micro_batch_size", Config().train.micro_batch_size)
+    if isinstance(micro, str) and micro.strip().isdigit():  # --set keeps text where the field also takes `auto`
+        micro = int(micro)
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        raise ConfigError(f"{source}: eval.batches is now eval.windows (windows per evaluation); "
+                          f"write eval.windows instead (got eval.batches: {batches!r})")
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
+        raise ConfigError(f"{source}: eval.batches counted micro-batches of train.micro_batch_size, which is "
+                          f"{micro!r} here, so the windows it evaluated are not known: write eval.windows (windows "
+                          "per evaluation) instead")
+    windows = batches * micro
+    message = (f"warning: {source}: eval.batches is now eval.windows and counts windows, not micro-batches: "
+               f"eval.batches: {batches} x train.micro_batch_size {micro} is read as eval.windows: {windows}, "
+               "the windows it evaluated before")
+    if message not in _warned and _says_config_warnings(os.environ):
+        _warned.add(message)
+        print(message, file=sys.stderr, flush=True)
+    eval_section = {k: v for k, v in section.items() if k != OLD_EVAL_SIZE}
+    eval_section[EVAL_SIZE] = windows
+    return {**raw, "eval": eval_section}
+
+
 def describe_error(e: ValidationError) -> str:
-    """The first validation problem as one line, with a 'did you mean' for unknown keys."""
+    """The first validation problem as one line, in the config's words: its key (never a union member's inner
+    name such as `constrained-int`, nor a section's class name), what it takes, and what it got."""
     err = e.errors()[0]
-    loc = ".".join(str(x) for x in err["loc"])
+    parts = _key_path(err["loc"])
+    loc = ".".join(parts)
     if err["type"] == "extra_forbidden":
         parent, key = err["loc"][:-1], str(err["loc"][-1])
         fields = _fields_at(Config, parent)
-        return f"unknown key '{loc}'{_suggest(key, fields)}"
+        return f"unknown key '{'.'.join([*_key_path(parent), key])}'{_suggest(key, fields)}"
     msg = err["msg"]
     if err["type"] in ("value_error", "assertion_error"):
         msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
         return f"{loc}: {msg}" if loc else msg
     got = err.get("input")
     shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
+    same_key = [x for x in e.errors() if _key_path(x["loc"]) == parts]
+    if len(same_key) > 1 or err["type"] in ("model_type", "dict_type", "model_attributes_type"):
+        # a union's members each reject the value, or a section was given a scalar: say what the key takes
+        return f"{loc}: takes {_what_it_takes(loc)}{shown}"
     more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
     return f"{loc}: {msg}{shown}{more}"
+
+
+def _key_path(loc: tuple[Any, ...]) -> list[str]:
+    """The config key of an error's location: pydantic adds a union member's tag (`constrained-int`,
+    `literal['auto']`) between a field and its value; those are no key a user can type."""
+    out: list[str] = []
+    model: Any = Config
+    for part in loc:
+        if isinstance(part, int):
+            out.append(str(part))
+            continue
+        field = model.model_fields.get(str(part)) if _is_model(model) else None
+        if field is None:
+            if model is None:
+                out.append(str(part))  # inside a free-form mapping (labels, env): the user's own key
+            continue
+        out.append(str(part))
+        model = _model_in(field.annotation)
+        if model is None and get_origin(field.annotation) is not dict and not _maps_in(field.annotation):
+            model = False  # a leaf: anything after it is pydantic's, not a key
+    return out
+
+
+def _maps_in(annotation: Any) -> bool:
+    return any(get_origin(a) is dict for a in get_args(annotation))
+
+
+def _what_it_takes(key: str) -> str:
+    from kubetrain.config.explain import explain  # the schema's own words, as `config explain` prints them
+
+    doc = explain(key)[0]
+    if "section" in doc.type.split(" | "):
+        optional = " or null" if "null" in doc.type.split(" | ") else ""
+        return f"a section of keys{optional} (kubetrain config explain {doc.key})"
+    return doc.type + (f" ({doc.constraints})" if doc.constraints else "")
 
 
 def _fields_at(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
@@ -183,6 +296,14 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
+    if parts[0] == "eval" and parts[1:] in ([OLD_EVAL_SIZE], [EVAL_SIZE]):
+        # a size given here replaces the file's under either name; the old one is read by old_eval_batches
+        section = raw.get("eval") if isinstance(raw.get("eval"), dict) else None
+        if section is not None:
+            section.pop(EVAL_SIZE if parts[1] == OLD_EVAL_SIZE else OLD_EVAL_SIZE, None)
+        if parts[1] == OLD_EVAL_SIZE:
+            raw["eval"] = {**(section or {}), OLD_EVAL_SIZE: value}
+            return
     node: Any = raw
     model: Any = Config
     annotation: Any = None  # the type of the key being set, when the schema knows it

@@ -240,10 +240,12 @@ class TrainConfig(Section):
 
 class EvalConfig(Section):
     every_steps: int = Field(50, ge=1, description="Steps between evaluations (validation loss, sample).")
-    batches: int = Field(
+    windows: int = Field(
         128, ge=1, description="Validation windows (sequences of model.block_size tokens) per evaluation, over all "
         "ranks together: the first ones of the validation split, the same windows and the same token-weighted loss "
-        "at any world size and micro-batch (train.micro_batch_size only sets how many go through one forward)."
+        "at any world size and micro-batch (train.micro_batch_size only sets how many go through one forward). "
+        "Formerly eval.batches, which counted micro-batches: a config that still says eval.batches: N is read as "
+        "N x train.micro_batch_size windows, the set it evaluated before, with one warning."
     )
     sample_prompt: str | None = Field(
         "And God said", min_length=1,
@@ -317,12 +319,30 @@ def store_uri_problem(uri: str, schemes: tuple[str, ...] | None = STORE_SCHEMES)
     if found is None or not found.group(2):  # a path ("runs/store", "a:b")
         return None
     scheme = found.group(1).lower()
+    if scheme == "file":
+        if local_file_path(uri) is None:
+            host = uri[found.end():].split("/", 1)[0]
+            return (f"{uri!r} names the host {host!r}: a file: URI is a path on this machine, "
+                    f"file:///PATH (three slashes) or a plain path")
+        return None
     if found.group(2) != "//" or (schemes is not None and scheme not in schemes):
         return f"{uri!r} is not a store kubetrain can use ({scheme}:{found.group(2)}): {use}"
     bucket = uri[found.end():].split("/", 1)[0]
     if scheme not in ("file", "local") and not bucket:
         return f"{uri!r} names no bucket: {use}"
     return None
+
+
+def local_file_path(uri: str) -> str | None:
+    """The path on this machine a `file:` URI names (RFC 8089: `file:///PATH`, `file://localhost/PATH`,
+    `file:/PATH`); None for one with another host (`file://tmp/x` is the host `tmp`, not the folder `./tmp/x`)."""
+    rest = uri[len("file:"):]
+    if not rest.startswith("//"):
+        return rest or None
+    host, sep, path = rest[2:].partition("/")
+    if host.lower() not in ("", "localhost") or not sep:
+        return None
+    return "/" + path
 
 
 _FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")

@@ -86,6 +86,9 @@ class KubeflowTrainerConfig(Section):
     )
 
 
+_NOT_IN_A_WANDB_PROJECT = "/\\#?%:"
+
+
 class WandbConfig(Section):
     """Weights & Biases. The API key is read from WANDB_API_KEY only (a Kubernetes Secret through
     k8s.secrets.env), never from here: config.yaml is written to the run directory and shown by print-config."""
@@ -115,6 +118,16 @@ class WandbConfig(Section):
                                  "set WANDB_API_KEY in the environment (on Kubernetes: a Secret through "
                                  "k8s.secrets.env)")
         return data
+
+    @field_validator("project")
+    @classmethod
+    def _project(cls, value: str) -> str:
+        # W&B's own rule (wandb_settings.Settings.validate_project): refused here, not by the run at its start
+        found = sorted(set(value) & set(_NOT_IN_A_WANDB_PROJECT))
+        if found:
+            raise ValueError(f"'{value}' may not contain {' '.join(found)} (W&B refuses any of "
+                             f"{' '.join(_NOT_IN_A_WANDB_PROJECT)} in a project name; the team goes in entity)")
+        return value
 
     @field_validator("tags")
     @classmethod

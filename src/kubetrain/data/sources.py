@@ -13,7 +13,7 @@ from typing import Any
 from kubetrain.config.schema import SourceConfig
 from kubetrain.data.fingerprints import DigestCache
 from kubetrain.errors import DataError
-from kubetrain.files import special_kind
+from kubetrain.files import special_kind, why_missing
 
 BUILTIN_CORPUS = "kjv.txt"
 
@@ -51,7 +51,7 @@ def source_files(src: SourceConfig) -> list[Path]:
         if p.exists():  # a FIFO, a device (/dev/null), a socket: nothing that can be read twice and hashed
             raise DataError(f"data path is not a regular file or folder: {src.path} (a "
                             f"{special_kind(p)}); name a file, a folder or a glob")
-        raise DataError(f"data path not found: {src.path}")
+        raise DataError(f"data path {why_missing(p)}: {src.path}")
     return [p]
 
 
@@ -75,7 +75,7 @@ def resolve_kind(src: SourceConfig) -> SourceConfig:
     try:
         files = source_files(src.model_copy(update={"kind": "text"}))
     except DataError as e:
-        hint = "" if p.exists() else " (a Hugging Face dataset id needs kind: hf)"
+        hint = "" if p.exists() or p.is_symlink() else " (a Hugging Face dataset id needs kind: hf)"
         raise DataError(f"{e}{hint}") from None
     kinds = {f: _kind_of_file(f, src.text_field) for f in files}
     found = sorted(set(kinds.values()))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 
 import torch
 import torch.distributed as td
@@ -145,13 +144,3 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `t`: its shard under FSDP2 (a DTensor), else `t` itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
-
-
-def local_device(requested: str) -> torch.device:
-    """The device for this process: cuda:LOCAL_RANK under a launcher, else the first one available."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
-    if requested == "mps" or (requested == "auto" and torch.backends.mps.is_available()):
-        return torch.device("mps")
-    return torch.device("cpu")

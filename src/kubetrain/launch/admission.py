@@ -10,9 +10,13 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kubetrain.config.schema import Config
 from kubetrain.errors import UserInputError
+
+if TYPE_CHECKING:
+    from kubetrain.train.launch_plan import LaunchPlan
 
 CPU_QUOTA = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"
 
@@ -40,28 +44,21 @@ def cores_problem(nproc: int, cores: int, oversubscribe: bool) -> str | None:
 
 def check_cores(cfg: Config, nproc: int, oversubscribe: bool) -> None:
     """Refuse (exit 2) a CPU run of more local processes than usable cores; GPU runs are checked per GPU."""
-    from kubetrain.distributed.setup import local_device
+    from kubetrain.train.device import select_device
 
-    if local_device(cfg.run.device).type != "cpu":  # no CUDA context: is_available() does not make one
+    if select_device(cfg.run.device).type != "cpu":  # no CUDA context: is_available() does not make one
         return
     if problem := cores_problem(nproc, usable_cores(), oversubscribe):
         raise UserInputError(problem)
 
 
-def check_node_memory(cfg: Config, nproc: int, nnodes: str) -> None:
-    """The launcher's memory check: `nproc` processes and the launcher on this node, of `nproc` x the fewest nodes
-    (an elastic job's MIN leaves each process the most under FSDP)."""
-    from kubetrain.launch.elastic import parse_nnodes
-    from kubetrain.memory import Layout
-    from kubetrain.train.memory_check import check_memory
-
+def admit(plan: LaunchPlan, oversubscribe: bool = False) -> None:
+    """The launch plan's cores and memory, cores first (it needs no estimate): nothing is started when either
+    refuses."""
+    nproc = plan.layout.local_processes
+    if plan.device.type == "cpu" and (problem := cores_problem(nproc, usable_cores(), oversubscribe)):
+        raise UserInputError(problem)
     try:
-        check_memory(cfg, Layout.of(cfg, nproc * parse_nnodes(nnodes)[0], nproc, launcher=True), launcher=True)
+        plan.refuse_what_does_not_fit()
     except UserInputError as e:  # the count comes first: it is what the user typed, and one thing to change
         raise UserInputError(f"--nproc {nproc}: {e}") from None
-
-
-def admit(cfg: Config, nproc: int, nnodes: str, oversubscribe: bool = False) -> None:
-    """Both checks, cores first (it needs no estimate): nothing is started when either refuses."""
-    check_cores(cfg, nproc, oversubscribe)
-    check_node_memory(cfg, nproc, nnodes)

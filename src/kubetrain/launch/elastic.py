@@ -17,7 +17,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,9 @@ from kubetrain.errors import (
     UserInputError,
     resume_hint,
 )
+
+# torch's switch between one store per rendezvous round for the workers ("1") and the agent's shared one (anything else)
+SHARE_STORE_OFF_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 @dataclass(frozen=True)
@@ -112,10 +115,7 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
 
     args = parse_args(torchrun_args(opts, train_args))
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per worker unless told otherwise
-    # Workers get a fresh store (hosted by rank 0 on a new port) each rendezvous round instead of sharing the
-    # agent's: a node joining a later round deadlocks on the shared one (pytorch#135712), and restarted gloo
-    # workers were seen reading a stale peer address from it.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    store_per_round(os.environ, _say)
     flight_recorder_env(run_dir)
     beats = Path(tempfile.mkdtemp(prefix="kubetrain-heartbeat-"))  # node-local: never the shared run folder
     os.environ[HEARTBEAT_DIR_ENV], os.environ[LAUNCHER_PID_ENV] = str(beats), str(os.getpid())
@@ -126,6 +126,8 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         agreement = HangAgreement(opts.rdzv_endpoint, opts.rdzv_id, parse_nnodes(opts.nnodes)[0])
         watch.agree, watch.published = agreement.agree, agreement.published
     gave_up = finished = stopped = False  # the launcher's /metrics says which to its last scrape
+    # ours until the agent starts, then the agent's: the caller's own come back when the launch is over
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         _stop_is_an_exception(SignalException)  # a stop during the rendezvous, before the agent's own handler
         with elastic_agent(FINAL_EXIT_CODES, opts.shutdown_timeout, watch.agent_reaped):
@@ -168,12 +170,28 @@ def launch(opts: LaunchOptions, train_args: list[str], run_dir: Path) -> int:
         watch.rendezvous_closed(opts.rdzv_id)
         raise
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         watch.stop()
         if exporter is not None:
             exporter.close(failed=gave_up, finished=finished, stopped=stopped)
         shutil.rmtree(beats, ignore_errors=True)
         _sync_incidents(run_dir)
     return 0
+
+
+def store_per_round(environ: MutableMapping[str, str], say: Callable[[str], None]) -> None:
+    """Workers get a fresh store (hosted by rank 0's agent on a free port) each rendezvous round instead of sharing
+    the agent's: a node joining a later round deadlocks on the shared one (pytorch#135712), restarted gloo workers
+    were seen reading a stale peer address from it, and the hang watch tells rounds apart by that store's address
+    (heartbeat.round_identity), which a shared store keeps from round to round. torch shares it unless the variable
+    is exactly "1", so a value the environment presets ("0", "true") is replaced, with one line saying so."""
+    preset = environ.get(SHARE_STORE_OFF_ENV)
+    if preset is not None and preset != "1":
+        say(f"launcher: {SHARE_STORE_OFF_ENV}={preset} from the environment is replaced by 1: the workers need a "
+            "store of their own each rendezvous round (a node joining a later round waits forever on the shared "
+            "one, and the hang watch tells rounds apart by its address)")
+    environ[SHARE_STORE_OFF_ENV] = "1"
 
 
 def _stop_is_an_exception(exception: type[Exception]) -> None:
@@ -198,6 +216,13 @@ def _agent_extended() -> bool:
     return isinstance(agent, type) and agent is not LocalElasticAgent and issubclass(agent, LocalElasticAgent)
 
 
+def _where_the_run_stood(status: str | None, latest: str | None) -> str:
+    """The run's state at a stop, as a person would write it (no `None` where nothing was there yet)."""
+    state = f"run status {status}" if status not in (None, "unknown") else "the run had not started yet"
+    saved = f"latest checkpoint {latest}" if latest else "no checkpoint yet (the run starts over)"
+    return f"{state}; {saved}"
+
+
 def _stopped_by_signal(sigval: signal.Signals, run_dir: Path, step: int | None) -> int:
     """The launcher's exit after SIGTERM/SIGINT: 1 when the run had failed (its meta.json says so), else 75 since
     nothing is lost (the workers' stop checkpoint, an earlier one, or none yet: the run starts over); SIGTERM is a
@@ -208,7 +233,7 @@ def _stopped_by_signal(sigval: signal.Signals, run_dir: Path, step: int | None) 
     if sigval == signal.SIGTERM:
         _say(incidents.log_line(incidents.record(
             run_dir, "preempted", rank=None, step=step,
-            message=f"SIGTERM to the launcher; run status {status}; latest checkpoint {latest}")))
+            message=f"SIGTERM to the launcher; {_where_the_run_stood(status, latest)}")))
     if _recorded_failure(run_dir):  # a stop does not turn a failure into a resumable run: the Job counts it
         _say(f"launcher: {sigval.name}: the run had failed before the stop; exiting {EXIT_FAILURE}")
         return EXIT_FAILURE
@@ -297,8 +322,18 @@ def _sync_incidents(run_dir: Path) -> None:
             _say(f"launcher: warning: could not record the incidents in meta.json: {e}")
 
 
+_ERRORS_SAID: list[str] = []  # the launcher's `error:` lines, for `--json`'s one object (cli.main)
+
+
 def _say(message: str) -> None:
+    if message.startswith("error: "):
+        _ERRORS_SAID.append(message.removeprefix("error: "))
     print(message, file=sys.stderr, flush=True)
+
+
+def last_error() -> str | None:
+    """The last `error:` line this process's launcher said (without the prefix), or None."""
+    return _ERRORS_SAID[-1] if _ERRORS_SAID else None
 
 
 _AGENT_STOP_EXITS = (-signal.SIGTERM, -signal.SIGINT)  # Popen's exit code of a worker the agent's stop killed

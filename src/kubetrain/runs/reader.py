@@ -186,6 +186,5 @@ def list_runs(folder: Path) -> list[dict[str, Any]]:
     """Every run directly under `folder`, for `runs list`."""
     if not folder.is_dir():
         return []
-    found = [p for p in sorted(folder.iterdir()) if p.is_dir() and not p.name.startswith(".")
-             and ((p / META_FILE).is_file() or (p / PHASES).is_dir())]
+    found = [p for p in sorted(folder.iterdir()) if p.is_dir() and not p.name.startswith(".") and is_run_dir(p)]
     return [describe_run(p) for p in found]

@@ -40,7 +40,7 @@ TINY = ("model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_siz
 def overrides(ctx: Context, name: str, *extra: str, tiny: bool = True) -> list[str]:
     """--set items of a quiet run named `name` in the scratch folder; `tiny`: a 2-layer GPT of width 64."""
     base = [f"run.name={name}", f"run.output_dir={ctx.work / 'runs'}", f"data.cache_dir={ctx.work / 'data'}",
-            f"run.device={ctx.device}", "track.console=false", "eval.sample_prompt=null", "eval.batches=1",
+            f"run.device={ctx.device}", "track.console=false", "eval.sample_prompt=null", "eval.windows=1",
             *(TINY if tiny else ()), "train.warmup_steps=2", "train.log_every_steps=1",
             "checkpoint.every_steps=1000", "eval.every_steps=1000"]
     if ctx.device == "cpu":

@@ -1,13 +1,16 @@
 """Weights & Biases: the resolved config (redacted), every train/eval line, the final sample, checkpoints as
 artifacts when asked, and how the run ended.
 
-One kubetrain run (or phase) is one W&B run: its id is kept in meta.json (`trackers.wandb`), and a resumed run
-opens it again with `resume="allow"`, so pod restarts do not scatter one training run over many W&B runs. The API
-key is read by wandb itself from WANDB_API_KEY (or a `wandb login`); kubetrain never holds it.
+One kubetrain run (or phase) is one W&B run: its id is kept in meta.json (`trackers.wandb`), so pod restarts do
+not scatter one training run over many W&B runs. A resumed run rewinds that W&B run to the checkpoint it resumes
+from (`resume_from`), so the steps logged between that checkpoint and the crash are replaced, not shown twice; where
+rewinding is not possible it reopens the run (`resume="allow"`) and skips the steps W&B already holds. The API key is
+read by wandb itself from WANDB_API_KEY (or a `wandb login`); kubetrain never holds it.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -22,8 +25,8 @@ from kubetrain.track.failures import TrackerUnavailable, one_line
 
 TRACKER = "wandb"  # its key in meta.json's `trackers`
 NOT_METRICS = {"kind", "step", "time", "phase", "path", "best"}
-# A resumed run starts again from its checkpoint, before steps W&B has already seen; W&B drops a `step=` lower than
-# its own, so kubetrain's step is a metric of its own that the charts plot against (W&B's define_metric).
+# W&B's row number (`_step`) is kubetrain's step, so that a rewind to a checkpoint's step cuts the history exactly
+# there; the charts plot against kubetrain's step as a metric of its own too (define_metric), as they always have.
 STEP = "step"
 EXIT_CODES = {"finished": 0, "stopped": 75, "failed": 1}  # 75: stopped after a checkpoint, resumable (errors.py)
 
@@ -50,6 +53,8 @@ class WandbSink(Sink):
         self.stream = stream
         self.run: Any = None
         self.run_dir: Path | None = None
+        self.first_step = 0  # records of an earlier step are in the W&B run already
+        self.last_step = 0  # the newest row: W&B takes rows in step order only
 
     def start(self, info: dict[str, Any]) -> None:
         import wandb  # build_sinks checked that it is installed
@@ -65,15 +70,15 @@ class WandbSink(Sink):
             raise TrackerUnavailable(f"cannot write W&B's files under {root}: {one_line(e)}") from None
         run, phase = str(info.get("run") or "run"), info.get("phase")
         mode: Any = self.mode  # wandb's own Literal; $WANDB_MODE may hold any mode it knows
+        start_step = int(info.get("start_step") or 0)
+        opened = {"project": self.project, "entity": self.entity, "mode": mode, "tags": self.tags,
+                  "dir": None if os.environ.get("WANDB_DIR") else str(root),
+                  "name": redact_text(f"{run}/{phase}" if phase else run),
+                  "group": redact_text(run) if phase else None, "job_type": phase or "train",
+                  # kubetrain prints its own lines (redacted); W&B's copy of stdout would only repeat them
+                  "settings": wandb.Settings(console="off", quiet=True)}
         try:
-            self.run = wandb.init(
-                project=self.project, entity=self.entity, id=run_id, resume="allow", mode=mode,
-                dir=None if os.environ.get("WANDB_DIR") else str(root), tags=self.tags,
-                name=redact_text(f"{run}/{phase}" if phase else run), group=redact_text(run) if phase else None,
-                job_type=phase or "train",
-                # kubetrain prints its own lines (redacted); W&B's copy of stdout would only repeat them
-                settings=wandb.Settings(console="off", quiet=True),
-            )
+            self.run = self.open(wandb, opened, run_id, start_step)
             self.run.config.update(self.config(info), allow_val_change=True)  # a resume may change the config
             for prefix in ("train", "eval", "checkpoint"):
                 self.run.define_metric(f"{prefix}/*", step_metric=STEP)
@@ -84,6 +89,20 @@ class WandbSink(Sink):
             f": {self.run.url}" if getattr(self.run, "url", None) else ""
         print(f"wandb: run {run_id} of project '{self.project}', {self.mode} ({self.why}){where}",
               file=self.stream or sys.stdout, flush=True)
+        # after a rewind W&B continues at the step after the checkpoint; after a plain reopen, after its newest row
+        self.first_step = self.last_step = max(int(getattr(self.run, "starting_step", 0) or 0), start_step)
+
+    def open(self, wandb: Any, opened: dict[str, Any], run_id: str, start_step: int) -> Any:
+        """The W&B run, rewound to `start_step` when this run resumes from a checkpoint and wandb can rewind. A server
+        that refuses the rewind (a run it has never seen, rewinding not enabled there) gets the run reopened as it
+        is instead; a server that cannot be reached is not asked twice."""
+        if start_step > 0 and rewinds(wandb):
+            try:
+                return wandb.init(resume_from=f"{run_id}?_step={start_step}", **opened)
+            except Exception as e:
+                if "deadline exceeded" in str(e):  # wandb-core's word for a server that did not answer in time
+                    raise
+        return wandb.init(id=run_id, resume="allow", **opened)
 
     def run_id(self, run_dir: Path) -> str:
         """The W&B run of this run directory: the one meta.json names, else a new id recorded there first (so a
@@ -106,10 +125,17 @@ class WandbSink(Sink):
         return out
 
     def log(self, record: dict[str, Any]) -> None:
-        kind = record.get("kind")
+        kind, step = record.get("kind"), int(record["step"])
+        if step < self.first_step:  # W&B holds this step from before the crash, and could not be rewound
+            return
         values = {f"{kind}/{k}": float(v) for k, v in record.items()
                   if k not in NOT_METRICS and isinstance(v, int | float) and not isinstance(v, bool)}
-        self.run.log({STEP: int(record["step"]), **values})
+        if step < self.last_step:
+            # a checkpoint's line comes when its background write ends, after later steps were logged; W&B would
+            # drop a row older than its newest, so the line joins the newest row and says its own step
+            values[f"{kind}/step"] = float(step)
+        row = self.last_step = max(step, self.last_step)
+        self.run.log({STEP: row, **values}, step=row)
         if kind == "checkpoint" and self.log_checkpoints:
             self.log_checkpoint(record)
 
@@ -139,6 +165,12 @@ class WandbSink(Sink):
                 run.mark_preempting()  # W&B shows it as preempted, to be resumed
         finally:
             run.finish(exit_code=EXIT_CODES.get(status, 1))
+
+
+def rewinds(wandb: Any) -> bool:
+    """Whether the installed wandb can rewind a run to a step (`wandb.init(resume_from=...)`): the one place that
+    asks, by the argument itself rather than a version number."""
+    return "resume_from" in inspect.signature(wandb.init).parameters
 
 
 def last_sample(path: Path) -> dict[str, Any] | None:

@@ -22,8 +22,7 @@ from torch import nn
 
 from kubetrain import hardware
 from kubetrain.config.schema import Config
-from kubetrain.distributed.parallelize import mesh_shape, precision_plan
-from kubetrain.distributed.setup import local_device
+from kubetrain.distributed.parallelize import precision_plan
 from kubetrain.errors import UserInputError
 
 
@@ -77,13 +76,41 @@ def _gpu_build() -> bool:
     return torch.version.cuda is not None or torch.version.hip is not None  # ROCm builds answer to "cuda" too
 
 
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What choosing a device reads about this machine: stated (tests) or read here (`DeviceFacts.here()`)."""
+
+    cuda_available: bool
+    gpu_build: bool  # a CUDA or ROCm build of torch
+    visible_gpus: int
+    mps_available: bool
+    local_rank: int = 0  # torchrun's LOCAL_RANK: which of the node's GPUs a worker takes
+
+    @classmethod
+    def here(cls) -> DeviceFacts:
+        """This process's facts; reading them makes no CUDA context (is_available and device_count do not)."""
+        return cls(torch.cuda.is_available(), _gpu_build(), torch.cuda.device_count(),
+                   torch.backends.mps.is_available(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def choose_device(requested: str, facts: DeviceFacts) -> torch.device:
+    """The device a process asking for `run.device: requested` trains on: cuda:LOCAL_RANK under a launcher, else
+    the first one available; a request this torch cannot honour is bad input (exit 2)."""
+    problem = device_request_problem(requested, facts.cuda_available, facts.gpu_build, torch.__version__)
+    if problem is None and requested == "mps" and not facts.mps_available:
+        problem = "run.device is 'mps' but this machine has no Metal GPU; set run.device: auto"
+    if problem:
+        raise UserInputError(problem)
+    if requested == "cuda" or (requested == "auto" and facts.cuda_available):
+        return torch.device("cuda", facts.local_rank % max(1, facts.visible_gpus))
+    if requested == "mps" or (requested == "auto" and facts.mps_available):
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
 def select_device(requested: str) -> torch.device:
-    """The device this process trains on; a request this torch cannot honour is bad input (exit 2)."""
-    mps = requested == "mps" and not torch.backends.mps.is_available()
-    problem = device_request_problem(requested, torch.cuda.is_available(), _gpu_build(), torch.__version__)
-    if problem or mps:
-        raise UserInputError(problem or "run.device is 'mps' but this machine has no Metal GPU; set run.device: auto")
-    return local_device(requested)
+    """The device this process trains on (`choose_device` with this machine's facts)."""
+    return choose_device(requested, DeviceFacts.here())
 
 
 def process_count_problem(nproc: int, device_type: str, visible_gpus: int) -> str | None:
@@ -94,21 +121,14 @@ def process_count_problem(nproc: int, device_type: str, visible_gpus: int) -> st
     return None
 
 
-def check_process_count(requested_device: str, nproc: int) -> None:
-    """Refuse (exit 2) a local launch of more processes than visible GPUs, before any process starts."""
-    on_cuda = requested_device == "cuda" or (requested_device == "auto" and torch.cuda.is_available())
-    problem = device_request_problem(requested_device, torch.cuda.is_available(), _gpu_build(), torch.__version__)
-    problem = problem or process_count_problem(nproc, "cuda" if on_cuda else "cpu", torch.cuda.device_count())
-    if problem:
+def check_process_count(requested_device: str, nproc: int, facts: DeviceFacts | None = None) -> torch.device:
+    """The device of `nproc` local processes (the first's); refuse (exit 2) more processes than visible GPUs,
+    before any process starts."""
+    facts = facts or DeviceFacts.here()
+    device = choose_device(requested_device, facts)
+    if problem := process_count_problem(nproc, device.type, facts.visible_gpus):
         raise UserInputError(problem)
-
-
-def check_launch(cfg: Config, nproc: int, nnodes: str) -> None:
-    """Refuse (exit 2) a launch of `nproc` processes on each of `nnodes` nodes before any process starts: more
-    processes than visible GPUs, or an HSDP shard group that does not divide the world (a fixed node count)."""
-    check_process_count(cfg.run.device, nproc)
-    if cfg.dist.strategy == "hsdp" and nnodes.isdigit():
-        mesh_shape("hsdp", int(nnodes) * nproc, nproc, cfg.dist.shard_size)
+    return device
 
 
 def device_name(device: torch.device) -> str:

@@ -40,9 +40,10 @@ def round_identity(env: Mapping[str, str]) -> str:
     """The same string on every node for one rendezvous round of the workers, and a new one at every round.
 
     TORCHELASTIC_RESTART_COUNT is neither: it counts this node's agent's restarts after a failure, so a node whose
-    agent restarted its workers because a peer left (a membership change) keeps its count, and its next round looked
-    like the round it had already handled (issue 43). The workers' store address is per round: the launcher sets
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so rank 0's agent picks a free port for each round's store.
+    agent restarted its workers because a peer left (a membership change) keeps its count, and its next round would
+    look like a round already handled, where the watch does not act on a hang. The workers' store address is per
+    round: the launcher sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 whatever the environment said (with torch's shared
+    store the address stays the same from round to round), so rank 0's agent picks a free port for each round's store.
     """
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
     return f"{addr}:{port}" if addr and port else f"restart {env.get('TORCHELASTIC_RESTART_COUNT', '0')}"

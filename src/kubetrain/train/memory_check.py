@@ -12,8 +12,8 @@ from collections.abc import Callable
 import torch
 
 from kubetrain.config.schema import Config
-from kubetrain.errors import UserInputError
-from kubetrain.memory import Estimate, Layout, estimate_on, what_to_change
+from kubetrain.memory import Layout, estimate_on
+from kubetrain.train.device import select_device
 
 GIB = 2**30
 
@@ -26,48 +26,17 @@ def check_memory(cfg: Config, layout: Layout | None = None, launcher: bool = Fal
     checks its own device; the launcher must not take a GPU context for the whole job): it asks for the node's
     processes together, with their runtime. A worker asks for what it has still to allocate, since its runtime is
     in place and its siblings may already hold theirs. Off with
-    run.check_memory=false; silent when the size or the free memory is not known.
+    run.check_memory=false; silent when the size or the free memory is not known. The verdict is the launch
+    plan's (train/launch_plan.py), which `train` and the launcher make once and read.
     """
     if not cfg.run.check_memory:
         return
-    from kubetrain.hardware import device_info
-    from kubetrain.train.device import select_device
-    from kubetrain.train.micro_batch import resolve_batch
+    from kubetrain.train.launch_plan import plan_on, plan_worker
 
-    if launcher:
-        from kubetrain.distributed.setup import local_device
-
-        if local_device(cfg.run.device).type != "cpu":  # no CUDA context: is_available() does not make one
-            return
     if layout is None:
-        from kubetrain.distributed.env import process_env
-
-        penv = process_env()
-        layout = Layout.of(cfg, penv.world_size, penv.local_world_size)
-    device = select_device(cfg.run.device)
-    cfg, _ = resolve_batch(cfg, layout, device)  # auto: the largest that fits; when none does, refused below
-    est = estimate_on(cfg, layout, device)
-    free = device_info(device).memory_free
-    if isinstance(est, str) or free is None:
+        plan_worker(cfg).refuse_what_does_not_fit()
         return
-    need = est.device_need if launcher else est.to_allocate  # a worker already holds its runtime
-    if need > free:
-        raise UserInputError(refusal(est, need, free, together=launcher))
-
-
-def refusal(est: Estimate, need: int, free: int, together: bool) -> str:
-    """The one line that refuses a run: the estimate by part, the layout, what is free and what to change."""
-    parts = ", ".join(f"{name} {size / GIB:.1f}" for name, size in est.parts.items())
-    lay = est.layout
-    each = ""
-    if lay.world_size > 1:
-        each = f" per process of {lay.world_size} ({lay.name}" + (f", sharded {lay.shards} ways)" if lay.shards > 1
-                                                                  else ")")
-        if together and need != est.per_process:
-            each += f", x{lay.local_processes} processes on this node"
-    return (f"this run needs about {need / GIB:.1f} GiB ({parts} GiB{each}; {est.params:,} parameters, "
-            f"`kubetrain doctor CONFIG` shows the estimate) but {free / GIB:.1f} GiB is free on {est.device}; "
-            f"{what_to_change(est.parts, lay)}, or set run.check_memory=false to start anyway")
+    plan_on(cfg, layout, select_device(cfg.run.device), launcher=launcher).refuse_what_does_not_fit()
 
 
 ESTIMATE_TOLERANCE = 0.15  # after the first steps on a GPU, a measured peak further than this from the estimate warns

@@ -1,8 +1,8 @@
 """The batch a run trains with: `train.global_batch_size` kept by grad accumulation, and `micro_batch_size: auto`.
 
 `resolve_batch` is the one boundary where `auto` becomes a number and grad_accum_steps is derived from the global
-batch: the worker (`train`), the launcher's memory check, `kubetrain doctor` and `k8s render` call it, and every
-reader after it (the loader, the memory estimate, the loop) sees ints.
+batch: the launch plan (train/launch_plan.py, the worker's and the launcher's), `kubetrain doctor` and `k8s render`
+call it, and every reader after it (the loader, the memory estimate, the loop) sees ints.
 
 `auto` picks, among the micro-batches that divide this process's share of the global batch (so accumulation is
 whole), the largest whose memory estimate (`memory.estimate_on`, for the run's layout, with the accumulation that
@@ -42,7 +42,7 @@ from kubetrain.train.micro_batch_choice import (
 )
 
 __all__ = ["MicroBatchChoice", "budget_for", "confirm", "confirm_on_model", "planning_config", "resolve_batch",
-           "resolve_here", "step_down", "with_batch"]
+           "step_down", "with_batch"]
 
 def with_batch(cfg: Config, micro_batch: int, grad_accum: int) -> Config:
     """A copy of `cfg` that trains with this micro-batch and accumulation (validated as a user's value would be)."""
@@ -223,16 +223,6 @@ def batch_line(cfg: Config, world_size: int, why: str) -> str:
 def start_line(cfg: Config, choice: MicroBatchChoice, world_size: int) -> str:
     """The start-up line of a choice that no step confirmed (a dry run)."""
     return batch_line(cfg, world_size, f"{choice.describe()}; a run confirms it by one training step")
-
-
-def resolve_here(cfg: Config, budget: int | None = None) -> tuple[Config, MicroBatchChoice | None]:
-    """`resolve_batch` for this process: the layout torchrun gave it (one process without it), its device."""
-    from kubetrain.distributed.env import process_env
-    from kubetrain.train.device import select_device
-
-    penv = process_env()
-    layout = Layout.of(cfg, penv.world_size, penv.local_world_size)
-    return resolve_batch(cfg, layout, select_device(cfg.run.device), budget)
 
 
 def confirm_on_model(cfg: Config, choice: MicroBatchChoice, model: nn.Module, windows: TokenWindows,

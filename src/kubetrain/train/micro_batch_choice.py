@@ -15,7 +15,8 @@ from kubetrain.errors import UserInputError
 
 GIB = 2**30
 # Of the memory free at start, what `auto` plans to fill: the estimate is within about 10% of the measured peak
-# (issue 34's target; bench/results/memory_estimate_cpu_*.json on the CPU), and the allocator wants room of its own.
+# (the estimate's stated accuracy; bench/results/memory_estimate_cpu_*.json on the CPU), and the allocator wants
+# room of its own.
 HEADROOM = 0.9
 
 

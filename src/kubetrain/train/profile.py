@@ -20,6 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from kubetrain.config.profile import ProfileConfig
+from kubetrain.errors import UserInputError
 
 PROFILE_DIR = "profile"
 TOP_ROWS = 40
@@ -46,6 +47,7 @@ class StepProfiler:
         self.last = self.first + cfg.steps - 1
         self.done_step = first_step
         self.written: list[Path] = []
+        self.unwritable: str | None = None  # why the files could not be written, when they could not
         wait, warmup = window(cfg.start)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.profiler: profile | None = profile(
@@ -56,8 +58,13 @@ class StepProfiler:
 
     @classmethod
     def for_rank(cls, cfg: ProfileConfig | None, run_path: Path, rank: int, device: torch.device, first_step: int,
-                 log: Callable[[str], None] = print) -> StepProfiler | None:
-        """A profiler for this rank when `train.profile` asks for it, else None (nothing runs, nothing is written)."""
+                 log: Callable[[str], None] = print, world_size: int = 1) -> StepProfiler | None:
+        """A profiler for this rank when `train.profile` asks for it, else None (nothing runs, nothing is written).
+
+        A rank the job does not have is bad input (every rank refuses it alike): it would trace nothing, silently."""
+        if cfg is not None and (missing := sorted(r for r in set(cfg.ranks) if r >= world_size)):
+            raise UserInputError(f"train.profile.ranks: no rank {', '.join(map(str, missing))} in a job of "
+                                 f"{world_size} process{'es' if world_size > 1 else ''} (ranks 0-{world_size - 1})")
         if cfg is None or rank not in cfg.ranks:
             return None
         return cls(cfg, run_path / PROFILE_DIR, rank, device, first_step, log)
@@ -76,12 +83,23 @@ class StepProfiler:
         if self.profiler is not None:
             profiler, self.profiler = self.profiler, None
             profiler.stop()
-            if not self.written:
+            if self.unwritable:
+                self.log(f"profile: warning: the trace of steps {self.first}-{self.last} was not written "
+                         f"({self.unwritable}); training went on without it")
+            elif not self.written:
                 self.log(f"profile: the run stopped at step {self.done_step}, before step {self.first}; nothing "
                          "was traced (train.profile.start counts from where this process started)")
 
     def write(self, prof: profile) -> None:
-        """on_trace_ready: the trace and the table of the traced steps."""
+        """on_trace_ready: the trace and the table of the traced steps. A folder that cannot be written (a file in
+        its place, a full disk) is a warning: a trace is a diagnostic, never a reason to lose the run."""
+        try:
+            self._write(prof)
+        except OSError as e:
+            self.unwritable = f"{self.folder}: {e.strerror or e}"
+            self.log(f"profile: warning: cannot write the trace into {self.unwritable}; the run goes on")
+
+    def _write(self, prof: profile) -> None:
         last = min(self.done_step, self.last)
         name = f"rank{self.rank}-steps-{self.first}-{last}"
         self.folder.mkdir(parents=True, exist_ok=True)

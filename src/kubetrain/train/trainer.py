@@ -42,10 +42,11 @@ from kubetrain.train.device import (
 )
 from kubetrain.train.evaluate import evaluate, perplexity
 from kubetrain.train.heartbeat import Heartbeat
+from kubetrain.train.launch_plan import plan_worker
 from kubetrain.train.loss import loss_step
 from kubetrain.train.loss_window import LossWindow
-from kubetrain.train.memory_check import check_memory, report_peak
-from kubetrain.train.micro_batch import MicroBatchChoice, confirm_on_model, resolve_here
+from kubetrain.train.memory_check import report_peak
+from kubetrain.train.micro_batch import MicroBatchChoice, confirm_on_model
 from kubetrain.train.model_for_world import build_model_for_world
 from kubetrain.train.nonfinite import NonFiniteGuard
 from kubetrain.train.optim import build_optimizer, lr_at, set_lr
@@ -71,6 +72,7 @@ class RunOptions:
     init_optimizer: bool = False
     phase: str | None = None
     micro_batch: MicroBatchChoice | None = None  # micro_batch_size auto: the estimate's choice; setup confirms it
+    device: torch.device | None = None  # the launch plan's (None: chosen here, for a Trainer made on its own)
 
 
 def train(cfg: Config, *, log: Log | None = None, **options: Any) -> TrainResult:
@@ -78,9 +80,9 @@ def train(cfg: Config, *, log: Log | None = None, **options: Any) -> TrainResult
 
     Under a launcher this joins the process group; the caller tears it down (phases share one group).
     """
-    cfg, auto = resolve_here(cfg)  # micro_batch_size auto -> an int, grad_accum_steps from global_batch_size
-    check_memory(cfg)  # before the model is built: this process's share (a launcher checked its workers' total)
-    return Trainer(cfg, RunOptions(**options, micro_batch=auto), log=log).run()
+    plan = plan_worker(cfg)  # the device, this process's place, micro_batch_size auto -> an int, the memory verdict
+    plan.refuse_what_does_not_fit()  # before the model is built: this process's share (a launcher checked the node)
+    return Trainer(plan.cfg, RunOptions(**options, micro_batch=plan.micro_batch, device=plan.device), log=log).run()
 
 
 class Trainer:
@@ -109,7 +111,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, opts: RunOptions | None = None, log: Log | None = None) -> None:
         self.cfg, self.opts = cfg, opts or RunOptions()
-        self.device = select_device(cfg.run.device)
+        self.device = self.opts.device if self.opts.device is not None else select_device(cfg.run.device)
         self.torch_settings = apply_torch_settings(cfg, self.device)  # before the first CUDA kernel
         self.penv = dist.init(cfg.dist, self.device)
         self.main = self.penv.is_main
@@ -137,7 +139,7 @@ class Trainer:
         stop = GracefulStop(cfg.checkpoint.grace_seconds, self.ckpt_root)
         vote = StopVote.for_world()  # every rank stops at the same step, with no GPU sync per step
         profiler = StepProfiler.for_rank(cfg.train.profile, self.path, self.penv.rank, self.device, state.step,
-                                         self.out)  # train.profile: a trace of a few steps, rank 0 by default
+                                         self.out, self.penv.world_size)  # train.profile: rank 0 by default
         try:
             with stop, self.out_of_memory_is_one_line(None):
                 while state.step < self.max_steps:
@@ -438,7 +440,7 @@ class Trainer:
         if self.val_windows is None:
             return False
         cfg, state = self.cfg, self.state
-        val = evaluate(self.model, self.val_windows, cfg.train.micro_batch, cfg.eval.batches, self.device,
+        val = evaluate(self.model, self.val_windows, cfg.train.micro_batch, cfg.eval.windows, self.device,
                        self.amp, self.penv.rank, self.penv.world_size, self.loss_of)
         state.last_val_loss, self.evaluated_step = val, state.step
         improved = state.best_val_loss is None or val < state.best_val_loss

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kubetrain.k8s.cluster import api
+from kubetrain.k8s.cluster import api_errors
+from kubetrain.k8s.cluster.connect import connect
 
 Cli = Callable[..., tuple[int, str, str]]
 
@@ -61,7 +62,7 @@ def test_missing_kubeconfig_and_unknown_context(tmp_path: Path, apiserver: Any, 
 
 
 def test_token_and_context_namespace_are_used(tmp_path: Path, apiserver: Any) -> None:
-    cluster = api.connect(apiserver.kubeconfig(tmp_path, namespace="team-a"))
+    cluster = connect(apiserver.kubeconfig(tmp_path, namespace="team-a"))
     assert cluster.default_namespace == "team-a"
     assert cluster.list("Pod") == []
     request = apiserver.requests[-1]
@@ -72,10 +73,10 @@ def test_token_and_context_namespace_are_used(tmp_path: Path, apiserver: Any) ->
 @pytest.mark.parametrize(
     ("status", "recorded", "error", "text"),
     [
-        (401, "unauthorized", api.ClusterError, "unauthorized (401): the credentials of"),
-        (403, "forbidden_patch_job", api.Forbidden, 'cannot patch resource "jobs"'),
-        (409, "conflict_job_being_deleted", api.Conflict, "object is being deleted"),
-        (422, "invalid_job_immutable", api.ClusterError, "field is immutable"),
+        (401, "unauthorized", api_errors.ClusterError, "unauthorized (401): the credentials of"),
+        (403, "forbidden_patch_job", api_errors.Forbidden, 'cannot patch resource "jobs"'),
+        (409, "conflict_job_being_deleted", api_errors.Conflict, "object is being deleted"),
+        (422, "invalid_job_immutable", api_errors.ClusterError, "field is immutable"),
     ],
 )
 def test_error_statuses_become_one_clear_line(
@@ -83,7 +84,7 @@ def test_error_statuses_become_one_clear_line(
 ) -> None:
     server = apiserver
     server.answer("GET", "/apis/batch/v1/namespaces/ml/jobs/tiny", status, server.recorded(recorded))
-    cluster = api.connect(server.kubeconfig(tmp_path))
+    cluster = connect(server.kubeconfig(tmp_path))
     with pytest.raises(error) as e:
         cluster.get("Job", "tiny")
     message = str(e.value)
@@ -94,14 +95,14 @@ def test_error_statuses_become_one_clear_line(
 
 def test_not_found_and_discovery(tmp_path: Path, apiserver: Any) -> None:
     server = apiserver
-    cluster = api.connect(server.kubeconfig(tmp_path))
+    cluster = connect(server.kubeconfig(tmp_path))
     assert cluster.find("ConfigMap", "nope-config") is None
     # a group the server does not have answers like the real one: plain text
     server.answer(
         "GET", "/apis/jobset.x-k8s.io/v1alpha2", 404, b"404 page not found\n", "text/plain; charset=utf-8"
     )
     assert cluster.served("JobSet") is False
-    with pytest.raises(api.ClusterError, match=r"does not serve JobSet \(jobset.x-k8s.io/v1alpha2\)"):
+    with pytest.raises(api_errors.ClusterError, match=r"does not serve JobSet \(jobset.x-k8s.io/v1alpha2\)"):
         cluster.require("JobSet")
     server.answer("GET", "/apis/kubeflow.org/v1", 200, server.recorded("discovery_kubeflow_v1"))
     assert cluster.served("PyTorchJob") is True
@@ -116,7 +117,7 @@ def test_log_lines_stream(tmp_path: Path, apiserver: Any) -> None:
         b"step 1/3 | loss 5.5\nstep 2/3 | loss 5.1\npartial",
         "text/plain",
     )
-    cluster = api.connect(server.kubeconfig(tmp_path))
+    cluster = connect(server.kubeconfig(tmp_path))
     lines = list(cluster.log_lines("tiny-0", container="trainer", follow=True, tail=10))
     assert lines == ["step 1/3 | loss 5.5", "step 2/3 | loss 5.1", "partial"]
     query = server.requests[-1]["query"]

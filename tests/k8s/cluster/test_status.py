@@ -47,8 +47,8 @@ def test_status_shows_state_ranks_and_last_step(tmp_path: Path, apiserver: Any, 
     assert code == 0, err
     assert out.splitlines() == [
         "tiny (indexed-job, namespace ml): running, step 120/200 (60%)",
-        "  rank 0: tiny-0-4mq9d Running on gpu-a, 0 restarts",
-        "  rank 1: tiny-1-x7k2p Running on gpu-b, 2 restarts",
+        "  pod 0: tiny-0-4mq9d Running on gpu-a, 0 restarts",
+        "  pod 1: tiny-1-x7k2p Running on gpu-b, 2 restarts",
     ]
     selector = next(r for r in apiserver.requests if r["path"] == PODS)["query"]["labelSelector"]
     assert selector == ["kubetrain.dev/job=tiny"]
@@ -98,8 +98,8 @@ def test_one_line_per_rank_from_its_newest_pod(tmp_path: Path, apiserver: Any, c
     assert out.splitlines() == [
         "tiny (indexed-job, namespace ml): running, step 14/20 (70%)",
         f"  last failure: rank 0: container trainer of pod {first} exited 1",  # what ended the earlier pod
-        f"  rank 0: {replacement} Running on node-a, 0 restarts, 1 earlier failed pod",
-        f"  rank 1: {other} Running on node-b, 0 restarts",
+        f"  pod 0: {replacement} Running on node-a, 0 restarts, 1 earlier failed pod",
+        f"  pod 1: {other} Running on node-b, 0 restarts",
     ]
 
 
@@ -118,9 +118,9 @@ def test_pods_that_cannot_be_scheduled_are_pending_with_the_reason(
     code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
     assert code == 0, err
     assert out.splitlines()[1:] == [
-        f"  rank 0: {apiserver.pod('tiny', 0)} Pending on (not scheduled), 0 restarts: 0/1 nodes are available: "
+        f"  pod 0: {apiserver.pod('tiny', 0)} Pending on (not scheduled), 0 restarts: 0/1 nodes are available: "
         "1 Insufficient memory.",
-        f"  rank 1: {apiserver.pod('tiny', 1)} Pending on node-a, 0 restarts: ContainerCreating",
+        f"  pod 1: {apiserver.pod('tiny', 1)} Pending on node-a, 0 restarts: ContainerCreating",
     ]
     code, out, _ = cli("k8s", "list", "--kubeconfig", str(kubeconfig))
     assert code == 0 and out.startswith("ml/tiny  indexed-job  pending: 0/1 nodes are available")
@@ -200,6 +200,31 @@ def test_progress_percent_tokens_eta_and_slowest_rank_from_the_newest_console_li
     assert logs and all(r["query"]["tailLines"] == ["1000"] and "previous" not in r["query"] for r in logs)
     code, out, _ = cli("k8s", "list", "--kubeconfig", str(kubeconfig))  # list reads no logs: state only
     assert code == 0 and out.startswith("ml/tiny  indexed-job  running")
+
+
+def test_a_job_whose_ranks_stopped_moving_says_for_how_long_and_has_no_eta(
+    tmp_path: Path, apiserver: Any, cli: Cli
+) -> None:
+    """Seen on a real cluster: rank 0 stopped, and status still gave the last step's rate and ETA at +292 s."""
+    import time
+
+    kubeconfig = apiserver.kubeconfig(tmp_path)
+    launch(cli, kubeconfig)
+    pod = apiserver.pod("tiny", 0)
+    # 80 steps left in 800 s: a line every 100 s at 10 steps a line; nothing new for 292 s is within 3 such gaps
+    apiserver.start(pod, _progress(120, 800, slowest=None))
+    apiserver.log_stamps[pod][-1] = time.time_ns() - 292 * 10**9
+    status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])
+    assert (status["stalled"], status["eta_seconds"]) == (False, 800) and 290 <= status["seconds_since_step"] <= 320
+    apiserver.log_stamps[pod][-1] = time.time_ns() - 600 * 10**9  # ten minutes: twice the pace's three gaps
+    code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
+    assert code == 0, err
+    first = out.splitlines()[0]
+    assert first.startswith("tiny (indexed-job, namespace ml): running, step 120/200 (60%), 12,345 tok/s, "
+                            "no new step for 10:0"), first
+    assert "eta" not in first
+    status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])
+    assert status["stalled"] is True and status["eta_seconds"] is None and status["seconds_since_step"] >= 600
 
 
 def test_a_finished_job_says_so_instead_of_an_eta(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
@@ -352,8 +377,8 @@ def test_a_pod_that_exited_with_a_code_and_one_that_cannot_pull_its_image_are_na
 @pytest.mark.parametrize("code", [69, 75])
 def test_a_pod_the_failure_policy_ignores_is_no_earlier_failure(
         tmp_path: Path, apiserver: Any, cli: Cli, code: int) -> None:
-    """Issue 43: the rendered podFailurePolicy ignores a pod that lost its rendezvous host (69) or stopped after its
-    checkpoint (75), so the Job does not count them against backoffLimit; status counted them as failed pods."""
+    """The rendered podFailurePolicy ignores a pod that lost its rendezvous host (69) or stopped after its
+    checkpoint (75), so the Job does not count them against backoffLimit; status must not count them as failed pods."""
     kubeconfig = apiserver.kubeconfig(tmp_path)
     launch(cli, kubeconfig)
     first = apiserver.pod("tiny", 0)
@@ -371,7 +396,7 @@ def test_a_pod_the_failure_policy_ignores_is_no_earlier_failure(
 
 def test_after_a_restart_in_the_pod_the_step_is_the_resumed_one_without_the_old_eta(
         tmp_path: Path, apiserver: Any, cli: Cli) -> None:
-    """Issue 43: the hang at step 90 ended the workers, which resumed from step 50 in the same pod; the last
+    """The hang at step 90 ended the workers, which resumed from step 50 in the same pod; the last
     progress line (step 90, its rate and ETA) is from before: the run is at step 50 until it logs a step again."""
     kubeconfig = apiserver.kubeconfig(tmp_path)
     launch(cli, kubeconfig)

@@ -73,8 +73,8 @@ def test_follow_before_the_controller_made_pods_waits_saying_why(tmp_path: Path,
     code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
     assert code == 0 and out.splitlines() == [
         "tiny (indexed-job, namespace ml): pending: no pods yet: not created yet by the Job controller, step unknown",
-        "  rank 0: no pod: not created yet by the Job controller",
-        "  rank 1: no pod: not created yet by the Job controller"], out + err
+        "  pod 0: not there: not created yet by the Job controller",
+        "  pod 1: not there: not created yet by the Job controller"], out + err
     code, out, err = cli("k8s", "logs", "tiny", "--kubeconfig", str(kubeconfig))
     assert code == 1 and "rank 1: no pod: not created yet by the Job controller" in err
 
@@ -93,10 +93,10 @@ def test_follow_before_the_controller_made_pods_waits_saying_why(tmp_path: Path,
     assert code == 0, err
     lines = out.splitlines()
     for rank in (0, 1):
-        said = [line for line in lines if line.startswith(f"[rank {rank}]")]
-        assert said[0] == f"[rank {rank}] (no pod yet: not created yet by the Job controller)"
-        assert f"[rank {rank}] (no pod yet: the job is suspended (spec.suspend))" in said
-        assert said[-2:] == [f"[rank {rank}] step 1/2 on {rank}", f"[rank {rank}] step 2/2 on {rank}"]
+        said = [line for line in lines if line.startswith(f"[pod {rank}]")]
+        assert said[0] == f"[pod {rank}] (no pod yet: not created yet by the Job controller)"
+        assert f"[pod {rank}] (no pod yet: the job is suspended (spec.suspend))" in said
+        assert said[-2:] == [f"[pod {rank}] step 1/2 on {rank}", f"[pod {rank}] step 2/2 on {rank}"]
 
 
 def test_follow_while_a_quota_refuses_the_pods_names_the_event(tmp_path: Path, apiserver: Any, cli: Cli) -> None:
@@ -117,10 +117,10 @@ def test_follow_while_a_quota_refuses_the_pods_names_the_event(tmp_path: Path, a
     refused = ('(no pod yet: FailedCreate: Error creating: pods "tiny-{rank}-" is forbidden: exceeded quota: pods, '
                'requested: pods=1, used: pods=0, limited: pods=0)')
     for rank in (0, 1):
-        assert f"[rank {rank}] " + refused.format(rank=rank) in out.splitlines()
-        assert f"[rank {rank}] step 2/2 on {rank}" in out.splitlines()
+        assert f"[pod {rank}] " + refused.format(rank=rank) in out.splitlines()
+        assert f"[pod {rank}] step 2/2 on {rank}" in out.splitlines()
     code, out, err = cli("k8s", "logs", "tiny", "--kubeconfig", str(kubeconfig))
-    assert code == 0 and "[rank 1] step 2/2 on 1" in out.splitlines()
+    assert code == 0 and "[pod 1] step 2/2 on 1" in out.splitlines()
 
 
 
@@ -136,8 +136,8 @@ def test_a_rank_the_quota_holds_back_is_named_then_followed(tmp_path: Path, apis
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].startswith(f"tiny (indexed-job, namespace ml): pending: rank 1 has no pod: {refused}")
-    assert lines[1].startswith(f"  rank 0: {zero} Running")
-    assert lines[2].startswith(f"  rank 1: no pod: {refused}")
+    assert lines[1].startswith(f"  pod 0: {zero} Running")
+    assert lines[2].startswith(f"  pod 1: not there: {refused}")
 
     def cluster() -> None:
         asked(apiserver, EVENTS)  # rank 1's reader looked for why it has no pod
@@ -151,9 +151,9 @@ def test_a_rank_the_quota_holds_back_is_named_then_followed(tmp_path: Path, apis
     with beside(cluster):
         code, out, err = cli("k8s", "logs", "tiny", "-f", "--kubeconfig", str(kubeconfig))
     assert code == 0, err
-    one_said = [line for line in out.splitlines() if line.startswith("[rank 1]")]
-    assert one_said[0].startswith(f"[rank 1] (no pod yet: {refused}")  # "(N times)" as the controller retries
-    assert one_said[-1] == "[rank 1] [entrypoint] node 1/2" and "[rank 0] step 2/2" in out.splitlines()
+    one_said = [line for line in out.splitlines() if line.startswith("[pod 1]")]
+    assert one_said[0].startswith(f"[pod 1] (no pod yet: {refused}")  # "(N times)" as the controller retries
+    assert one_said[-1] == "[pod 1] [entrypoint] node 1/2" and "[pod 0] step 2/2" in out.splitlines()
     code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
     assert out.splitlines()[0] == "tiny (indexed-job, namespace ml): succeeded, step 2/2 (100%), training finished"
 
@@ -180,16 +180,16 @@ def test_losing_the_rendezvous_host_follows_both_replacements(tmp_path: Path, ap
         code, out, err = cli("k8s", "logs", "tiny", "-f", "--kubeconfig", str(kubeconfig))
     assert code == 0, err
     new_one = apiserver.pod("tiny", 1)
-    zero_said = [line for line in out.splitlines() if line.startswith("[rank 0]") and "waiting:" not in line]
-    assert zero_said == ["[rank 0] step 1/4", "[rank 0] saved a checkpoint at step 2",
-                         f"[rank 0] (pod {zero} is gone while the job is active: it is being replaced)",
-                         "[rank 0] (no pod yet: not created yet by the Job controller)",
-                         "[rank 0] resuming from step 2", "[rank 0] step 4/4"]
-    one_said = [line for line in out.splitlines() if line.startswith("[rank 1]") and "waiting:" not in line]
-    assert one_said == ["[rank 1] [entrypoint] node 1/2",
-                        "[rank 1] RendezvousConnectionError: The connection to the C10d store has failed.",
-                        f"[rank 1] (pod {one} was replaced by {new_one}; following it)",
-                        "[rank 1] [entrypoint] node 1/2"]
+    zero_said = [line for line in out.splitlines() if line.startswith("[pod 0]") and "waiting:" not in line]
+    assert zero_said == ["[pod 0] step 1/4", "[pod 0] saved a checkpoint at step 2",
+                         f"[pod 0] (pod {zero} is gone while the job is active: it is being replaced)",
+                         "[pod 0] (no pod yet: not created yet by the Job controller)",
+                         "[pod 0] resuming from step 2", "[pod 0] step 4/4"]
+    one_said = [line for line in out.splitlines() if line.startswith("[pod 1]") and "waiting:" not in line]
+    assert one_said == ["[pod 1] [entrypoint] node 1/2",
+                        "[pod 1] RendezvousConnectionError: The connection to the C10d store has failed.",
+                        f"[pod 1] (pod {one} was replaced by {new_one}; following it)",
+                        "[pod 1] [entrypoint] node 1/2"]
     job = apiserver.objects[JOB]
     assert job["status"]["failed"] == 0  # the rendered podFailurePolicy ignored exit 69
 
@@ -213,8 +213,8 @@ def test_a_job_kueue_holds_is_queued_with_the_workloads_reason(tmp_path: Path, a
     code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
     assert out.splitlines() == [f"tiny (indexed-job, namespace ml): {queued}: no quota reserved: {NO_QUOTA}, "
                                 "step unknown",
-                                f"  rank 0: no pod: {queued}: no quota reserved: {NO_QUOTA}",
-                                f"  rank 1: no pod: {queued}: no quota reserved: {NO_QUOTA}"]
+                                f"  pod 0: not there: {queued}: no quota reserved: {NO_QUOTA}",
+                                f"  pod 1: not there: {queued}: no quota reserved: {NO_QUOTA}"]
     code, out, err = cli("k8s", "list", "--kubeconfig", str(kubeconfig))
     assert code == 0 and f"ml/tiny  indexed-job  {queued}: no quota reserved: {NO_QUOTA}  " in out, out + err
     workload = next(r for r in apiserver.requests if r["path"] == WORKLOADS)
@@ -229,9 +229,9 @@ def test_a_job_kueue_holds_is_queued_with_the_workloads_reason(tmp_path: Path, a
         code, out, err = cli("k8s", "logs", "tiny", "-f", "--kubeconfig", str(kubeconfig))
     assert code == 0, err
     for rank in (0, 1):
-        said = [line for line in out.splitlines() if line.startswith(f"[rank {rank}]")]
-        assert said[0] == f"[rank {rank}] (no pod yet: {queued}: no quota reserved: {NO_QUOTA})"
-        assert said[-1] == f"[rank {rank}] step 2/2 on {rank}"
+        said = [line for line in out.splitlines() if line.startswith(f"[pod {rank}]")]
+        assert said[0] == f"[pod {rank}] (no pod yet: {queued}: no quota reserved: {NO_QUOTA})"
+        assert said[-1] == f"[pod {rank}] step 2/2 on {rank}"
 
 
 def test_without_kueue_installed_no_workload_is_asked_for(tmp_path: Path, apiserver: Any, cli: Cli) -> None:

@@ -1,4 +1,4 @@
-"""`kubetrain k8s platform apply` against the local API server of tests/k8s/conftest.py."""
+"""`kubetrain k8s platform apply` against the local API server of tests/k8s/apiserver.py."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from ..conftest import ApiServer
+from ..apiserver import ApiServer
 from .conftest import CRDS
 
 Cli = Callable[..., tuple[int, str, str]]

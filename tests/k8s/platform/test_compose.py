@@ -97,7 +97,7 @@ def test_grafana_gets_the_shipped_dashboard(stack: dict[str, Any]) -> None:
 
 def test_the_named_volumes_of_the_image_are_its_users(stack: dict[str, Any]) -> None:
     """Docker fills an empty named volume from the image's folder at its mount point, ownership included; a
-    folder the image lacks becomes a root-owned volume the image's user (1000) cannot write (issue 28)."""
+    folder the image lacks becomes a root-owned volume the image's user (1000) cannot write."""
     dockerfile = (COMPOSE.parents[0] / "docker" / "Dockerfile").read_text()
     created = re.search(r"install -d -o 1000 -g 1000 ([^\n\\]+)", dockerfile)
     assert created is not None

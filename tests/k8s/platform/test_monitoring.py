@@ -200,7 +200,7 @@ ALERT_TESTS: dict[str, dict[str, Any]] = {
     # each pod's launcher is scraped from 0m; at 11m the launcher of run gpt vanishes (its series go stale: killed,
     # or its node lost); run done's launcher said its workers finished, run failed's that it gave up, run stopped's
     # that a SIGTERM stopped it (`k8s stop`, a preemption), before they exited; run ok's stays; run blip's misses
-    # one scrape at 11m and answers again (issue 40: that fired, and so did every planned stop). Pending 2m (`for`),
+    # one scrape at 11m and answers again (neither it nor a planned stop is a launcher gone). Pending 2m (`for`),
     # then firing for the window (60m), not after.
     "KubetrainLauncherGone": {
         "input_series": [series("kubetrain_worker_restarts", "0x10 stale"),

@@ -1,4 +1,4 @@
-"""The alert rules against a real Prometheus server scraping live exporters (issue 28).
+"""The alert rules against a real Prometheus server scraping live exporters: rules that only parse can still never fire.
 
 Prometheus (Debian's `prometheus`, where promtool comes from) runs on loopback with a temporary config that
 scrapes and evaluates every second, loads the rules `k8s platform render` ships, and is asked for its alerts
@@ -204,7 +204,8 @@ def test_a_launcher_killed_from_outside_alerts_and_one_that_finished_does_not(
         prometheus: Callable[[list[str]], Prometheus], tmp_path: Path) -> None:
     """kill -9 of a launcher (what the OOM killer and a lost node do to it): its scrape fails, its series vanish, and
     KubetrainLauncherGone names it; a launcher whose workers finished said so to its last scrape and stays quiet,
-    and so does one stopped by SIGTERM (issue 40: every planned stop fired)."""
+    and so does one stopped by SIGTERM (a planned stop is no lost launcher:
+    an alert for each would page someone for every `k8s stop`)."""
     done_port, killed_port = two_free_ports(), two_free_ports()
     while killed_port in (done_port, done_port + 1) or killed_port + 1 == done_port:
         killed_port = two_free_ports()

@@ -376,8 +376,9 @@ def test_a_job_with_its_own_credentials_logs_a_run_and_a_reader_cannot_write(
         assert _post(runs, {"experiment_id": existing}, reader) == 403  # a reader cannot write
         assert _get(f"{url}/api/2.0/mlflow/runs/get?run_id={run.info.run_id}", auth=reader) == 200  # but reads
 
-        # issue 40: a READ grant (made by hand, as the admin) was "kept as it is" and the job stayed untracked;
-        # issue 43: every grant printed MLflow's StarletteDeprecationWarning. Run as a user runs it: its own process.
+        # a READ grant (made by hand, as the admin) must be raised, not "kept as it is" (the job would stay
+        # untracked), and no grant may print MLflow's StarletteDeprecationWarning. Run as a user runs it: its own
+        # process.
         grants = f"{url}/api/3.0/mlflow/users/permissions/grant"
         assert _post(grants, {"username": "reader", "resource_type": "experiment", "resource_id": existing,
                               "permission": "READ"}, admin) == 200

@@ -18,7 +18,7 @@ from kubetrain.config import load_config
 from kubetrain.errors import UserInputError
 from kubetrain.k8s.pod import entrypoint
 from kubetrain.k8s.pod.node import NodeEnv
-from kubetrain.k8s.simulate import Simulation
+from kubetrain.k8s.simulate.simulation import Simulation
 
 
 def node(rank: int) -> NodeEnv:
@@ -184,7 +184,7 @@ def test_a_pod_that_lost_its_rendezvous_host_exits_69_which_the_job_ignores(tmp_
     assert one.wait(timeout=300) == EXIT_PEER_LOST, s.pod(1).log_path.read_text()[-3000:]
     survivor = s.pod(1).log_path.read_text()
     assert "lost the rendezvous host" in survivor
-    # the loss is the survivor's one incident (not its rank's "a peer went away"), and no C++ frames (issue 28)
+    # the loss is the survivor's one incident (not its rank's "a peer went away"), and no C++ frames
     assert [line.split(" ")[1] for line in survivor.splitlines() if line.startswith("incident:")] == [
         "rendezvous-lost"], survivor[-3000:]
     assert "frame #" not in survivor, survivor[-3000:]

@@ -16,7 +16,7 @@ import pytest
 
 from kubetrain.config import load_config
 from kubetrain.config.clocks import PROBE_FAILURES, derive
-from kubetrain.k8s.simulate import Simulation
+from kubetrain.k8s.simulate.simulation import Simulation
 from kubetrain.runs.incidents import read_all
 from tests.train.conftest import children, rank_of
 

@@ -1,119 +1,30 @@
-"""A thin REST layer over the official `kubernetes` client: connect, get/list/apply/delete, stream logs.
+"""A thin REST layer over the official `kubernetes` client: get/list/apply/delete, discovery, stream logs.
 
-The client does the kubeconfig, TLS and authentication; requests go by resource path, so every kind, core
-or custom, takes the same few calls. Whatever goes wrong becomes one line that names the server, the
-kubeconfig and context, and what was tried (exit 2): an unreachable server, a missing CRD, 401/403/404/409.
+The client does the TLS and authentication (connect.py builds it from a kubeconfig); requests go by resource path
+(resources.py), so every kind, core or custom, takes the same few calls. Whatever goes wrong becomes one line that
+names the server, the kubeconfig and context, and what was tried (exit 2, api_errors.py): an unreachable server, a
+missing CRD, 401/403/404/409.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
-import yaml
-
-from kubetrain.errors import UserInputError
-from kubetrain.k8s.workloads import FIELD_MANAGER, WORKLOADS
+from kubetrain.k8s.cluster.api_errors import (
+    ClusterError,
+    Forbidden,
+    NotFound,
+    StreamBroken,
+    short_reason,
+    status_error,
+)
+from kubetrain.k8s.cluster.resources import CUSTOM_KINDS, RESOURCES, resource_of
+from kubetrain.k8s.workloads import FIELD_MANAGER
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"  # server-side apply (a JSON body is valid YAML)
-
-
-class ClusterError(UserInputError):
-    """The API server cannot be reached, or refused a request. Exit code 2."""
-
-    status: int | None = None  # the HTTP status it answered with; None: no answer (unreachable, timed out)
-
-
-class NotFound(ClusterError):
-    pass
-
-
-class StreamBroken(ClusterError):
-    """A streamed answer (a followed log) broke off mid-way: the connection was reset or timed out."""
-
-    def __init__(self, message: str, idle: bool = False) -> None:
-        super().__init__(message)
-        self.idle = idle  # nothing arrived for the read timeout: a quiet container, or a stalled stream
-
-
-class Conflict(ClusterError):
-    pass
-
-
-class Forbidden(ClusterError):
-    pass
-
-
-class Invalid(ClusterError):
-    """422: the server refused the object; `causes` are (field, reason) pairs from the Status details."""
-
-    def __init__(self, message: str, causes: list[tuple[str, str]]) -> None:
-        super().__init__(message)
-        self.causes = causes
-
-
-@dataclass(frozen=True)
-class Resource:
-    kind: str
-    group_version: str  # "v1", "batch/v1", "kubeflow.org/v1"
-    plural: str
-    namespaced: bool = True
-
-    @property
-    def base(self) -> str:
-        return "/api/v1" if self.group_version == "v1" else f"/apis/{self.group_version}"
-
-    def path(self, namespace: str | None = None, name: str | None = None, sub: str | None = None) -> str:
-        out = self.base
-        if self.namespaced and namespace:
-            out += f"/namespaces/{quote(namespace)}"
-        out += f"/{self.plural}"
-        if name:
-            out += f"/{quote(name)}"
-        if sub:
-            out += f"/{sub}"
-        return out
-
-
-_KINDS = [
-    Resource("ConfigMap", "v1", "configmaps"),
-    Resource("PersistentVolumeClaim", "v1", "persistentvolumeclaims"),
-    Resource("Service", "v1", "services"),
-    Resource("Pod", "v1", "pods"),
-    Resource("Secret", "v1", "secrets"),
-    Resource("Event", "v1", "events"),
-    Resource("Namespace", "v1", "namespaces", namespaced=False),
-    Resource("Node", "v1", "nodes", namespaced=False),
-    Resource("NetworkPolicy", "networking.k8s.io/v1", "networkpolicies"),
-    Resource("StorageClass", "storage.k8s.io/v1", "storageclasses", namespaced=False),
-    Resource("PersistentVolume", "v1", "persistentvolumes", namespaced=False),
-    Resource("Workload", "kueue.x-k8s.io/v1beta1", "workloads"),  # Kueue's unit of admission, one per Job
-    Resource("SelfSubjectAccessReview", "authorization.k8s.io/v1", "selfsubjectaccessreviews", namespaced=False),
-    Resource("CustomResourceDefinition", "apiextensions.k8s.io/v1", "customresourcedefinitions", namespaced=False),
-    Resource(
-        "ClusterTrainingRuntime", "trainer.kubeflow.org/v1alpha1", "clustertrainingruntimes", namespaced=False
-    ),
-    # the platform around the jobs (k8s/platform): the tracking server and the Prometheus Operator's kinds
-    Resource("Deployment", "apps/v1", "deployments"),
-    Resource("PodMonitor", "monitoring.coreos.com/v1", "podmonitors"),
-    Resource("PrometheusRule", "monitoring.coreos.com/v1", "prometheusrules"),
-]
-RESOURCES = {r.kind: r for r in _KINDS} | {
-    w.kind: Resource(w.kind, w.api_version, w.plural) for w in WORKLOADS.values()
-}
-# Custom kinds, and what to install when the cluster does not serve them.
-CUSTOM_KINDS = {w.kind: w.operator for w in WORKLOADS.values() if w.operator} | {
-    "ClusterTrainingRuntime": WORKLOADS["trainjob"].operator
-} | {kind: "the Prometheus Operator (monitoring.coreos.com)" for kind in ("PodMonitor", "PrometheusRule")}
-
-
-def resource_of(obj: dict[str, Any]) -> Resource:
-    return RESOURCES[obj["kind"]]
 
 
 class Cluster:
@@ -166,9 +77,9 @@ class Cluster:
             response = self._send(method, path, query or [], headers, body, wait)
         except (urllib3.exceptions.HTTPError, OSError) as e:
             reason = getattr(e, "reason", None) or e
-            raise ClusterError(f"cannot reach the API server at {self.where}: {_short(reason)}") from None
+            raise ClusterError(f"cannot reach the API server at {self.where}: {short_reason(reason)}") from None
         except ApiException as e:  # the client's wrapping of TLS failures (status 0)
-            raise ClusterError(f"cannot reach the API server at {self.where}: {_short(e.reason)}") from None
+            raise ClusterError(f"cannot reach the API server at {self.where}: {short_reason(e.reason)}") from None
         if stream and 200 <= response.status < 300:
             return response.status, response
         data = response.read()
@@ -216,36 +127,9 @@ class Cluster:
 
     def error(self, status: int, data: bytes, what: str) -> ClusterError:
         """The one-line error of an HTTP status and the Status body the API server sent with it."""
-        error = self._error(status, data, what)
+        error = status_error(status, data, what, self.where)
         error.status = status
         return error
-
-    def _error(self, status: int, data: bytes, what: str) -> ClusterError:
-        message, body = "", {}
-        try:
-            body = json.loads(data)
-            message = str(body.get("message", ""))
-        except (ValueError, AttributeError):
-            message = data.decode(errors="replace").strip()[:200]
-        detail = f": {message}" if message else ""
-        causes = [(str(c.get("field", "")), _reason(str(c.get("message", ""))))
-                  for c in ((body.get("details") or {}).get("causes") or []) if isinstance(body, dict)]
-        if status == 422 and causes:  # the message repeats the whole rejected value; the causes name fields
-            found = "; ".join(f"{f}: {r}" if f else r for f, r in causes)
-            return Invalid(f"{what}: rejected as invalid (422) by {self.where}: {found}", causes)
-        if status == 401:
-            return ClusterError(
-                f"{what}: unauthorized (401): the credentials of {self.where} were refused{detail}"
-            )
-        if status == 403:
-            return Forbidden(f"{what}: forbidden (403) by {self.where}{detail}")
-        if status == 404:
-            return NotFound(f"{what}: not found (404) on {self.where}{detail}")
-        if status == 409:
-            return Conflict(f"{what}: conflict (409) on {self.where}{detail}")
-        if status == 422:
-            return ClusterError(f"{what}: rejected as invalid (422) by {self.where}{detail}")
-        return ClusterError(f"{what}: HTTP {status} from {self.where}{detail}")
 
     # -- verbs -----------------------------------------------------------------------------------
 
@@ -391,96 +275,8 @@ class Cluster:
         except urllib3.exceptions.ReadTimeoutError:
             raise StreamBroken(f"the log stream of pod {pod} sent nothing for {read_timeout:g}s", idle=True) from None
         except (urllib3.exceptions.HTTPError, OSError) as e:
-            raise StreamBroken(f"the log stream of pod {pod} broke off: {_short(e)}") from None
+            raise StreamBroken(f"the log stream of pod {pod} broke off: {short_reason(e)}") from None
         finally:
             response.release_conn()
 
 
-def _reason(message: str) -> str:
-    """'Invalid value: core.PodTemplateSpec{...kilobytes...}: field is immutable' -> 'field is immutable'."""
-    return message.rsplit(": ", 1)[-1][:200]
-
-
-def _short(error: object) -> str:
-    text = str(error)
-    for marker in (
-        "Connection refused",
-        "Name or service not known",
-        "timed out",
-        "certificate verify failed",
-        "No route to host",
-        "Temporary failure in name resolution",
-    ):
-        if marker in text:
-            return marker.lower()
-    return text.splitlines()[0][:200] if text else type(error).__name__
-
-
-def _check_kubeconfig(path: Path) -> None:
-    """One line for a kubeconfig file the client would die on: not UTF-8 text, or YAML that is not a mapping."""
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError:
-        return  # a path of KUBECONFIG that is not there: the client skips it
-    except UnicodeDecodeError as e:
-        raise ClusterError(f"kubeconfig {path} is not UTF-8 text (invalid byte at offset {e.start})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return  # reported by the client's own parse, with its line and column
-    if data is not None and not isinstance(data, dict):
-        raise ClusterError(f"kubeconfig {path} must be a mapping (apiVersion, clusters, contexts, users), "
-                           f"not a YAML {type(data).__name__}")
-
-
-def connect(kubeconfig: Path | None = None, context: str | None = None) -> Cluster:
-    """The cluster of a kubeconfig (--kubeconfig, $KUBECONFIG, ~/.kube/config) or, in a pod, its own."""
-    try:
-        from kubernetes import config as kconfig
-        from kubernetes.client import ApiClient, Configuration
-    except ImportError:
-        raise UserInputError(
-            "the Kubernetes commands need the kubernetes package: pip install 'kubetrain[k8s]'"
-        ) from None
-    source = str(kubeconfig) if kubeconfig else os.environ.get("KUBECONFIG") or "~/.kube/config"
-    paths = [Path(p).expanduser() for p in source.split(os.pathsep) if p]
-    if (
-        kubeconfig is None
-        and not any(p.is_file() for p in paths)
-        and os.environ.get("KUBERNETES_SERVICE_HOST")
-    ):
-        configuration = Configuration()
-        try:
-            kconfig.load_incluster_config(client_configuration=configuration)
-        except kconfig.ConfigException as e:
-            raise ClusterError(f"cannot use the in-cluster service account: {e}") from None
-        namespace_file = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-        ns = namespace_file.read_text().strip() if namespace_file.is_file() else "default"
-        return Cluster(ApiClient(configuration), f"{configuration.host} (in-cluster service account)", ns)
-    if not any(p.is_file() for p in paths):
-        raise ClusterError(f"no kubeconfig at {source} (give --kubeconfig, or set KUBECONFIG)")
-    for path in paths:
-        _check_kubeconfig(path)
-    try:
-        contexts, active = kconfig.list_kube_config_contexts(config_file=source)
-        chosen = next((c for c in contexts if c["name"] == context), None) if context else active
-        if context and chosen is None:
-            names = ", ".join(c["name"] for c in contexts)
-            raise ClusterError(f"kubeconfig {source} has no context '{context}' (it has: {names})")
-        configuration = Configuration()
-        kconfig.load_kube_config(
-            config_file=source, context=context, client_configuration=configuration, persist_config=False
-        )
-    except kconfig.ConfigException as e:
-        raise ClusterError(
-            f"cannot load kubeconfig {source}" + (f" (context {context})" if context else "") + f": {e}"
-        ) from None
-    except yaml.YAMLError as e:  # the client hands the parser's error through
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or type(e).__name__
-        raise ClusterError(f"kubeconfig {source} is not valid YAML{at}: {problem}") from None
-    name = (chosen or {}).get("name", "?")
-    namespace = (chosen or {}).get("context", {}).get("namespace") or "default"
-    where = f"{configuration.host} (kubeconfig {source}, context {name})"
-    return Cluster(ApiClient(configuration), where, namespace)

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubetrain.config.schema import Config
-from kubetrain.k8s.cluster.api import CUSTOM_KINDS, RESOURCES, Cluster, ClusterError, Forbidden, NotFound
+from kubetrain.k8s.cluster.api import Cluster
+from kubetrain.k8s.cluster.api_errors import ClusterError, Forbidden, NotFound
+from kubetrain.k8s.cluster.resources import CUSTOM_KINDS, RESOURCES
 from kubetrain.k8s.quantities import quantity
 from kubetrain.k8s.render.context import RenderContext, context
 from kubetrain.k8s.render.grace import MeasuredSave

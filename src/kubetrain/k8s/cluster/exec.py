@@ -13,7 +13,9 @@ import io
 import json
 from typing import Any
 
-from kubetrain.k8s.cluster.api import RESOURCES, Cluster, ClusterError
+from kubetrain.k8s.cluster.api import Cluster
+from kubetrain.k8s.cluster.api_errors import ClusterError
+from kubetrain.k8s.cluster.resources import RESOURCES
 
 STDOUT, STDERR, STATUS = 1, 2, 3
 IDLE_SECONDS = 300.0  # a connection that sends nothing for this long is given up

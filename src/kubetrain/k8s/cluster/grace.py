@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kubetrain.k8s.cluster.api import Cluster, ClusterError
+from kubetrain.k8s.cluster.api import Cluster
+from kubetrain.k8s.cluster.api_errors import ClusterError
 from kubetrain.k8s.cluster.status import job_ranks, main_container
 from kubetrain.k8s.render.context import RenderContext
 from kubetrain.k8s.render.grace import SAVE_FACTOR, MeasuredSave, too_short

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from kubetrain.errors import UserInputError
-from kubetrain.k8s.cluster.api import Cluster, ClusterError, Forbidden, Invalid, NotFound
+from kubetrain.k8s.cluster.api import Cluster
+from kubetrain.k8s.cluster.api_errors import ClusterError, Forbidden, Invalid, NotFound
 from kubetrain.k8s.render import validate
 from kubetrain.k8s.workloads import (
     BY_KIND,

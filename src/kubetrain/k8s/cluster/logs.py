@@ -1,7 +1,8 @@
-"""The logs of every rank of a job, interleaved as they arrive, each line prefixed with its rank.
+"""The logs of every pod of a job, interleaved as they arrive, each line prefixed with where it came from.
 
-The prefix is the pod's index (its node rank); a worker's line that names another global rank says both once:
-`[pod 1 · rank 0] step ...`.
+A line is labelled by the pod's index (its node rank): `[pod 1] ` for the launcher's and the entrypoint's lines, and
+`[pod 1 · rank 0] ` for a worker's (the trainer's `[rank R] ` prefix): after an elastic restart the rendezvous may
+give global rank 0 to pod 1, so a pod's index alone would name the wrong rank.
 
 A rank is read from its newest pod; the ranks are those the launched config asks for (k8s.nnodes), also
 those with no pod yet. With --follow, a rank without a pod, a pod that is not scheduled or whose container
@@ -38,9 +39,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kubetrain.errors import KubetrainError
-from kubetrain.k8s.cluster.api import Cluster, ClusterError, NotFound, StreamBroken
+from kubetrain.k8s.cluster.api import Cluster
+from kubetrain.k8s.cluster.api_errors import ClusterError, NotFound, StreamBroken
 from kubetrain.k8s.cluster.outage import GaveUp, Outage, Patience, unreachable
-from kubetrain.k8s.cluster.status import Rank, job_ranks, main_container, waiting_reason
+from kubetrain.k8s.cluster.status import Rank, job_ranks, log_time, main_container, waiting_reason
 from kubetrain.k8s.cluster.waiting import expected_ranks, why_waiting, workload_object
 from kubetrain.k8s.workloads import BY_KIND, finished
 
@@ -85,7 +87,7 @@ class _RankReader:
         self.outage = outage or Outage(Patience(), lines, cluster.where)
         self.patience = self.outage.patience
         self.failures = 0  # failures since this rank's last line: how long the next wait is
-        self.prefix = f"[rank {'?' if number is None else number}] "
+        self.prefix = f"[pod {'?' if number is None else number}] "
         self.last_created = ""  # when this rank's last pod was made: older events about it are stale
         self.printed: tuple[int, int] | None = None  # the stamp of the container's last line printed (follow)
         self.printed_then: set[str] = set()  # the lines printed with that stamp
@@ -119,15 +121,13 @@ class _RankReader:
             self.lines.put(_DONE)
 
     def _labelled(self, text: str) -> str:
-        """A container's line under one label: the reader's is the pod's index (its node rank), the trainer's own
-        `[rank R] ` the worker's global rank, which differs after a rendezvous gave the ranks out again (or with
-        several workers per pod): `[pod 1 · rank 0] `, or the one `[rank 1] ` where they agree."""
+        """A container's line under one label: `[pod N] ` (the pod's index, its node rank) for the launcher's lines,
+        `[pod N · rank R] ` for a worker's, whose own `[rank R] ` is its global rank (not the pod's index after a
+        rendezvous gave the ranks out again, or with several workers per pod)."""
         found = _RANK_PREFIX.match(text)
-        if found is None or self.number is None:
+        if found is None:
             return self.prefix + text
-        if int(found.group(1)) == self.number:
-            return text
-        return f"[pod {self.number} · rank {found.group(1)}] {text[found.end():]}"
+        return f"{self.prefix[:-2]} · rank {found.group(1)}] {text[found.end():]}"
 
     def _note(self, text: str) -> None:
         """One of our own status lines for this rank, said once while it stays the same."""
@@ -234,7 +234,7 @@ class _RankReader:
         """A followed line without its stamp, or None when it was printed already (before the stream was opened
         again: `sinceTime` has whole seconds, the stamps nanoseconds)."""
         stamp, _, text = line.partition(" ")
-        at = _log_time(stamp)
+        at = log_time(stamp)
         if at is None:  # every line the runtime took is stamped: this is the kubelet's error, sent in the stream
             self.unread = True
             self._note(f"(the log stream of pod {self.rank.name if self.rank else '?'} ended with the kubelet's "
@@ -312,20 +312,6 @@ def _running(pod: dict[str, Any]) -> bool:
     name = main_container(pod)
     return any(c.get("name") == name and "running" in (c.get("state") or {})
                for c in (pod.get("status") or {}).get("containerStatuses") or [])
-
-
-_STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)")
-
-
-def _log_time(stamp: str) -> tuple[int, int] | None:
-    """(seconds since the epoch, nanoseconds) of the kubelet's RFC 3339 stamp (Go's RFC3339Nano: trailing zeros
-    of the fraction dropped, the node's offset kept); None for anything else."""
-    match = _STAMP.fullmatch(stamp)
-    if match is None:
-        return None
-    whole, fraction, offset = match.groups()
-    when = datetime.datetime.fromisoformat(whole + ("+00:00" if offset == "Z" else offset))
-    return int(when.timestamp()), int((fraction or "").ljust(9, "0"))
 
 
 def _rfc3339(seconds: int) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubetrain.errors import KubetrainError
-from kubetrain.k8s.cluster.api import ClusterError
+from kubetrain.k8s.cluster.api_errors import ClusterError
 
 
 class GaveUp(KubetrainError):

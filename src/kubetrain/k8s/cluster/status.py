@@ -8,14 +8,21 @@ each live pod's log, of its previous container (a restart) and of the pod it rep
 
 from __future__ import annotations
 
+import datetime
+import math
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
-from kubetrain.k8s.cluster.api import Cluster, ClusterError
+import yaml
+
+from kubetrain.k8s.cluster.api import Cluster
+from kubetrain.k8s.cluster.api_errors import ClusterError
 from kubetrain.k8s.cluster.failures import last_failure, oom_advice, oom_incident
 from kubetrain.k8s.cluster.preflight_lines import preflight_from_logs, preflight_text
 from kubetrain.k8s.cluster.waiting import Waiting, expected_ranks, workload_object
+from kubetrain.k8s.render.context import CONFIG_FILE
 from kubetrain.k8s.render.indexed_job import pod_failure_policy
 from kubetrain.k8s.workloads import (
     IDLE_MARKER,
@@ -32,6 +39,9 @@ from kubetrain.runs.incidents import log_line, parse_log_line
 from kubetrain.track.console import duration, parse_progress
 
 TAIL_LINES = 1000  # of each log read: enough for an incident an hour old at one progress line every few seconds
+# A running job with no new progress line for this long (or three of its own gaps between lines, if longer) is
+# not moving: `k8s status` drops the ETA and says how long. A checkpoint or an eval fits well inside it.
+STALLED_AFTER_MIN = 120.0
 _RESUMED = re.compile(r"resuming from \S+ \(step (\d+)")  # train/checkpointing.py, rank 0's line on a resume
 
 
@@ -115,11 +125,35 @@ def waiting_reason(pod: dict[str, Any]) -> str | None:
     return None if pod.get("spec", {}).get("nodeName") else "not scheduled yet"
 
 
-def _tail(cluster: Cluster, namespace: str, pod: dict[str, Any], previous: bool = False) -> list[str]:
+def _tail(cluster: Cluster, namespace: str, pod: dict[str, Any], previous: bool = False,
+          stamps: list[float] | None = None) -> list[str]:
+    """The pod's last lines; with `stamps`, the kubelet's time of each line (seconds) is appended there."""
     if (pod.get("status") or {}).get("phase") not in ("Running", "Succeeded", "Failed"):
         return []
-    return list(cluster.log_lines(pod["metadata"]["name"], namespace, main_container(pod), tail=TAIL_LINES,
-                                  previous=previous))
+    lines = []
+    for line in cluster.log_lines(pod["metadata"]["name"], namespace, main_container(pod), tail=TAIL_LINES,
+                                  previous=previous, timestamps=stamps is not None):
+        if stamps is not None:
+            stamp, _, rest = line.partition(" ")
+            at = log_time(stamp)
+            stamps.append(at[0] + at[1] / 1e9 if at else math.nan)
+            line = rest if at else line  # a line without the kubelet's stamp is kept whole
+        lines.append(line)
+    return lines
+
+
+_STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)")
+
+
+def log_time(stamp: str) -> tuple[int, int] | None:
+    """(seconds since the epoch, nanoseconds) of the kubelet's RFC 3339 stamp (Go's RFC3339Nano: trailing zeros
+    of the fraction dropped, the node's offset kept); None for anything else."""
+    match = _STAMP.fullmatch(stamp)
+    if match is None:
+        return None
+    whole, fraction, offset = match.groups()
+    when = datetime.datetime.fromisoformat(whole + ("+00:00" if offset == "Z" else offset))
+    return int(when.timestamp()), int((fraction or "").ljust(9, "0"))
 
 
 def restarted(pod: dict[str, Any]) -> bool:
@@ -176,8 +210,10 @@ def state(obj: dict[str, Any] | None, live: list[Rank], tails: dict[str, list[st
     return "running"
 
 
-def last_progress(live: list[Rank], tails: dict[str, list[str]]) -> dict[str, Any] | None:
-    """The newest progress line of the live pods, parsed (global rank 0 logs progress, on whichever pod it runs).
+def last_progress(live: list[Rank], tails: dict[str, list[str]],
+                  stamps: dict[str, list[float]] | None = None) -> dict[str, Any] | None:
+    """The newest progress line of the live pods, parsed (global rank 0 logs progress, on whichever pod it runs),
+    with `logged_at`: when the kubelet took it (from `stamps`, None without).
 
     A progress line older than an incident or a resume in the same log is from before the workers were ended: its
     rate and ETA are not the run's now. After a resume the step is the resumed one, until the next progress line.
@@ -185,9 +221,14 @@ def last_progress(live: list[Rank], tails: dict[str, list[str]]) -> dict[str, An
     for rank in live:
         resumed: int | None = None
         ended = False
-        for line in reversed(tails.get(rank.name, [])):
+        lines = tails.get(rank.name, [])
+        times = (stamps or {}).get(rank.name) or []
+        for i in range(len(lines) - 1, -1, -1):
+            line = lines[i]
             progress = parse_progress(line)
             if progress is not None:
+                at = times[i] if i < len(times) and math.isfinite(times[i]) else None
+                progress = {**progress, "logged_at": at}
                 if resumed is None and not ended:
                     return progress
                 step = progress["step"] if resumed is None else resumed
@@ -212,22 +253,49 @@ def last_incident(logs: dict[str, list[str]]) -> dict[str, Any] | None:
     return newest
 
 
-def progress_fields(progress: dict[str, Any] | None, state: str) -> dict[str, Any]:
-    """step, max_steps, percent, tokens_per_second, eta_seconds (only while running), slowest rank, and whether
-    training is finished (the job succeeded or finished, or the last step is logged): then there is no ETA."""
+def progress_fields(progress: dict[str, Any] | None, state: str, log_every: int = 1,
+                    now: float | None = None) -> dict[str, Any]:
+    """step, max_steps, percent, tokens_per_second, eta_seconds (only while running and moving), slowest rank,
+    whether training is finished (the job succeeded or finished, or the last step is logged): then there is no
+    ETA; and how long ago the last step was logged. A running job whose last progress line is older than
+    `stalled_after` says so and has no ETA: a rank that stopped leaves the last line as if all were well."""
     p = progress or dict.fromkeys(("step", "max_steps", "tokens_per_second", "eta_seconds", "slowest_rank",
                                    "straggler_ratio"))
     done = state in ("succeeded", "finished") or (p["step"] is not None and p["step"] >= p["max_steps"])
+    logged_at = p.get("logged_at")
+    ago = None if logged_at is None else max(0.0, (time.time() if now is None else now) - logged_at)
+    stalled = state == "running" and not done and ago is not None and ago > stalled_after(p, log_every)
     return {
+        "seconds_since_step": None if ago is None else round(ago),
+        "stalled": stalled,
         "step": p["step"],
         "max_steps": p["max_steps"],
         "percent": round(100 * p["step"] / p["max_steps"], 1) if p["step"] is not None and p["max_steps"] else None,
         "tokens_per_second": p["tokens_per_second"],
-        "eta_seconds": p["eta_seconds"] if state == "running" and not done else None,
+        "eta_seconds": p["eta_seconds"] if state == "running" and not done and not stalled else None,
         "training_finished": done,
         "slowest_rank": p["slowest_rank"],
         "straggler_ratio": p["straggler_ratio"],
     }
+
+
+def stalled_after(progress: dict[str, Any], log_every: int) -> float:
+    """Seconds without a new progress line after which a running job is not moving: three times the gap the run's
+    own pace gives between two lines (its ETA over the steps left, times train.log_every_steps), at least
+    STALLED_AFTER_MIN (a checkpoint or an eval between two lines is no stall)."""
+    left = (progress.get("max_steps") or 0) - (progress.get("step") or 0)
+    eta = progress.get("eta_seconds")
+    gap = eta / left * log_every if eta is not None and left > 0 else 0.0
+    return max(STALLED_AFTER_MIN, 3 * gap)
+
+
+def log_every_steps(config_map: dict[str, Any] | None) -> int:
+    """train.log_every_steps of the config the job was launched with (1 where it cannot be read)."""
+    try:
+        raw = yaml.safe_load(((config_map or {}).get("data") or {}).get(CONFIG_FILE, "")) or {}
+        return max(1, int((raw.get("train") or {}).get("log_every_steps", 10)))
+    except (yaml.YAMLError, AttributeError, TypeError, ValueError):
+        return 1
 
 
 def job_status(cluster: Cluster, name: str, namespace: str, with_step: bool = True,
@@ -241,7 +309,8 @@ def job_status(cluster: Cluster, name: str, namespace: str, with_step: bool = Tr
         raise ClusterError(f"no kubetrain job '{name}' in namespace {namespace} on {cluster.where}")
     workload = ((config_map or {}).get("metadata", {}).get("labels") or {}).get(WORKLOAD_LABEL, "indexed-job")
     obj = workload_object(cluster, name, namespace, config_map)
-    tails = {r.name: _tail(cluster, namespace, r.pod) for r in live} if with_step else {}
+    stamps: dict[str, list[float]] = {r.name: [] for r in live}
+    tails = {r.name: _tail(cluster, namespace, r.pod, stamps=stamps[r.name]) for r in live} if with_step else {}
     earlier = earlier_logs(cluster, namespace, live) if with_step and with_incident else {}
     have = {r.rank for r in live}
     wanted = [n for n in range(expected_ranks(config_map) or 0) if n not in have]
@@ -255,7 +324,7 @@ def job_status(cluster: Cluster, name: str, namespace: str, with_step: bool = Tr
         "namespace": namespace,
         "workload": workload,
         "state": now,
-        **progress_fields(last_progress(live, tails), now),
+        **progress_fields(last_progress(live, tails, stamps), now, log_every_steps(config_map)),
         "last_incident": newest(last_incident({**earlier, **tails}), oom_incident(failure)),
         "last_failure": failure,
         "preflight": preflight_from_logs({**earlier, **tails}),  # the job's check before step 1
@@ -298,6 +367,8 @@ def progress_text(status: dict[str, Any]) -> str:
         parts.append(f"{status['tokens_per_second']:,.0f} tok/s")
     if status.get("training_finished"):
         parts.append("training finished")
+    elif status.get("stalled"):
+        parts.append(f"no new step for {duration(status['seconds_since_step'])}")
     elif status.get("eta_seconds") is not None:
         parts.append(f"eta {duration(status['eta_seconds'])}")
     return ", ".join(parts)
@@ -318,7 +389,7 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"  {preflight_text(status['preflight'])}")
     for pod in status["pods"]:
         rank = "?" if pod["rank"] is None else pod["rank"]
-        line = (f"  rank {rank}: {pod['name']} {pod['phase']} on {pod['node'] or '(not scheduled)'}, "
+        line = (f"  pod {rank}: {pod['name']} {pod['phase']} on {pod['node'] or '(not scheduled)'}, "
                 f"{pod['restarts']} restarts")
         if pod["earlier_failed"]:
             line += f", {pod['earlier_failed']} earlier failed pod{'s' if pod['earlier_failed'] > 1 else ''}"
@@ -326,7 +397,7 @@ def format_status(status: dict[str, Any]) -> str:
             line += f": {pod['waiting']}"
         lines.append(line)
     for missing in status.get("missing") or []:
-        lines.append(f"  rank {missing['rank']}: no pod: {missing['reason']}")
+        lines.append(f"  pod {missing['rank']}: not there: {missing['reason']}")
     if not status["pods"] and not status.get("missing"):
         lines.append("  no pods")
     return "\n".join(lines)

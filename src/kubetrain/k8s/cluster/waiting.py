@@ -12,7 +12,8 @@ from typing import Any
 
 import yaml
 
-from kubetrain.k8s.cluster.api import Cluster, Forbidden
+from kubetrain.k8s.cluster.api import Cluster
+from kubetrain.k8s.cluster.api_errors import Forbidden
 from kubetrain.k8s.render.context import CONFIG_FILE
 from kubetrain.k8s.workloads import WORKLOAD_LABEL, WORKLOADS, conditions, finished
 

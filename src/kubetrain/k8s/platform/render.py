@@ -24,7 +24,8 @@ def render_platform(cfg: PlatformConfig) -> list[dict[str, Any]]:
 
 def require_operator(cluster: Any, objects: list[dict[str, Any]]) -> None:
     """A cluster without the Prometheus Operator's CRDs is refused before anything is sent."""
-    from kubetrain.k8s.cluster.api import CUSTOM_KINDS, ClusterError
+    from kubetrain.k8s.cluster.api_errors import ClusterError
+    from kubetrain.k8s.cluster.resources import CUSTOM_KINDS
 
     for kind in sorted({o["kind"] for o in objects if o["kind"] in CUSTOM_KINDS}):
         if not cluster.served(kind):
