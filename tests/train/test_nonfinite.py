@@ -1,12 +1,15 @@
 """train.nonfinite: a step whose loss or gradients are not finite changes no weight and no optimizer state; a run whose
 steps stay so stops with one line naming a checkpoint whose weights gave a finite loss; no checkpoint ever holds a
-tensor that is not finite."""
+tensor that is not finite. A run that ends, or is stopped, on such a step saves the weights of its last step taken:
+`train.max_nonfinite_steps` in a row alone fail a run."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,7 @@ from kubetrain import checkpoint
 from kubetrain.config.loading import validate
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import Batch
-from kubetrain.errors import RepeatableFailure
+from kubetrain.errors import EXIT_STOPPED_RESUMABLE, RepeatableFailure, TrainingStopped
 from kubetrain.train.trainer import RunOptions, Trainer
 from tests.conftest import RunMain
 from tests.train.conftest import kubetrain, sets
@@ -114,7 +117,6 @@ def test_a_step_that_is_not_finite_changes_no_weight_and_no_optimizer_state(
     trainer = opened(tmp_path, grad_clip=clip)
     if not fused:  # an optimizer without the fused kernel's found_inf (MPS's foreach): the host reads the flag
         trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-3, foreach=True)
-        trainer.guard.counted_at = (0, 0)
     trainer.train_step()
     before = state_of(trainer)
     if what == "loss":
@@ -184,14 +186,109 @@ def test_a_diverging_run_stops_naming_a_checkpoint_that_resumes_with_finite_loss
     assert_every_saved_tensor_is_finite(ckpts)
 
 
-def test_a_run_that_ends_on_skipped_steps_fails_before_its_sample(run_main: RunMain, tmp_cwd: Path) -> None:
-    code, out, err = run_main("train", *EXPLODING, "--set", "train.max_steps=4")  # below the default of 5 steps
-    assert code == 1
-    assert err.startswith("error: the loss or its gradients were not finite (NaN or inf) for ")
-    assert "stopped at step 4" in err and "--- sample ---" not in out
-    ckpts = tmp_cwd / "runs" / "nan" / "checkpoints"
-    assert not (ckpts / "step-000004").exists()
+def saved_state(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The weights and the optimizer's tensors (moments, step counts) a checkpoint holds."""
+    state = {f"model.{k}": v for k, v in load_file(ckpt / "model.safetensors").items()}
+    state.update((k, v) for k, v in load_file(ckpt / "trainer.safetensors").items() if k.startswith("optimizer."))
+    return state
+
+
+def assert_same_state(ckpt: Path, before: Path) -> None:
+    found, expected = saved_state(ckpt), saved_state(before)
+    assert found.keys() == expected.keys() and any(k.startswith("optimizer.") for k in found)
+    assert [k for k, v in expected.items() if not torch.equal(found[k], v)] == [], f"{ckpt.name} != {before.name}"
+
+
+def test_a_run_whose_last_step_is_not_finite_ends_saving_the_weights_before_it(tmp_path: Path) -> None:
+    class InfAtTheEnd(Trainer):
+        def open(self) -> None:
+            super().open()
+            crafted(self, {6})
+
+    result = InfAtTheEnd(config(tmp_path), RunOptions(argv=[]), log=lambda m: None).run()
+    assert result.status == "finished" and result.steps == 6
+    ckpts = tmp_path / "guard" / "checkpoints"
+    # the last step changed no weight: the checkpoint of the end holds those of step 5, and is the one to resume
+    assert checkpoint.pointer(ckpts, "latest") == "step-000006"
+    assert checkpoint.verify(ckpts / "step-000006").step == 6
+    assert_same_state(ckpts / "step-000006", ckpts / "step-000005")
     assert_every_saved_tensor_is_finite(ckpts)
+    assert json.loads((tmp_path / "guard" / "meta.json").read_text())["status"] == "finished"
+
+
+def test_a_run_that_ends_on_skipped_steps_saves_its_last_weights_taken_and_exits_0(
+    run_main: RunMain, tmp_cwd: Path
+) -> None:
+    # lr 1e30: step 1's update sends the weights to ~1e30 (finite), and every later step's gradients overflow
+    code, out, err = run_main("train", *EXPLODING, "--set", "train.max_steps=4")  # below the default of 5 steps
+    assert code == 0, err
+    assert "warning: the last 3 steps (to step 4) changed no weight: the loss or its gradients were not finite " \
+           "(NaN or inf); step 4's checkpoint holds the weights of step 1, not evaluated" in out
+    assert "--- sample ---" not in out  # weights whose loss was not finite: no sample of them
+    ckpts = tmp_cwd / "runs" / "nan" / "checkpoints"
+    assert [p.name for p in checkpoint.complete_checkpoints(ckpts)] == ["step-000001", "step-000004"]
+    assert_same_state(ckpts / "step-000004", ckpts / "step-000001")
+    assert_every_saved_tensor_is_finite(ckpts)
+
+
+def test_a_stop_at_a_step_that_is_not_finite_saves_exits_resumable_and_the_streak_goes_on(tmp_path: Path) -> None:
+    class StoppedAtStep4(Trainer):
+        def open(self) -> None:
+            super().open()
+            crafted(self, {3, 4})
+
+        def train_step(self) -> None:
+            if self.state.step + 1 == 4:  # SIGTERM during step 4, the second not finite in a row
+                os.kill(os.getpid(), signal.SIGTERM)
+            super().train_step()
+
+    with pytest.raises(TrainingStopped) as stopped:
+        StoppedAtStep4(config(tmp_path, max_nonfinite_steps=3), RunOptions(argv=[]), log=lambda m: None).run()
+    assert stopped.value.exit_code == EXIT_STOPPED_RESUMABLE == 75  # a preempted pod is restarted, not failed
+    assert "stopped by SIGTERM at step 4; checkpoint step-000004" in str(stopped.value)
+    ckpts = tmp_path / "guard" / "checkpoints"
+    assert checkpoint.pointer(ckpts, "latest") == "step-000004"
+    assert_same_state(ckpts / "step-000004", ckpts / "step-000002")  # steps 3 and 4 changed nothing
+    assert_every_saved_tensor_is_finite(ckpts)
+
+    # resumed: the streak of steps 3 and 4 goes on, so a third in a row is max_nonfinite_steps (3)
+    class InfAtStep5(Trainer):
+        def open(self) -> None:
+            super().open()
+            crafted(self, {5})
+
+    with pytest.raises(RepeatableFailure) as failed:
+        InfAtStep5(config(tmp_path, max_nonfinite_steps=3), RunOptions(argv=[]), log=lambda m: None).run()
+    match = STOP_LINE.fullmatch(f"error: {failed.value}\n")
+    assert match and match.group(1, 2, 3) == ("3", "3", "5"), str(failed.value)
+    assert match.group(4) == str(ckpts / "step-000001")  # step 2's weights gave step 3's loss; step 4 holds them
+
+
+def test_a_streak_that_reaches_the_limit_at_the_last_step_still_fails(tmp_path: Path) -> None:
+    class InfAtTheEnd(Trainer):
+        def open(self) -> None:
+            super().open()
+            crafted(self, {4, 5, 6})
+
+    with pytest.raises(RepeatableFailure, match="for 3 steps in a row, since step 4: stopped at step 6"):
+        InfAtTheEnd(config(tmp_path, max_nonfinite_steps=3), RunOptions(argv=[]), log=lambda m: None).run()
+    ckpts = tmp_path / "guard" / "checkpoints"
+    assert [p.name for p in checkpoint.complete_checkpoints(ckpts)][-1] == "step-000003"
+
+
+def test_under_fp16_the_scalers_overflows_count_in_the_streak(tmp_path: Path) -> None:
+    class Overflowing(Trainer):
+        def open(self) -> None:
+            super().open()
+            # a loss scale far past fp16's range: every gradient overflows, each step halves the scale and is skipped
+            self.scaler = self.checkpointer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
+
+    trainer = Overflowing(config(tmp_path, precision="fp16", max_nonfinite_steps=3), RunOptions(argv=[]),
+                          log=lambda m: None)
+    with pytest.raises(RepeatableFailure, match="for 3 steps in a row, since step 1: stopped at step 3"):
+        trainer.run()
+    assert trainer.scaler.get_scale() == 2.0**97
+    assert trainer.state.skipped_steps == 3
 
 
 @pytest.mark.slow

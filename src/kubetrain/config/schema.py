@@ -203,9 +203,11 @@ class TrainConfig(Section):
     log_every_steps: int = Field(10, ge=1, description="Steps between metric lines.")
     max_nonfinite_steps: int = Field(
         5, ge=1, description="A step whose loss or gradients are NaN or inf changes no weight and no optimizer state "
-        "(skipped on the device, no sync per step, counted as skipped_steps); once this many steps in a row were "
-        "skipped the run stops (exit 1), naming the newest checkpoint whose weights gave a finite loss. Read at the "
-        "steps that log, evaluate or save; while steps are skipped nothing is evaluated or saved."
+        "(skipped on the device, no sync per step, counted as skipped_steps; under fp16 also a step whose gradients "
+        "overflowed); once this many steps in a row were skipped the run stops (exit 1), naming the newest "
+        "checkpoint whose weights gave a finite loss, and nothing else fails a run. Read at the steps that log, "
+        "evaluate or save; while steps are skipped periodic evaluations and saves wait, but the end of the run and "
+        "a stop save the weights of the last step taken (exit 0, 75)."
     )
     deterministic: bool | None = Field(
         None, description="Deterministic kernels (null: on for CPU, where runs and resumes are bitwise "

@@ -18,6 +18,12 @@ from kubetrain.data.shards import Prepared
 IGNORE_INDEX = -100
 
 
+def counted_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """The positions of `labels` a loss counts (not IGNORE_INDEX), exactly: 0 for a window of prompt only. Every
+    count of loss tokens (a step's window, an evaluation, a loss's mean) is this one."""
+    return (labels != IGNORE_INDEX).sum()
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # (B, T) int64
@@ -32,7 +38,7 @@ class Batch:
                      self.labels.pin_memory().to(device, non_blocking=True))
 
     def n_loss_tokens(self) -> int:
-        return int((self.labels != IGNORE_INDEX).sum())
+        return int(counted_tokens(self.labels))
 
 
 class TokenWindows:

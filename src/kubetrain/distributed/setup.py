@@ -132,10 +132,15 @@ def start_all_reduce_sum(value: torch.Tensor) -> td.Work | None:
     return td.all_reduce(value, op=td.ReduceOp.SUM, async_op=True)
 
 
-def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    """Sum of a tensor over ranks, in a new tensor (a copy of it for one process)."""
+def all_reduce(value: torch.Tensor, op: td.ReduceOp.RedOpType = td.ReduceOp.SUM) -> torch.Tensor:
+    """`value` reduced over ranks by `op` (sum, max, min), in a new tensor (a copy of it for one process)."""
     value = value.clone()
     if td.is_initialized() and td.get_world_size() > 1:
-        td.all_reduce(value, op=td.ReduceOp.SUM)
+        td.all_reduce(value, op=op)
     return value
 
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: its shard under FSDP2 (a DTensor), else `t` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t

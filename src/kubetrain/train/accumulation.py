@@ -9,6 +9,9 @@ what is trained would change with micro_batch_size, grad_accum_steps, the world 
 The count is summed over ranks in one small all-reduce per step, started before the first forward and waited for
 before the first backward; it stays on the device (no host sync). DDP and FSDP average gradients over ranks, so
 each rank scales its summed loss by world_size / counted tokens, and the average is the global batch's gradient.
+
+A window that counts no token on any rank (chat rows of prompt only) has nothing to learn from: the same count, read
+on every rank, tells the step to leave the optimizer alone (train/nonfinite.py), with no other collective.
 """
 
 from __future__ import annotations
@@ -16,13 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as td
 
-from kubetrain.data.loader import IGNORE_INDEX, Batch, TrainLoader
+from kubetrain.data.loader import Batch, TrainLoader, counted_tokens
 from kubetrain.distributed import setup as dist
-
-
-def counted(batch: Batch) -> torch.Tensor:
-    """The positions of `batch` the loss counts (labels not ignored), exactly: 0 for a batch of prompt only."""
-    return (batch.labels != IGNORE_INDEX).sum()
 
 
 class Window:
@@ -31,7 +29,8 @@ class Window:
     def __init__(self, batches: list[Batch], world: int) -> None:
         self.batches = batches
         self.world = world
-        self.counted = torch.stack([counted(b) for b in batches]).sum()  # this rank's tokens (int64, on the device)
+        # this rank's tokens (int64, on the device)
+        self.counted = torch.stack([counted_tokens(b.labels) for b in batches]).sum()
         self.total = self.counted.clone()  # every rank's, once the all-reduce is done
         self._reduce: td.Work | None = dist.start_all_reduce_sum(self.total)
         self._scale: torch.Tensor | None = None
@@ -41,13 +40,21 @@ class Window:
         """The next `accum` micro-batches on `device` (index tensors: small), their count's all-reduce started."""
         return cls([loader.next_batch().to(device) for _ in range(accum)], world)
 
-    def loss_scale(self) -> torch.Tensor:
-        """world_size / the window's counted tokens over all ranks (at least 1: a window of prompt only gives 0).
+    def _counted_everywhere(self) -> torch.Tensor:
+        """The window's counted tokens over all ranks; the first call waits for the count's all-reduce (on NCCL the
+        stream waits, not the host)."""
+        if self._reduce is not None:
+            self._reduce.wait()
+            self._reduce = None
+        return self.total
 
-        The first call waits for the count's all-reduce (on NCCL the stream waits, not the host)."""
+    def loss_scale(self) -> torch.Tensor:
+        """world_size / the window's counted tokens over all ranks (at least 1: a window of prompt only gives 0)."""
         if self._scale is None:
-            if self._reduce is not None:
-                self._reduce.wait()
-                self._reduce = None
-            self._scale = self.world / self.total.clamp(min=1).to(torch.float32)
+            self._scale = self.world / self._counted_everywhere().clamp(min=1).to(torch.float32)
         return self._scale
+
+    def empty(self) -> torch.Tensor:
+        """Whether no rank counted a token in this window (a 0-dim bool on the device, no sync): the step has no
+        data to learn from. The count is the loss's own all-reduced one, so every rank decides the same."""
+        return self._counted_everywhere() == 0

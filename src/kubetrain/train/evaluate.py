@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
 import torch
-import torch.distributed as td
 from torch import nn
 
-from kubetrain.data.loader import IGNORE_INDEX, Batch, TokenWindows
+from kubetrain.data.loader import IGNORE_INDEX, Batch, TokenWindows, counted_tokens
+from kubetrain.distributed import setup as dist
 from kubetrain.train.loss import LossStep, loss_step
 
 
@@ -68,13 +68,12 @@ def evaluate(
         with autocast():
             loss_sum = loss_of(batch.input_ids, batch.labels)
         acc[0] += loss_sum.to(acc.dtype)
-        acc[1] += (batch.labels != IGNORE_INDEX).sum()
+        acc[1] += counted_tokens(batch.labels)
     model.train(was_training)
     reshard = getattr(model, "reshard", None)
     if reshard is not None:  # FSDP2 keeps the root's weights gathered after a forward with no backward
         reshard()
-    if td.is_initialized() and world > 1:
-        td.all_reduce(acc, op=td.ReduceOp.SUM)
+    acc = dist.all_reduce(acc)
     return float(acc[0] / acc[1].clamp(min=1))
 
 

@@ -36,12 +36,12 @@ class LossWindow:
 
     def read_and_reset(self) -> float:
         """The window's loss over every rank (a collective: every rank calls it at the same log step)."""
-        total = dist.all_reduce_sum(self.sums)
+        total = dist.all_reduce(self.sums)
         self.sums.zero_()
         self.steps = 0
         return float(total[0] / total[1].clamp(min=1))
 
     def save_into(self, state: TrainState) -> None:
         """Every rank's sums into `state` (a collective: every rank calls it at the same save)."""
-        total = dist.all_reduce_sum(self.sums)
+        total = dist.all_reduce(self.sums)
         state.window_loss_sum, state.window_tokens, state.window_steps = float(total[0]), int(total[1]), self.steps

@@ -25,6 +25,7 @@ from torch import nn
 
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader
+from kubetrain.distributed import setup as dist
 from kubetrain.errors import TrainingFailed, UserInputError
 from kubetrain.memory import Layout, estimate_on
 from kubetrain.models.loss import counted_tokens
@@ -148,11 +149,7 @@ def min_over_ranks(value: int, device: torch.device) -> int:
     """The smallest `value` over the ranks of the process group (the value itself without one)."""
     import torch.distributed as torch_dist
 
-    if not (torch_dist.is_available() and torch_dist.is_initialized()):
-        return value
-    t = torch.tensor([value], device=device)
-    torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MIN)
-    return int(t.item())
+    return int(dist.all_reduce(torch.tensor([value], device=device), torch_dist.ReduceOp.MIN).item())
 
 
 def training_step(model: nn.Module, batch: Callable[[int], Any], device: torch.device,
@@ -171,7 +168,7 @@ def training_step(model: nn.Module, batch: Callable[[int], Any], device: torch.d
 
     def attempt(size: int) -> None:
         trainable = [p for p in model.parameters() if p.requires_grad]
-        moments = sum(2 * _local(p).numel() * p.element_size() for p in trainable)
+        moments = sum(2 * dist.local_part(p).numel() * p.element_size() for p in trainable)
         no_sync = getattr(model, "no_sync", None)
         rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
         try:
@@ -189,12 +186,6 @@ def training_step(model: nn.Module, batch: Callable[[int], Any], device: torch.d
             model.zero_grad(set_to_none=True)
 
     return attempt
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """A parameter's own part: its shard under FSDP2 (a DTensor), else itself."""
-    to_local = getattr(p, "to_local", None)
-    return to_local() if callable(to_local) else p
 
 
 def confirm(cfg: Config, choice: MicroBatchChoice, attempt: Callable[[int], None], device: torch.device,

@@ -32,6 +32,11 @@ class TrainState:
     window_tokens: int = 0
     # steps that changed no weight: a loss or gradient that was not finite (fp16: also a gradient that overflowed)
     skipped_steps: int = 0
+    # ... of those, the ones in a row up to this step: a stop in the middle of them resumes the count, so only
+    # train.max_nonfinite_steps in a row fail a run, across restarts too
+    nonfinite_streak: int = 0
+    # steps whose window counted no token (every label masked, on every rank): no optimizer step, no decay
+    empty_steps: int = 0
 
     def improves_best_saved(self, evaluated_step: int) -> bool:
         """Whether a checkpoint of this step becomes `best`: evaluated at this step, with a lower val loss than

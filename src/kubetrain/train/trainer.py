@@ -17,12 +17,11 @@ from torch import nn
 from kubetrain import checkpoint, hardware, runs
 from kubetrain.checkpoint import remote
 from kubetrain.config.schema import Config
-from kubetrain.data.loader import TokenWindows, TrainLoader
+from kubetrain.data.loader import TokenWindows, TrainLoader, counted_tokens
 from kubetrain.data.shards import Prepared, prepare
 from kubetrain.distributed import preflight
 from kubetrain.distributed import setup as dist
 from kubetrain.errors import CheckpointError, TrainingFailed, TrainingStopped, resume_hint
-from kubetrain.models.loss import counted_tokens
 from kubetrain.track import Fanout
 from kubetrain.track.build import build_sinks
 from kubetrain.track.console import console_log, count
@@ -136,6 +135,7 @@ class Trainer:
             self.open()
         cfg, state = self.cfg, self.state
         status, sample = "failed", None
+        finite = True  # no step being skipped (not finite) at the last step
         stop = GracefulStop(cfg.checkpoint.grace_seconds, self.ckpt_root)
         vote = StopVote.for_world()  # every rank stops at the same step, with no GPU sync per step
         profiler = StepProfiler.for_rank(cfg.train.profile, self.path, self.penv.rank, self.device, state.step,
@@ -156,13 +156,17 @@ class Trainer:
                     if state.step % cfg.train.log_every_steps == 0 or final:
                         self.log_train()
                     with self.clock.side_work():
-                        # steps being skipped (not finite): no evaluation, no save; the run stops if it lasts
+                        # steps being skipped (not finite): no evaluation and no periodic save while it lasts; the
+                        # run stops if it lasts max_nonfinite_steps. The end of the run and a stop save anyway: a
+                        # skipped step changed no weight.
                         finite = self.guard.finite(state.step, final)
                         improved = finite and (state.step % cfg.eval.every_steps == 0 or final) and self.evaluate()
                         stopping = vote.poll(stop.requested)
                         finite = self.guard.finite(state.step, last=True) if stopping else finite
-                        if finite and (final or stopping or state.step % cfg.checkpoint.every_steps == 0
-                                       or (improved and cfg.checkpoint.save_best)):
+                        if final or stopping or (finite and (state.step % cfg.checkpoint.every_steps == 0
+                                                             or (improved and cfg.checkpoint.save_best))):
+                            if not finite:
+                                self.say_saved_while_skipping()
                             self.save(background=not (final or stopping))
                     if stopping:
                         vote.close()
@@ -173,7 +177,8 @@ class Trainer:
                                               f"step {state.step}; checkpoint {saved}; {resume_hint()}")
                 vote.close()
                 self.clock.stop()
-                sample = self.samples.at_end(self.say)
+                # weights whose last loss was not finite may sample NaN: no sample of them (nor an evaluation)
+                sample = self.samples.at_end(self.say) if finite else None
                 status = "finished"
         except OSError as e:  # bad input was refused before the first step: this is the machine, not the config
             where = f": {e.filename}" if e.filename else ""
@@ -273,7 +278,7 @@ class Trainer:
         cfg = self.cfg
         batch = TrainLoader(self.train_windows, cfg.train.micro_batch, cfg.run.seed).next_batch().to(self.device)
         with torch.no_grad(), self.amp():  # the training step's own loss: never the whole logits
-            first_loss = float(self.loss_of(batch.input_ids, batch.labels) / counted_tokens(batch.labels))
+            first_loss = float(self.loss_of(batch.input_ids, batch.labels) / counted_tokens(batch.labels).clamp(min=1))
         self.say(f"dry run: one forward pass, loss {first_loss:.4f} (ln(vocab) = "
                  f"{math.log(self.tokenizer.vocab_size):.4f}); no run directory was written")
         return TrainResult("", 0, 0, first_loss, None, None, 0.0, "dry-run")
@@ -311,8 +316,7 @@ class Trainer:
         self.checkpointer.attach(self.model, self.base, self.optimizer, self.loader, self.scaler, self.sinks,
                                  self.uploader)
         self.memory_peak = MemoryPeak(self.device)
-        self.guard = NonFiniteGuard(cfg, self.device, self.ckpt_root, self.checkpointer.wait_for_saves,
-                                    self.state.step, self.optimizer)
+        self.guard = NonFiniteGuard(cfg, self.device, self.ckpt_root, self.checkpointer.wait_for_saves, self.state)
         self.clock = RunClock(self.start_step, self.state.tokens)  # tokens/s, the ETA, the result's training time
         self.logged_loss = LossWindow(self.device, self.state, resumes=self.main)
 
@@ -344,7 +348,8 @@ class Trainer:
     def train_step(self) -> None:
         """One optimizer step over the accumulation window: its loss is the sum over the window's micro-batches and
         every rank over their counted tokens (train/accumulation.py); gradients all-reduced on the last micro-batch.
-        A step whose loss or gradients are not finite changes nothing (train/nonfinite.py)."""
+        A step whose loss or gradients are not finite, or whose window counted no token, changes nothing
+        (train/nonfinite.py); it still counts as a step, so the data and the LR schedule stay where they would be."""
         accum = self.cfg.train.grad_accum_steps
         model = self.model
         # DDP all-reduces only the last micro-batch. FSDP reduce-scatters every one (torchtitan does too): skipping
@@ -365,7 +370,7 @@ class Trainer:
         self.logged_loss.step_done(window.counted)
         self.checkpointer.wait_for_staging()  # a background save copies the weights until here; the optimizer
         # changes them
-        self.guard.step(self.optimizer, self.scaler, model.parameters())
+        self.guard.step(self.optimizer, self.scaler, model.parameters(), window.empty())
         self.memory_peak.sample()  # CPU: resident memory with gradients and optimizer state in place
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
@@ -375,6 +380,13 @@ class Trainer:
         if self.heartbeat:
             self.heartbeat.beat(self.state.step)
 
+    def say_saved_while_skipping(self) -> None:
+        """The line of a last save (the end, a stop) made while steps are being skipped: whose weights it holds."""
+        step, n = self.state.step, self.guard.streak_seen
+        self.say(f"warning: the last {n} step{'s' if n > 1 else ''} (to step {step}) changed no weight: "
+                 f"the loss or its gradients were not finite (NaN or inf); step {step}'s checkpoint holds the "
+                 f"weights of step {step - n}, not evaluated")
+
     def save(self, is_best: bool | None = None, background: bool = False) -> checkpoint.Checkpoint | None:
         """A checkpoint of this step (collective: every rank calls it); rank 0 gets it back (None in the background).
 
@@ -382,7 +394,7 @@ class Trainer:
         val loss than every saved one (`is_best` overrides that).
         """
         state = self.state
-        state.skipped_steps += self.guard.skipped_since_counted(state.step, self.optimizer)
+        self.guard.count_into(state)
         if not self.guard.savable(self.model, self.optimizer, state.step, last=not background, say=self.say):
             return None  # an update overflowed: the next step's loss is not finite, and the guard counts it
         if is_best is None:
@@ -404,7 +416,7 @@ class Trainer:
         """The loss of the window since the last log (its summed loss over its counted tokens, every rank's),
         throughput, MFU, memory, ETA."""
         state = self.state
-        state.skipped_steps += self.guard.skipped_since_counted(state.step, self.optimizer)  # a host sync: here only
+        self.guard.count_into(state)  # a host sync: here only
         state.last_train_loss = self.logged_loss.read_and_reset()
         rate = self.clock.window(state.tokens)
         stragglers = self.compute_timer.gather()  # one all_gather, at log steps only
@@ -417,7 +429,7 @@ class Trainer:
             "memory_gib": self.memory_peak.read_and_reset(),  # the peak since the previous log line
             "eta_seconds": self.clock.eta(state.step, self.max_steps),
             "epoch": self.loader.epoch, "phase": self.opts.phase, "time": time.time(),
-            "skipped_steps": state.skipped_steps,
+            "skipped_steps": state.skipped_steps, "empty_steps": state.empty_steps,
             **({"loss_scale": self.scaler.get_scale()} if self.scaler.is_enabled() else {}),
             **(stragglers.record() if stragglers else {}),
             **({"upload_failures": len(self.uploader.failed)} if self.uploader else {}),
