@@ -18,15 +18,16 @@ from kubetrain.memory import Estimate, Layout, estimate_on, what_to_change
 GIB = 2**30
 
 
-def check_memory(cfg: Config, layout: Layout | None = None, launcher: bool = False) -> None:
+def check_memory(cfg: Config, layout: Layout | None = None, launcher: bool = False, free: int | None = None) -> None:
     """Raise UserInputError (one line: the estimate and what to change) when training `cfg` cannot fit here.
 
     `layout`: the run's processes (default: this worker's, from torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE).
     `launcher`: the check of `--nproc`'s launcher, before its workers start, for CPU runs only (each GPU worker
     checks its own device; the launcher must not take a GPU context for the whole job): it asks for the node's
     processes together, with their runtime. A worker asks for what it has still to allocate, since its runtime is
-    in place and its siblings may already hold theirs. Off with
-    run.check_memory=false; silent when the size or the free memory is not known.
+    in place and its siblings may already hold theirs. `free`: the bytes free to check against (default: what the
+    device has free now; the launcher's admission states a node's). Off with run.check_memory=false; silent when
+    the size or the free memory is not known.
     """
     if not cfg.run.check_memory:
         return
@@ -45,9 +46,15 @@ def check_memory(cfg: Config, layout: Layout | None = None, launcher: bool = Fal
         penv = process_env()
         layout = Layout.of(cfg, penv.world_size, penv.local_world_size)
     device = select_device(cfg.run.device)
-    cfg, _ = resolve_batch(cfg, layout, device)  # auto: the largest that fits; when none does, refused below
+    budget = None  # auto plans on a share of the memory free, the stated figure's when given (as budget_for does)
+    if free is not None and cfg.train.memory_budget_gib is None:
+        from kubetrain.train.micro_batch_choice import HEADROOM
+
+        budget = int(free * HEADROOM)
+    cfg, _ = resolve_batch(cfg, layout, device, budget)  # auto: the largest that fits; none does: refused below
     est = estimate_on(cfg, layout, device)
-    free = device_info(device).memory_free
+    if free is None:
+        free = device_info(device).memory_free
     if isinstance(est, str) or free is None:
         return
     need = est.device_need if launcher else est.to_allocate  # a worker already holds its runtime
