@@ -25,7 +25,9 @@ def build_model_for_world(cfg: Config, vocab_size: int, device: torch.device, pr
     order) it is parallelized (activation checkpointing, compile, fully_shard per block) before it is materialised,
     so each process allocates and draws only its shards; otherwise it is materialised whole, then parallelized
     (DDP). A Hugging Face model keeps its pretrained weights: under FSDP/HSDP each process reads its shards from
-    the files, otherwise the whole model loads; LoRA's adapters are drawn by `ShardInit` either way."""
+    the files, otherwise the whole model loads; LoRA's adapters are drawn by `ShardInit` either way. With LoRA's
+    modules_to_save (PEFT copies whole modules, so nothing is built on meta) every process builds the model whole
+    from the global RNG, which the loop seeds alike on every rank: one model again, a different one."""
     sharded = world.distributed and cfg.dist.shards_weights
     # a frozen Hugging Face base (LoRA) loads straight in the training precision (model.dtype auto)
     model_cfg = cfg.model.model_copy(update={"dtype": hf_weight_dtype(cfg, precision)})
