@@ -2,9 +2,10 @@
 tiny preset, 1x16 model, 4 steps, one checkpoint) still resumes, exports, lists and generates; and today's code
 trains the same config to the same weights (within a tolerance: the references were made on other CPUs).
 
-The LR schedule changed on purpose since (the cosine reaches min_lr on the last step, not one step later), so
-the weights today's code must reach are in `fixtures/v0-config-retrained/`, trained from the v0 config by the
-commit that changed the schedule; the v0 run's own step-4 weights stay as 0.1.0 wrote them."""
+The LR schedule changed on purpose since (the cosine reaches min_lr on the last step, not one step later), and so
+did the initial weights (drawn by name from the seed, the same for every strategy and world size), so the weights
+today's code must reach are in `fixtures/v0-config-retrained/`, trained from the v0 config by the commit that
+changed the init; the v0 run's own step-4 weights stay as 0.1.0 wrote them."""
 
 from __future__ import annotations
 

@@ -331,3 +331,75 @@ def dynamo_counts() -> Iterator[DynamoCounts]:
             for reason, n in counters["graph_break"].items():
                 if n > before[0].get(reason, 0):
                     found.breaks[reason] = n - before[0].get(reason, 0)
+
+
+class _LocalAllGather:
+    """FSDP2's all-gather without the peers: the same output buffer, filled with this rank's own shard."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> None:
+        rows = output_tensor.view(-1, input_tensor.numel())
+        rows.copy_(input_tensor.detach().clone().view(1, -1).expand_as(rows))
+
+
+class _LocalReduceScatter:
+    """FSDP2's reduce-scatter without the peers: the same buffers, this rank's own part of its own gradient."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any = None,
+                 async_op: bool = False) -> None:
+        output_tensor.copy_(input_tensor.view(-1, output_tensor.numel())[group.rank()])
+
+
+def _fsdp_param_groups(module: nn.Module) -> list[Any] | None:
+    """The parameter groups of an FSDP2 module's state (one per module up to 2.12, a list from 2.13), or None."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    if not all(hasattr(g, "_all_gather_comm") and hasattr(g, "_reduce_scatter_comm") for g in groups):
+        return None
+    return list(groups)
+
+
+@contextlib.contextmanager
+def fsdp_collectives_local(model: nn.Module) -> Iterator[bool]:
+    """Inside, an FSDP2 model's forward and backward run without a collective: each all-gather and reduce-scatter
+    is a rank-local stand-in with the same buffers (the same memory, meaningless numbers), and HSDP's all-reduce
+    of gradients is off. A rank that runs out of memory there leaves no peer waiting in a collective. Yields True
+    when so (or when `model` is not sharded: nothing to do); False where this torch lacks what it takes (then
+    nothing is changed, and the step's collectives are FSDP's own).
+
+    Needs FSDPModule's `set_custom_all_gather`/`set_custom_reduce_scatter` (public; what they replace is read back
+    from the parameter groups' `_all_gather_comm`/`_reduce_scatter_comm` to restore it) and `reset_iter_state`
+    (2.13: clears what a forward or backward cut short by an exception leaves behind), called on the way out.
+    """
+    fsdp = _optional("torch.distributed.fsdp", "FSDPModule")
+    sharded = [m for m in model.modules() if fsdp is not None and isinstance(m, fsdp)]
+    if not sharded:
+        yield True
+        return
+    needed = ("set_custom_all_gather", "set_custom_reduce_scatter", "reset_iter_state", "set_requires_all_reduce")
+    groups = {id(m): _fsdp_param_groups(m) for m in sharded}
+    if not all(hasattr(fsdp, name) for name in needed) or any(g is None for g in groups.values()):
+        yield False
+        return
+    saved = [(g, g._all_gather_comm, g._reduce_scatter_comm, g.all_reduce_grads)
+             for m in sharded for g in groups[id(m)] or []]
+    for module in sharded:
+        module.set_custom_all_gather(_LocalAllGather())
+        module.set_custom_reduce_scatter(_LocalReduceScatter())
+        module.set_requires_all_reduce(False, recurse=False)
+    try:
+        yield True
+    finally:
+        sharded[0].reset_iter_state()  # the root: the first FSDP module of `model`
+        for group, all_gather, reduce_scatter, all_reduce in saved:
+            group._all_gather_comm, group._reduce_scatter_comm = all_gather, reduce_scatter
+            group.all_reduce_grads = all_reduce

@@ -100,8 +100,8 @@ def test_shards_written_by_every_rank_resume_exactly_and_export(tmp_path: Path) 
     kubetrain("train", *sets("run.name=two", cache, *COMMON, "train.grad_accum_steps=2"), "--nproc", "2",
               cwd=tmp_path)
     assert _losses(tmp_path / "runs" / "two") == pytest.approx(_losses(ref), rel=1e-4, abs=1e-5)
-    # FSDP starts from ShardInit's weights, DDP from GPT(cfg)'s: FSDP and DDP from the same weights train alike in
-    # tests/distributed/test_parallelize.py
+    # FSDP and DDP from the same weights train alike: tests/distributed/test_parallelize.py; they start from the
+    # same weights: tests/train/test_model_for_world.py
 
     # export and generate assemble the whole model from the shards, in one process
     kubetrain("export", str(ref), "--format", "hf", "-o", str(tmp_path / "hf"), cwd=tmp_path)

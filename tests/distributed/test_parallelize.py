@@ -16,7 +16,7 @@ from kubetrain.config.loading import validate
 from kubetrain.distributed import parallelize
 from kubetrain.distributed.env import ProcessEnv
 from kubetrain.errors import ConfigError
-from kubetrain.models import build_model, fill_weights
+from kubetrain.models import fill_weights
 from kubetrain.models.gpt import GPT, GPTConfig
 from kubetrain.train.model_for_world import build_model_for_world
 from tests.hf_models import build_llama
@@ -139,11 +139,8 @@ def test_sharded_builds_at_four_ranks(tmp_path: Path) -> None:
     mp.spawn(_builds, args=(4, str(tmp_path / "store"), str(out), str(llama)), nprocs=4)
     got = torch.load(out, weights_only=True)
 
-    # One process drawing the whole model with ShardInit: what every layout holds, gathered (no rank-dependence).
-    with parallelize.params_on_meta():
-        whole = build_model(validate({"model": GPT_CFG}).model, 300, load_weights=False)
-    parallelize.materialise(whole, torch.device("cpu"))
-    fill_weights(whole, validate({"model": GPT_CFG}).model, parallelize.ShardInit(SEED))
+    # The model one process trains with the same config and seed: what every layout holds, gathered.
+    whole = build_model_for_world(_config(tmp_path, "ddp", GPT_CFG), 300, torch.device("cpu"), "fp32", ProcessEnv())
     expected = whole.state_dict()
     for strategy in ("fsdp", "hsdp"):
         state = got[strategy]["state"]
@@ -172,6 +169,11 @@ def test_sharded_builds_at_four_ranks(tmp_path: Path) -> None:
     a = [v for k, v in lora["state"].items() if ".lora_A." in k]
     assert len(a) == len(b) == 6 and all(not t.any() for t in b)  # the adapted model starts as its base
     assert all(0 < t.abs().max() <= 1 / math.sqrt(t.shape[1]) for t in a)  # PEFT's kaiming-uniform bound
+    lora_cfg = {"kind": "hf", "name_or_path": str(llama), "block_size": 32,
+                "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}}
+    alone = build_model_for_world(_config(tmp_path, "ddp", lora_cfg), 300, torch.device("cpu"), "bf16", ProcessEnv())
+    adapters = {k: v for k, v in alone.state_dict().items() if ".lora_" in k}
+    assert len(adapters) == 12 and all(torch.equal(lora["state"][k], v) for k, v in adapters.items())  # one process's
 
     step = got["step"]
     assert step["autocast"] == [False] * 4  # FSDP's policy computes in bf16 / fp16; no autocast on top of it

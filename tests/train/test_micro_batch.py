@@ -5,6 +5,7 @@ the real trainer, whose losses equal those of the same micro-batch given by hand
 from __future__ import annotations
 
 import json
+import os
 import resource
 from pathlib import Path
 
@@ -281,3 +282,73 @@ def test_a_resume_that_chooses_another_micro_batch_keeps_the_batch_and_the_data(
     assert resumed[:2] == straight[:2]
     # the same windows in the same order, summed as 4 micro-batches of 16 instead of one of 64
     assert resumed[2:] == pytest.approx(straight[2:], abs=1e-5)
+
+
+# --- out of memory on one rank under FSDP ---------------------------------------------------------------------
+
+
+def _fsdp_ranks(rank: int, world: int, root: str) -> None:
+    """One of 2 gloo ranks under FSDP: the confirming step of micro-batch 4 runs out of memory on rank 1 only, in
+    the second block's forward (after FSDP gathered its weights), while rank 0 goes on to gather the next block's;
+    then one real step. A second Trainer takes the same step without a confirming step before it."""
+    import datetime
+
+    import torch.distributed as td
+
+    from kubetrain.train.micro_batch import confirm_on_model
+    from kubetrain.train.micro_batch_choice import MicroBatchChoice
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    # a mismatched collective fails within a minute instead of hanging the suite
+    td.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=world,
+                          timeout=datetime.timedelta(seconds=60))
+    try:
+        overrides = [*TINY, "dist.strategy=fsdp", "train.global_batch_size=8", f"run.output_dir={root}/runs",
+                     f"data.cache_dir={root}/cache", "eval.sample_prompt=null"]
+        cfg = with_batch(load_config(None, None, overrides), 4, 1)
+        choice = MicroBatchChoice(4, (4, 2, 1), need=0, budget=1, fits=True, budget_from="stated by the test")
+
+        def out_of_memory(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            if args[0].shape[0] > 2:
+                raise torch.OutOfMemoryError("out of memory (the test's, on rank 1 at micro-batch 4)")
+
+        results = []
+        for confirmed in (True, False):
+            named = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": f"confirmed-{confirmed}"})})
+            trainer = Trainer(named, RunOptions(argv=[], resume="never"), log=lambda m: None)
+            trainer.setup()
+            trainer.open()
+            line = ""
+            if confirmed:
+                hook = trainer.model.blocks[1].register_forward_pre_hook(out_of_memory) if rank == 1 else None
+                chosen, line = confirm_on_model(cfg, choice, trainer.model, trainer.train_windows, CPU,
+                                                autocast("fp32", CPU), world, loss_of=trainer.loss_of)
+                if hook is not None:
+                    hook.remove()
+                line = f"{chosen.train.micro_batch} {chosen.train.grad_accum_steps} {line}"
+            trainer.train_step()  # FSDP's own collectives again: every rank gathers, scatters and steps
+            loss = trainer.logged_loss.read_and_reset()
+            weights = {n: p.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+            results.append((line, loss, weights))
+        if rank == 1:
+            torch.save(results, Path(root) / "results.pt")
+    finally:
+        td.destroy_process_group()
+
+
+@pytest.mark.slow  # 2 processes, 2 Trainers each (about 30 s here)
+def test_one_rank_out_of_memory_under_fsdp_steps_every_rank_down_without_a_hang(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fsdp_ranks, args=(2, str(tmp_path)), nprocs=2)
+    (line, loss, weights), (_, plain_loss, plain_weights) = torch.load(tmp_path / "results.pt", weights_only=True)
+    micro, accum, said = line.split(" ", 2)
+    assert (micro, accum) == ("2", "2")  # every rank stepped down to 2, the global batch kept (2 x 2 x 2 = 8)
+    assert said.startswith("micro-batch 2 x 2 accum x 2 processes = global batch 8 (auto: ")
+    assert said.endswith("4 ran out of memory in the confirming step)")
+    # FSDP's own collectives came back, and the confirming step left nothing behind: the step after it is the step
+    # of a run that never confirmed
+    assert loss == plain_loss
+    assert weights.keys() == plain_weights.keys()
+    assert all(torch.equal(weights[n], w) for n, w in plain_weights.items())

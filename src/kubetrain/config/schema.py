@@ -17,7 +17,8 @@ from kubetrain.config.track import TrackConfig
 class RunConfig(Section):
     name: str = Field("default", description="Run name; the run directory is <output_dir>/<name>.")
     output_dir: str = Field("runs", description="Folder that holds run directories.")
-    seed: int = Field(1337, description="Seed for weights, data order and dropout.")
+    seed: int = Field(1337, description="Seed for weights (the same initial model for every dist.strategy and world "
+                      "size), data order and dropout.")
     device: Literal["auto", "cpu", "cuda", "mps"] = Field(
         "auto", description="auto picks cuda, then mps, then cpu."
     )

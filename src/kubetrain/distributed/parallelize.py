@@ -175,17 +175,19 @@ def local_slices(param: torch.Tensor, shape: Sequence[int]) -> tuple[slice, ...]
 
 
 class ShardInit:
-    """Fills weights built on meta (then sharded and materialised) with their random init, drawn for this
-    process's part only: init(name, param, kind, scale) with kind "normal" (std), "uniform" (bound) or "constant".
+    """Fills weights with their random init, drawn for this process's part only: init(name, param, kind, scale) with
+    kind "normal" (std), "uniform" (bound) or "constant". The init of every fresh weight of a run (train/
+    model_for_world.py), whatever its strategy: one process, DDP, FSDP and HSDP at any world size start alike.
 
     torchtitan draws on the sharded DTensors and lets DTensor's RNG tracker offset each shard; that tracker refuses
     the CPU (torch.distributed.tensor._random: "requires the presence of CUDA/CUDA-like"), where every rank would
     draw the same numbers for its own shard. Here each weight is cut into chunks of whole rows (about CHUNK
-    elements), and chunk i of weight `name` comes from a generator of its own, seeded by (seed, name, i), in fp32 on
-    the weight's device. A process draws only the chunks its rows overlap: its init work is its shard plus at most
-    two chunks per weight. The weights are the same at every world size and shard layout (FSDP at 2 or 4 ranks,
-    HSDP) and for the same seed, on one device type; they are not GPT(cfg)'s (one process draws the whole model
-    from the global RNG), and the global RNG is left untouched.
+    elements), and chunk i of weight `name` comes from a CPU generator of its own, seeded by (seed, name, i), in
+    fp32, then copied to the weight's device. A process draws only the chunks its rows overlap: its init work is
+    its shard plus at most two chunks per weight, and it holds one chunk (256 KiB) beyond its shard meanwhile, so an
+    8B model sharded 8 ways costs each process an eighth of the draws and no whole weight. The weights are the same
+    at every world size and shard layout and on every device type, for the same seed; they are not those of a bare
+    `GPT(cfg)` (its layers' own init, from the global RNG), and the global RNG is left untouched.
     """
 
     CHUNK = 1 << 16
@@ -212,8 +214,8 @@ class ShardInit:
             per_chunk = max(1, self.CHUNK // max(1, row_numel))
             for chunk in range(rows.start // per_chunk, -(-rows.stop // per_chunk)):
                 start, stop = chunk * per_chunk, min((chunk + 1) * per_chunk, shape[0])
-                generator = torch.Generator(device=local.device).manual_seed(self.chunk_seed(name, chunk))
-                block = torch.empty((stop - start, *shape[1:]), dtype=torch.float32, device=local.device)
+                generator = torch.Generator().manual_seed(self.chunk_seed(name, chunk))  # the CPU's, on any device
+                block = torch.empty((stop - start, *shape[1:]), dtype=torch.float32)
                 if kind == "normal":
                     block.normal_(0.0, scale, generator=generator)
                 elif kind == "uniform":

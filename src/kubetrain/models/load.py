@@ -15,8 +15,9 @@ from kubetrain.checkpoint.read import verify_named
 from kubetrain.config.loading import validate
 from kubetrain.config.schema import Config
 from kubetrain.data.tokenizers import Tokenizer, load_saved_tokenizer
+from kubetrain.distributed.parallelize import ShardInit
 from kubetrain.errors import KubetrainError, UserInputError
-from kubetrain.models import build_model
+from kubetrain.models import build_model, builds_on_meta, fill_weights
 from kubetrain.models.lora import apply_lora
 from kubetrain.runs import CHECKPOINTS, CONFIG_FILE, PHASES, last_finished_phase, phase_dirs, read_meta
 
@@ -70,11 +71,14 @@ def load_trained(target: Path, which: str = "best") -> tuple[nn.Module, Tokenize
     run, ckpt = locate(target, which)
     cfg = run_config(run)
     tokenizer = load_saved_tokenizer(run / "tokenizer")
-    # Seeded as the loop seeds it: a LoRA run's frozen base is rebuilt, not loaded, and must come out the same.
+    # A LoRA run's frozen base is rebuilt, not loaded, and must come out as the run drew it: our GPT from ShardInit
+    # (train/model_for_world.py), a model built whole from the global RNG as the loop seeds it.
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model, tokenizer.vocab_size)
     if cfg.model.lora is not None:
         model = apply_lora(model, cfg.model.lora)
+    if cfg.model.kind == "gpt" and builds_on_meta(cfg.model):
+        fill_weights(model, cfg.model, ShardInit(cfg.run.seed))
     state = ckpt.model_state()  # an FSDP checkpoint's shards assembled here, in this process
     _, unexpected = model.load_state_dict(state, strict=False)
     # Frozen base weights come from the config's model; tied aliases are not separate parameters.

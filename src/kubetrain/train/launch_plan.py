@@ -87,7 +87,12 @@ def plan_on(cfg: Config, layout: Layout, device: torch.device, launcher: bool = 
     its runtime is in place and its siblings may already hold theirs."""
     if launcher and (not cfg.run.check_memory or device.type != "cpu"):
         return LaunchPlan(cfg, device, layout, None, None)
-    cfg, choice = resolve_batch(cfg, layout, device)  # auto: the largest that fits; when none does, refused below
+    budget = None  # auto plans on a share of the memory free: the stated figure's when given (as budget_for does)
+    if free is not None and cfg.train.memory_budget_gib is None:
+        from kubetrain.train.micro_batch_choice import HEADROOM
+
+        budget = int(free * HEADROOM)
+    cfg, choice = resolve_batch(cfg, layout, device, budget)  # auto: the largest that fits; none does: refused
     verdict = memory_verdict(cfg, layout, device, launcher, free) if cfg.run.check_memory else None
     return LaunchPlan(cfg, device, layout, choice, verdict)
 

@@ -18,25 +18,25 @@ from kubetrain.train.device import select_device
 GIB = 2**30
 
 
-def check_memory(cfg: Config, layout: Layout | None = None, launcher: bool = False) -> None:
+def check_memory(cfg: Config, layout: Layout | None = None, launcher: bool = False, free: int | None = None) -> None:
     """Raise UserInputError (one line: the estimate and what to change) when training `cfg` cannot fit here.
 
     `layout`: the run's processes (default: this worker's, from torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE).
     `launcher`: the check of `--nproc`'s launcher, before its workers start, for CPU runs only (each GPU worker
     checks its own device; the launcher must not take a GPU context for the whole job): it asks for the node's
     processes together, with their runtime. A worker asks for what it has still to allocate, since its runtime is
-    in place and its siblings may already hold theirs. Off with
-    run.check_memory=false; silent when the size or the free memory is not known. The verdict is the launch
-    plan's (train/launch_plan.py), which `train` and the launcher make once and read.
+    in place and its siblings may already hold theirs. `free`: the bytes free to check against (default: what the
+    device has free now). Off with run.check_memory=false; silent when the size or the free memory is not known.
+    The verdict is the launch plan's (train/launch_plan.py), which `train` and the launcher make once and read.
     """
     if not cfg.run.check_memory:
         return
     from kubetrain.train.launch_plan import plan_on, plan_worker
 
     if layout is None:
-        plan_worker(cfg).refuse_what_does_not_fit()
+        plan_worker(cfg, free=free).refuse_what_does_not_fit()
         return
-    plan_on(cfg, layout, select_device(cfg.run.device), launcher=launcher).refuse_what_does_not_fit()
+    plan_on(cfg, layout, select_device(cfg.run.device), launcher=launcher, free=free).refuse_what_does_not_fit()
 
 
 ESTIMATE_TOLERANCE = 0.15  # after the first steps on a GPU, a measured peak further than this from the estimate warns

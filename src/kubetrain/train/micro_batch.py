@@ -29,6 +29,7 @@ from kubetrain.distributed import setup as dist
 from kubetrain.errors import TrainingFailed, UserInputError
 from kubetrain.memory import Layout, estimate_on
 from kubetrain.models.loss import counted_tokens
+from kubetrain.train.device import is_out_of_memory
 from kubetrain.train.loss import LossStep, loss_step
 from kubetrain.train.micro_batch_choice import (
     GIB,
@@ -123,8 +124,6 @@ def step_down(attempt: Callable[[int], None], sizes: Sequence[int], agree: Calla
               ) -> tuple[int, list[int]]:
     """The first of `sizes` (largest first) at which `attempt` runs without running out of memory on every rank
     (`agree`: the minimum over the ranks), and the sizes that did not. Any other error is raised."""
-    from kubetrain.train.device import is_out_of_memory
-
     failed: list[int] = []
     for size in sizes:
         ok = 1
@@ -160,10 +159,18 @@ def training_step(model: nn.Module, batch: Callable[[int], Any], device: torch.d
     memory of a training step. When `accum_of(size)` > 1 the step accumulates: every gradient is made (zeros)
     before the forward, as a first micro-batch would have left it, so the backward adds into whole gradients as the
     second micro-batch's does. No optimizer step, and the RNG is restored: the weights, the dropout draws and the
-    data order stay those of a run given that micro-batch by hand. Under DDP without the gradient all-reduce
-    (`no_sync`): a rank that runs out of memory leaves no peer waiting in a collective. `loss_of`: the training
-    step's forward and loss (train/loss.py `loss_step`, compiled when the run compiles), so the step measured is
-    the one the run takes; default the eager model's."""
+    data order stay those of a run given that micro-batch by hand.
+
+    No collective runs in it, so a rank that runs out of memory leaves no peer waiting in one, and `step_down`'s
+    all-reduce of the outcome is the next collective of every rank: under DDP the gradient all-reduce is off
+    (`no_sync`); under FSDP/HSDP, whose forward and backward gather weights and scatter gradients as they go, each
+    gather and scatter is a rank-local stand-in holding the same buffers (torch_compat.fsdp_collectives_local).
+    Where this torch cannot do that, an out-of-memory under FSDP ends the run on that rank (exit 1, one line; the
+    launcher stops its peers) instead of leaving them in a collective. `loss_of`: the training step's forward and
+    loss (train/loss.py `loss_step`, compiled when the run compiles), so the step measured is the one the run
+    takes; default the eager model's."""
+    from kubetrain.torch_compat import fsdp_collectives_local
+
     loss_of = loss_of or loss_step(model, compiled=False)
 
     def attempt(size: int) -> None:
@@ -172,16 +179,24 @@ def training_step(model: nn.Module, batch: Callable[[int], Any], device: torch.d
         no_sync = getattr(model, "no_sync", None)
         rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
         try:
-            with rng, no_sync() if no_sync is not None else contextlib.nullcontext():
-                held = torch.empty(moments, dtype=torch.uint8, device=device)
-                if accum_of(size) > 1:  # the gradients of the micro-batches before this one
-                    for p in trainable:
-                        p.grad = torch.zeros_like(p)
-                b = batch(size).to(device)
-                with autocast_ctx():
-                    loss = loss_of(b.input_ids, b.labels) / counted_tokens(b.labels)
-                loss.backward()
-                del held, loss
+            with rng, no_sync() if no_sync is not None else contextlib.nullcontext(), \
+                    fsdp_collectives_local(model) as rank_local:
+                try:
+                    held = torch.empty(moments, dtype=torch.uint8, device=device)
+                    if accum_of(size) > 1:  # the gradients of the micro-batches before this one
+                        for p in trainable:
+                            p.grad = torch.zeros_like(p)
+                    b = batch(size).to(device)
+                    with autocast_ctx():
+                        loss = loss_of(b.input_ids, b.labels) / counted_tokens(b.labels)
+                    loss.backward()
+                    del held, loss
+                except (torch.OutOfMemoryError, RuntimeError) as e:
+                    if rank_local or not is_out_of_memory(e):
+                        raise
+                    raise TrainingFailed(f"out of memory in the confirming step at micro-batch {size} under "
+                                         f"{type(model).__name__}, whose collectives this torch cannot keep "
+                                         f"rank-local; set train.micro_batch_size below {size}") from None
         finally:
             model.zero_grad(set_to_none=True)
 
