@@ -123,10 +123,13 @@ class Deadline:
                            "cannot be reached to say which rank holds it up", [], True)
             return
         try:
+            store.set(self._flag("expired", self.rank), "1")  # alive at its deadline: it may end before others read
             first = self._read(store)
             time.sleep(4 * BEAT_SECONDS)
             second = self._read(store)
+            expired = {r for r in range(self.world) if store.check([self._flag("expired", r)])}
             names = {r: self._who(store, r) for r in range(self.world)}
+            store.set(self._flag("read", self.rank), "1")
         except RuntimeError as e:  # the store does not answer: where it lives says who
             holder = "rank 0, whose process holds the store, does not answer" if store_in_rank0() else \
                 "the rendezvous store does not answer"
@@ -135,21 +138,37 @@ class Deadline:
             return
         never = [r for r in range(self.world) if second[r] is None]
         seen = {r: beat for r, beat in second.items() if beat is not None}
-        silent = [r for r in seen if first[r] == seen[r] and r != self.rank]
+        silent = [r for r in seen if first[r] == seen[r] and r != self.rank and r not in expired]
         answering = [r for r in seen if r not in silent]
         furthest = max((seen[r][1] for r in answering), default=0)
         behind = [r for r in answering if seen[r][1] < furthest]
         parts = [f"{names[r]} never reached the preflight" for r in never]
-        parts += [f"{names[r]} does not answer (stopped, or its host is gone) in its {PHASES[seen[r][1]]}"
+        parts += [f"{names[r]} does not answer (stopped, or its host is gone), last seen in its {PHASES[seen[r][1]]}"
                   for r in silent]
         parts += [f"{names[r]} is still in its {PHASES[seen[r][1]]} while others are past it" for r in behind]
         named = never + silent + behind
         if not parts:
             parts = [f"every rank answers and none is behind (all in the {PHASES[furthest]}): the network between "
                      "them?"]
+        if self.rank == 0 and store_in_rank0():
+            self._hold_store(store, answering)
         # the lowest rank that answers says it for the job: the others only end
         speaker = min(answering, default=self.rank) == self.rank
         self.on_expiry(f"preflight: not finished within {budget}: " + "; ".join(parts), named, speaker)
+
+    def _flag(self, what: str, rank: int) -> str:
+        return f"{self._prefix}/{what}/{rank}"
+
+    def _hold_store(self, store: Any, answering: list[int]) -> None:
+        """Rank 0's process holds the store: it ends only after the other answering ranks have read it (or a bounded
+        wait), so they name the rank that is stuck rather than rank 0 for the store it took with it."""
+        store.set(self._flag("read", 0), "1")
+        until = time.monotonic() + 4 * BEAT_SECONDS + 2 * STORE_TIMEOUT_SECONDS
+        while time.monotonic() < until:
+            with contextlib.suppress(RuntimeError):
+                if all(store.check([self._flag("read", r)]) for r in answering):
+                    return
+            time.sleep(BEAT_SECONDS / 2)
 
     def _who(self, store: Any, rank: int) -> str:
         key = f"{self._prefix}/who/{rank}"
