@@ -215,7 +215,7 @@ def table(report: dict[str, Any]) -> list[str]:
         classes = report.get("link_classes", {})
         medians = ", ".join(f"{CLASS_WORDS[kind]} {gbps(c['median'])}" for kind, c in sorted(classes.items(),
                                                                                                 reverse=True))
-        lines.append(f"preflight: ok (job all-reduce {gbps(report['all_reduce_busbw'])}, send/recv median "
-                     f"{medians or '-'})")
+        figure = report.get("all_reduce_busbw", report.get("median_all_reduce_busbw", float("nan")))
+        lines.append(f"preflight: ok (job all-reduce {gbps(figure)}, send/recv median {medians or '-'})")
     return lines
 
