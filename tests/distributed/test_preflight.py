@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kubetrain.config.preflight import PreflightConfig
 from kubetrain.config.schema import Config
 from kubetrain.distributed.links import bus_bandwidth
-from kubetrain.distributed.preflight import POD_NAME_ENV, judge, policy
+from kubetrain.distributed.preflight import POD_NAME_ENV, judge, stops
 from kubetrain.errors import EXIT_PREFLIGHT
 from kubetrain.runs.layout import PREFLIGHT_FILE
 from kubetrain.track.prometheus import PrometheusSink
@@ -94,11 +94,11 @@ def test_a_skewed_clock_is_a_warning_not_a_failure() -> None:
         "rank 2 (pod job-2, node node-2): clock +7.5 s off the job's median (NTP?)"]
 
 
-def test_auto_stops_on_what_is_certain_in_a_rendered_pod_and_warns_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_stops_in_a_rendered_pod_and_warns_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(POD_NAME_ENV, raising=False)
-    assert policy(PreflightConfig()) == "warn" and policy(PreflightConfig(on_failure="stop")) == "stop"
+    assert not stops(PreflightConfig()) and stops(PreflightConfig(on_failure="stop"))
     monkeypatch.setenv(POD_NAME_ENV, "job-0")
-    assert policy(PreflightConfig()) == "certain" and policy(PreflightConfig(on_failure="warn")) == "warn"
+    assert stops(PreflightConfig()) and not stops(PreflightConfig(on_failure="warn"))
 
 
 def test_dist_preflight_false_turns_it_off_and_a_mapping_sets_it() -> None:

@@ -97,11 +97,14 @@ def _two_node_job(tmp_path: Path, rate: str) -> tuple[list[int], list[str], dict
         endpoint = f"{HOST_IP}:{_free_port()}"
         procs = []
         for node, (addr, ifname, name) in enumerate([(HOST_IP, a_end, "node-a"), (NODE_B_IP, b_end, "node-b")]):
-            sets = [*TINY, "train.max_steps=1", f"run.output_dir={tmp_path}", "dist.preflight.budget_seconds=10",
+            sets = [*TINY, "train.max_steps=1", f"run.output_dir={tmp_path}", "dist.preflight.budget_seconds=20",
                     "dist.preflight.on_failure=stop", f"dist.preflight.across_nodes_floor_gb_per_second={FLOOR_GB}"]
             command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-                       "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                       "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                        "--rdzv-id", "two-nodes", "--local-addr", addr, "--max-restarts", "0",
+                       # node A holds the rendezvous store (torch guesses it from the host name, which the veth's
+                       # address is not)
+                       "--rdzv-conf", f"is_host={int(node == 0)}",
                        "-m", "kubetrain", "train", *(a for s in sets for a in ("--set", s))]
             if node == 1:
                 command = ["ip", "netns", "exec", netns, *command]

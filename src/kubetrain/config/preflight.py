@@ -26,10 +26,9 @@ class PreflightConfig(Section):
         "10 s) is named by its peers through the rendezvous store, and the job ends then."
     )
     min_bandwidth_fraction: float = Field(
-        0.5, gt=0, le=1, description="A link whose send/recv bandwidth is below this fraction of the median of its "
-        "class (the links within one node, or the links across nodes) is named: a warning under `on_failure: auto`, "
-        "a stop under `stop` once a second look agrees. Under `auto` a link stops the job only when it is 4x below "
-        "its class's median on both looks."
+        0.5, gt=0, le=1, description="A link whose send/recv bandwidth is below this fraction of the median of the "
+        "other links of its class (within one node, or across nodes) is named, as a warning. It stops the job "
+        "(on_failure) only when certain: 4x below that median on both of two looks."
     )
     all_reduce_floor_gb_per_second: float | None = Field(
         None, gt=0, description="Floor (GB/s, 1e9 bytes) of the job's all-reduce bus bandwidth (nccl-tests' busbw). "
@@ -45,9 +44,9 @@ class PreflightConfig(Section):
         "a link under it is named whatever the class's median (null: the median's fraction only)."
     )
     on_failure: Literal["auto", "stop", "warn"] = Field(
-        "auto", description="stop: any problem ends the job before training with exit code 71 (a rendered Job's "
-        "podFailurePolicy fails the Job, naming the node); warn: the named ranks are printed and training goes on; "
-        "auto: in a pod rendered by kubetrain, stop on what is certain (a device that computes wrong or reports an "
-        "uncorrectable memory error, a link 4x below its class on two looks, a floor missed on two looks) and warn "
-        "on the rest; warn elsewhere (`kubetrain train --nproc N`)."
+        "auto", description="What a certain problem does (a device that computes wrong or reports an uncorrectable "
+        "memory error, a link 4x below its class on two looks, a floor missed on two looks): stop: the job ends "
+        "before training with exit code 71 (a rendered Job's podFailurePolicy fails the Job, naming the node); warn: "
+        "it is printed and training goes on; auto: stop in a pod rendered by kubetrain, warn elsewhere "
+        "(`kubetrain train --nproc N`). A problem that is not certain is a warning under every setting."
     )

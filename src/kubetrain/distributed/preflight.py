@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as td
@@ -39,35 +39,30 @@ ALL_REDUCE_SHARE, LINK_SHARE = 0.5, 0.35  # of the budget left after the device 
 GB = 1e9
 
 Log = Callable[[str], None]
-Policy = Literal["stop", "certain", "warn"]
 
 
-def policy(cfg: PreflightConfig) -> Policy:
-    """What a failed preflight does: `stop` on any problem; `certain`: stop on a certain one and warn on the rest
-    (`auto` in a pod rendered by kubetrain); `warn` (`auto` elsewhere)."""
-    if cfg.on_failure == "stop":
-        return "stop"
-    if cfg.on_failure == "auto" and os.environ.get(POD_NAME_ENV):
-        return "certain"
-    return "warn"
+def stops(cfg: PreflightConfig) -> bool:
+    """Whether a certain problem ends the job: `stop`, or `auto` in a pod rendered by kubetrain. A problem that is
+    not certain (a link slower than its class, but within the noise a loaded host makes) warns under every setting."""
+    return cfg.on_failure == "stop" or (cfg.on_failure == "auto" and bool(os.environ.get(POD_NAME_ENV)))
 
 
 def check_job(cfg: PreflightConfig, penv: ProcessEnv, device: torch.device, run_dir: Path, log: Log,
               write: bool = True) -> dict[str, Any] | None:
     """Run the preflight (collective: every rank calls it, once per process group); the report, or None when off.
 
-    Rank 0 prints the table and (`write`) keeps it in `run_dir/preflight.json`; problems the policy stops on raise
-    PreflightFailed on every rank, the others are printed as warnings.
+    Rank 0 prints the table and (`write`) keeps it in `run_dir/preflight.json`; certain problems raise
+    PreflightFailed on every rank where `stops(cfg)`, the others are printed as warnings.
     """
     if not (cfg.enabled and penv.distributed and td.is_initialized()):
         return None
-    mode = policy(cfg)
+    stop = stops(cfg)
 
     def expired(line: str, named: list[int], speaker: bool) -> None:
         """The deadline passed: the rank that speaks for the job records it; every rank ends."""
         if speaker and write:
             _record(run_dir, line, named)
-        end_process(line, EXIT_PREFLIGHT if mode == "stop" else EXIT_FAILURE)
+        end_process(line, EXIT_PREFLIGHT if stop else EXIT_FAILURE)
 
     limit = cfg.budget_seconds + margin(cfg.budget_seconds)
     deadline = Deadline(penv.rank, penv.world_size, limit, identity(penv.rank), expired, store_address()).start()
@@ -75,7 +70,7 @@ def check_job(cfg: PreflightConfig, penv: ProcessEnv, device: torch.device, run_
         report = measure(cfg, device, penv.rank, penv.world_size, deadline, limit)
     finally:
         deadline.close()
-    report["on_failure"] = mode
+    report["on_failure"] = "stop" if stop else "warn"
     verdict = report["verdict"]
     if penv.is_main:
         for line in table(report):
@@ -85,17 +80,16 @@ def check_job(cfg: PreflightConfig, penv: ProcessEnv, device: torch.device, run_
             write_atomic(run_dir / PREFLIGHT_FILE, json.dumps(report, indent=2) + "\n")
         for line in verdict["warnings"]:
             log(f"preflight: warning: {line}")
-    stopping = {"stop": verdict["problems"], "certain": verdict["certain"], "warn": []}[mode]
+    stopping = verdict["certain"] if stop else []
     going_on = [p for p in verdict["problems"] if p not in stopping]
     if going_on and penv.is_main:
-        why = "training goes on" if mode == "warn" else "not certain: training goes on"
+        why = "not certain, training goes on" if stop else "training goes on"
         log(f"preflight: {'; '.join(going_on)} (dist.preflight.on_failure {cfg.on_failure}: {why})")
     if not stopping:
         return report
     message = "preflight: " + "; ".join(stopping)
     if penv.is_main and write:
-        named = verdict["certain_ranks"] if mode == "certain" else verdict["named_ranks"]
-        _record(run_dir, message, named)
+        _record(run_dir, message, verdict["certain_ranks"])
     raise PreflightFailed(message)
 
 
