@@ -59,10 +59,12 @@ def check_job(cfg: PreflightConfig, penv: ProcessEnv, device: torch.device, run_
     stop = stops(cfg)
 
     def expired(line: str, named: list[int], speaker: bool) -> None:
-        """The deadline passed: the rank that speaks for the job records it; every rank ends."""
+        """The deadline passed: the rank that speaks for the job records it; every rank ends. Exit 71 (the Job fails
+        for good) only under `stop`: a rank silent for the budget may be a node that comes back, and under `auto`
+        the launcher's restarts and the pod's backoff decide."""
         if speaker and write:
             _record(run_dir, line, named)
-        end_process(line, EXIT_PREFLIGHT if stop else EXIT_FAILURE)
+        end_process(line, EXIT_PREFLIGHT if cfg.on_failure == "stop" else EXIT_FAILURE)
 
     limit = cfg.budget_seconds + margin(cfg.budget_seconds)
     deadline = Deadline(penv.rank, penv.world_size, limit, identity(penv.rank), expired, store_address()).start()

@@ -26,11 +26,10 @@ GB = 1e9
 SAME_NODE, ACROSS_NODES = "same node", "across nodes"
 CLASS_WORDS = {SAME_NODE: "within a node", ACROSS_NODES: "across nodes"}
 # A link below its class's median by this factor on both looks stops a job under `auto`. A healthy link's best of
-# 5 ping-pongs, the better of its two ends, scatters within 2x of its class's median (a healthy 4-process job on
-# this project's loaded 2-core machine once showed 0.41 of the median on a first look, and none below 0.5 on the
-# better of two); the faults worth stopping a job for are a factor of 4 or more: an InfiniBand port trained down
-# from 4x to 1x width, a 100 Gb/s NIC come up at 25, NVLink fallen back to PCIe (NVLink 4: 450 GB/s a direction,
-# PCIe 5 x16: 64).
+# 5 ping-pongs, the better of its two ends, scatters within 2.5x of its class's median (a healthy 4-process job on
+# this project's loaded 2-core machine, a CPU hog beside it, showed one link at 0.41 of the median on both looks);
+# the faults worth stopping a job for are a factor of 4 or more: an InfiniBand port trained down from 4x to 1x
+# width, a 100 Gb/s NIC come up at 25, NVLink fallen back to PCIe (NVLink 4: 450 GB/s a direction, PCIe 5 x16: 64).
 CERTAIN_FACTOR = 4.0
 CLOCK_SKEW_WARN_SECONDS = 1.0  # the hang watch and the ETA compare wall clocks across nodes: a warning, not a stop
 
