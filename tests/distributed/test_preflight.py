@@ -211,11 +211,11 @@ if os.environ.get("RANK") == "2" and os.environ.get("TORCHELASTIC_RUN_ID"):
             op()
         return timed(late, device, iterations)
 
-    def first_stalls(device, rank, world, size):
-        calls.append(size)
+    def first_stalls(*args, **kwargs):
+        calls.append(args)
         links._best_time = stalled if len(calls) == 1 else timed
         try:
-            return sweep(device, rank, world, size)
+            return sweep(*args, **kwargs)
         finally:
             links._best_time = timed
 
