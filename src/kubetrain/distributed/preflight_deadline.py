@@ -63,6 +63,7 @@ class Deadline:
     on_expiry: Callable[[str, list[int], bool], None]  # (the line, the named ranks, whether this rank says it)
     address: tuple[str, int] | None = None
     current: str = PHASES[0]
+    started: float = 0.0  # time.monotonic() at start()
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _prefix: str = ""
