@@ -1,5 +1,6 @@
 """One rank's device before training: does it compute right, can it hold most of its free memory, and what
-does the driver say (ECC errors, retired pages, throttling)? Part of the preflight (distributed/preflight.py)."""
+does the driver say (ECC errors, retired pages, remapped rows, clock slowdowns)? Part of the preflight
+(distributed/preflight.py), which stops a job only on what is certain: a wrong result, an uncorrectable error."""
 
 from __future__ import annotations
 
@@ -72,12 +73,20 @@ def check_memory(device: torch.device) -> dict[str, Any]:
     return {"bytes": target, "wrong_words": wrong, "seconds": round(seconds, 3), "ok": wrong == 0}
 
 
-# nvidia-smi's names for what NVML reports; a non-zero value of the first two is a failing device.
-SMI_FIELDS = ("ecc.errors.uncorrected.volatile.total", "retired_pages.pending", "clocks_throttle_reasons.active")
+# NVML's clock event reasons that mean a slower device (nvml.h, nvmlClocksThrottleReason* / nvmlClocksEventReason*:
+# the bits are the same in both spellings). "HW Slowdown ... reducing the core clocks by a factor of 2 or more": a
+# warning, as the driver means it: the device computes right, slower. Idle, application clocks, the software power
+# cap (a GPU at its power limit under load) and sync boost are normal operation and not reported.
+SLOWDOWN_REASONS = {0x08: "hardware slowdown", 0x20: "thermal (software)", 0x40: "thermal (hardware)",
+                    0x80: "power brake"}
+# nvidia-smi's names for the same counters, when NVML's Python binding is not installed (row remapping is read
+# through NVML only).
+SMI_FIELDS = ("ecc.errors.uncorrected.volatile.total", "ecc.errors.uncorrected.aggregate.total",
+              "retired_pages.pending", "clocks_throttle_reasons.active")
 
 
 def driver_view(device: torch.device) -> dict[str, Any]:
-    """The driver's view of this CUDA device: uncorrected ECC errors, pending page retirement, throttle reasons.
+    """The driver's view of this CUDA device (ECC counters, page retirement, row remapping, clock slowdowns), judged.
 
     NVML (nvidia-ml-py) where importable, else `nvidia-smi`; neither: skipped with a note, not a failure.
     """
@@ -85,7 +94,7 @@ def driver_view(device: torch.device) -> dict[str, Any]:
         return {"skipped": f"not a CUDA device ({device.type})", "ok": True}
     index = device.index if device.index is not None else torch.cuda.current_device()
     try:
-        return _nvml_view(index)
+        return judge_driver(_nvml_counters(index))
     except ImportError:
         pass
     except Exception as e:  # NVML present but failing (no driver library): try the command line
@@ -95,39 +104,73 @@ def driver_view(device: torch.device) -> dict[str, Any]:
     return _smi_view(index)
 
 
-def _nvml_view(index: int) -> dict[str, Any]:
+def _nvml_counters(index: int) -> dict[str, Any]:
+    """The counters as NVML returns them; None where the device does not support one (consumer GPUs have no ECC,
+    row remapping is Ampere and later, page retirement is before Ampere)."""
     import pynvml  # nvidia-ml-py; optional
+
+    def read(call: Any, *args: Any) -> Any:
+        try:
+            return call(*args)
+        except pynvml.NVMLError:
+            return None
 
     pynvml.nvmlInit()
     try:
         handle = pynvml.nvmlDeviceGetHandleByIndex(_physical_index(index))
-        out: dict[str, Any] = {"source": "nvml"}
-        try:
-            out["ecc_uncorrected"] = int(pynvml.nvmlDeviceGetTotalEccErrors(
-                handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC))
-        except pynvml.NVMLError:
-            out["ecc_uncorrected"] = None  # ECC off or not supported (consumer GPUs)
-        try:
-            out["retired_pages_pending"] = bool(pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle))
-        except pynvml.NVMLError:
-            out["retired_pages_pending"] = None
-        reasons = int(pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
-        out["throttle_reasons"] = _throttle_names(reasons, pynvml)
+        uncorrected = pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+        reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) \
+            or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons  # the older name, deprecated since R535
+        return {
+            "source": "nvml",
+            "ecc_volatile_uncorrected": read(pynvml.nvmlDeviceGetTotalEccErrors, handle, uncorrected,
+                                             pynvml.NVML_VOLATILE_ECC),
+            "ecc_aggregate_uncorrected": read(pynvml.nvmlDeviceGetTotalEccErrors, handle, uncorrected,
+                                              pynvml.NVML_AGGREGATE_ECC),
+            "retired_pages_pending": read(pynvml.nvmlDeviceGetRetiredPagesPendingStatus, handle),
+            "remapped_rows": read(pynvml.nvmlDeviceGetRemappedRows, handle),
+            "clock_event_reasons": read(reasons, handle),
+        }
     finally:
         pynvml.nvmlShutdown()
-    return _judge_driver(out)
 
 
-def _throttle_names(mask: int, nvml: Any) -> list[str]:
-    """The throttle reasons that mean a slow device (idle and application clocks are normal)."""
-    names = {"HwSlowdown": "hardware slowdown", "SwThermalSlowdown": "thermal (software)",
-             "HwThermalSlowdown": "thermal (hardware)", "HwPowerBrakeSlowdown": "power brake"}
-    found = []
-    for attr, name in names.items():
-        bit = getattr(nvml, f"nvmlClocksThrottleReason{attr}", None)
-        if bit is not None and mask & int(bit):
-            found.append(name)
-    return found
+def judge_driver(counters: dict[str, Any]) -> dict[str, Any]:
+    """The device's verdict from NVML's counters, read the way NVML means them; `ok` False fails the device.
+
+    - Volatile uncorrected ECC errors count since the driver loaded (each compute app without persistence mode):
+      an uncorrectable error in this boot of the device, which may sit in memory the job uses. A failure.
+    - Aggregate ones count over the device's lifetime: history, which page retirement or row remapping has dealt
+      with. A warning.
+    - Row remapping (Ampere and later; remapped_rows is NVML's (correctable, uncorrectable, pending, failure)): a
+      past remapping failure leaves a bad row in use, a failure; a pending one needs a GPU reset to take effect,
+      and NVML says it "won't affect future work on the GPU since error-containment and dynamic page blacklisting
+      will take care of that": a warning.
+    - Pages pending retirement (before Ampere): retired only at the next driver reload, in use until then: a failure.
+    - Clock slowdowns (SLOWDOWN_REASONS): a warning.
+    """
+    problems, warnings = [], []
+    volatile = counters.get("ecc_volatile_uncorrected")
+    if volatile:
+        problems.append(f"{volatile} uncorrectable ECC error(s) since the driver loaded")
+    aggregate = counters.get("ecc_aggregate_uncorrected")
+    if aggregate and not volatile:
+        warnings.append(f"{aggregate} uncorrectable ECC error(s) in the device's lifetime (none since the driver "
+                        "loaded)")
+    if counters.get("retired_pages_pending"):
+        problems.append("memory pages pending retirement (a driver reload retires them)")
+    remapped = counters.get("remapped_rows")
+    if remapped is not None:
+        _corrected, _uncorrected, pending, failure = (int(v) for v in remapped)
+        if failure:
+            problems.append("a row remapping failed (a bad memory row stays in use)")
+        elif pending:
+            warnings.append("a row remapping is pending (takes effect at the next GPU reset)")
+    mask = counters.get("clock_event_reasons")
+    slowdowns = [name for bit, name in SLOWDOWN_REASONS.items() if mask and int(mask) & bit]
+    if slowdowns:
+        warnings.append(f"clocks slowed: {', '.join(slowdowns)}")
+    return {**counters, "ok": not problems, "problems": problems, "warnings": warnings}
 
 
 def _smi_view(index: int) -> dict[str, Any]:
@@ -141,23 +184,19 @@ def _smi_view(index: int) -> dict[str, Any]:
         return {"skipped": f"nvidia-smi failed: {e}", "ok": True}
     if proc.returncode != 0:
         return {"skipped": f"nvidia-smi exited {proc.returncode}: {proc.stderr.strip()[:160]}", "ok": True}
-    values = [v.strip() for v in proc.stdout.strip().split(",")]
+    return judge_driver(smi_counters(proc.stdout))
+
+
+def smi_counters(line: str) -> dict[str, Any]:
+    """nvidia-smi's CSV line of SMI_FIELDS as NVML's counters ("[N/A]" where the device has no such counter)."""
+    values = [v.strip() for v in line.strip().split(",")]
     if len(values) != len(SMI_FIELDS):
-        return {"skipped": f"nvidia-smi said {proc.stdout.strip()[:160]!r}", "ok": True}
-    ecc, pending, throttle = values
-    out: dict[str, Any] = {
-        "source": "nvidia-smi",
-        "ecc_uncorrected": int(ecc) if ecc.isdigit() else None,  # "[N/A]" without ECC
-        "retired_pages_pending": {"Yes": True, "No": False}.get(pending),
-        "throttle_reasons": [] if throttle in ("0x0000000000000000", "[N/A]") else [f"mask {throttle}"],
-    }
-    return _judge_driver(out)
-
-
-def _judge_driver(view: dict[str, Any]) -> dict[str, Any]:
-    """Uncorrected ECC errors or pages waiting for retirement fail the device; throttling is a warning."""
-    view["ok"] = not (view.get("ecc_uncorrected") or view.get("retired_pages_pending"))
-    return view
+        return {"source": "nvidia-smi", "unread": line.strip()[:160]}
+    volatile, aggregate, retired, reasons = values
+    return {"source": "nvidia-smi", "ecc_volatile_uncorrected": int(volatile) if volatile.isdigit() else None,
+            "ecc_aggregate_uncorrected": int(aggregate) if aggregate.isdigit() else None,
+            "retired_pages_pending": {"Yes": True, "No": False}.get(retired),
+            "clock_event_reasons": int(reasons, 16) if reasons.startswith("0x") else None}
 
 
 def _physical_index(index: int) -> int:

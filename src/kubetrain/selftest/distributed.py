@@ -171,8 +171,8 @@ def links(ctx: Context) -> Outcome:
                "latency_ms": {r: e["all_reduce"]["latency_seconds"] * 1e3 for r, e in per_rank.items()}}
     return judged(name, verdict["ok"], f"the preflight of {ctx.nproc} processes over {report['backend']}: "
                   + ("; ".join(verdict["problems"]) or "no rank named"), figures,
-                  "every device passes; every rank's all-reduce bus bandwidth and every ring link's send/recv "
-                  "at least half the median (dist.preflight.min_bandwidth_fraction)")
+                  "every device passes; every ring link's send/recv at least half the median of the other links "
+                  "of its class, within a node or across nodes (dist.preflight.min_bandwidth_fraction)")
 
 
 def finish() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 from kubetrain import checkpoint, runs
 from kubetrain.config.loading import phase_config
 from kubetrain.config.schema import Config
+from kubetrain.distributed import preflight
 from kubetrain.distributed import setup as dist
 from kubetrain.distributed.env import process_env
 from kubetrain.errors import TrainingStopped, UserInputError
@@ -16,6 +17,7 @@ from kubetrain.runs.lock import hold as hold_run
 from kubetrain.runs.lock import job_identity
 from kubetrain.track.console import console_log
 from kubetrain.train.compile import reset_compiled
+from kubetrain.train.device import apply_torch_settings, select_device
 from kubetrain.train.result import TrainResult
 from kubetrain.train.trainer import train
 
@@ -35,6 +37,7 @@ def train_all(
     healthy = False  # an error on this rank: a peer may be inside a collective, so no barrier on the way out
     try:
         with held:
+            check_job(cfg, dry_run, say)
             result = _train_phases(cfg, argv=argv, resume=resume, dry_run=dry_run, only_phase=only_phase, log=log)
         healthy = True
         return result
@@ -43,6 +46,15 @@ def train_all(
         raise
     finally:
         dist.teardown(healthy)
+
+
+def check_job(cfg: Config, dry_run: bool, log: Any) -> None:
+    """Join the process group and run the job's preflight, once per process (its phases share the group), before
+    any model is built; a bad device or link stops the job here (exit 71)."""
+    device = select_device(cfg.run.device)
+    apply_torch_settings(cfg, device)  # before the preflight's first CUDA kernel, as the Trainer does
+    penv = dist.init(cfg.dist, device)
+    preflight.check_job(cfg.dist.preflight, penv, device, runs.run_dir(cfg), log, write=not dry_run)
 
 
 def _train_phases(

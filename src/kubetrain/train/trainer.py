@@ -19,7 +19,6 @@ from kubetrain.checkpoint import remote
 from kubetrain.config.schema import Config
 from kubetrain.data.loader import TokenWindows, TrainLoader, counted_tokens
 from kubetrain.data.shards import Prepared, prepare
-from kubetrain.distributed import preflight
 from kubetrain.distributed import setup as dist
 from kubetrain.errors import CheckpointError, TrainingFailed, TrainingStopped, resume_hint
 from kubetrain.track import Fanout
@@ -118,9 +117,6 @@ class Trainer:
         self.prefix = f"[rank {self.penv.rank}] " if self.penv.distributed else ""
         self.out: Log = log or console_log(self.prefix)
         self.say: Log = self.out if self.main else (lambda m: None)
-        # every rank's device and links, once per job, before the model is built; a bad one stops the job (exit 71)
-        preflight.check_job(cfg.dist.preflight, self.penv, self.device, runs.run_dir(cfg), self.out,
-                            write=not self.opts.dry_run)
         self.sharded = self.penv.distributed and cfg.dist.shards_weights  # FSDP or HSDP
         self.state = TrainState()
         self.evaluated_step = -1  # the step of the last evaluation: only a checkpoint of that step can be `best`

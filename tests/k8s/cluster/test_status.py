@@ -424,7 +424,8 @@ def _preflight_log(problem: str | None) -> str:
         "links": [[1, 20e9]], "clock_offset_seconds": 0.0}
     report = {"world_size": 2, "backend": "nccl", "seconds": 6.4, "budget_seconds": 20, "all_reduce_bytes": 2**28,
               "link_bytes": 2**28, "ranks": [{**rank, "rank": 0}, {**rank, "rank": 1, "pod": "tiny-1"}],
-              "verdict": {"ok": problem is None}, "median_all_reduce_busbw": 11.8e9, "median_link_bandwidth": 20e9}
+              "verdict": {"ok": problem is None}, "all_reduce_busbw": 11.8e9, "median_link_bandwidth": 20e9,
+              "link_classes": {"across nodes": {"links": 1, "median": 20e9, "floor": None}}}
     lines = [f"[rank 0] {line}" for line in table(report)]
     if problem:
         lines += [_incident("preflight", 1, 0, T0, problem).strip(), f"error: {problem}"]
@@ -440,9 +441,10 @@ def test_status_shows_the_preflight_and_the_rank_it_stopped_the_job_for(
     apiserver.start(second, "[entrypoint] node 1/2\n", node="gpu-b")
     code, out, err = cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig))
     assert code == 0, err
-    assert ("  preflight: ok in 6.4 s over 2 ranks (nccl): median all-reduce 11.8 GB/s, send/recv 20 GB/s"
-            in out.splitlines())
-    problem = "preflight: rank 1 (pod tiny-1, node gpu-b): all-reduce 0.9 GB/s, median 11.8 GB/s"
+    assert ("  preflight: ok in 6.4 s over 2 ranks (nccl): job all-reduce 11.8 GB/s, send/recv median across nodes "
+            "20 GB/s" in out.splitlines())
+    # a rank is named for what is about it (its device, its links), never for the job's all-reduce
+    problem = "preflight: rank 1 (pod tiny-1, node gpu-b): device cuda:0: matmul off by 0.3 (tolerance 0.01)"
     apiserver.write_log(first, _preflight_log(problem))
     status = json.loads(cli("k8s", "status", "tiny", "--kubeconfig", str(kubeconfig), "--json")[1])
     assert status["preflight"]["ok"] is False and status["preflight"]["problem"] == problem

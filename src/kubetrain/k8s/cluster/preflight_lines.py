@@ -9,7 +9,9 @@ from typing import Any
 
 _HEAD = re.compile(r"preflight: (?P<world>\d+) ranks over (?P<backend>\w+) in (?P<seconds>[\d.]+) s")
 _OK = re.compile(r"preflight: ok \((?P<detail>.*)\)\s*$")
-_FAILED = re.compile(r"^(?:error: )?(?P<line>preflight: (?:rank|link) .*?)(?: \(dist\.preflight\.on_failure.*)?$")
+# a rank or link named (warned or stopped), the job's all-reduce under its floor, a phase past its deadline
+_FAILED = re.compile(r"^(?:error: )?(?P<line>preflight: (?:rank |link |job: |not finished ).*?)"
+                     r"(?: \(dist\.preflight\.on_failure.*)?$")
 
 
 def preflight_from_logs(logs: dict[str, list[str]]) -> dict[str, Any] | None:
@@ -31,7 +33,7 @@ def preflight_from_logs(logs: dict[str, list[str]]) -> dict[str, Any] | None:
 
 
 def preflight_text(found: dict[str, Any]) -> str:
-    """`preflight: ok in 1.2 s over 4 ranks (median all-reduce 0.77 GB/s, ...)` or the line that named a rank."""
+    """`preflight: ok in 1.2 s over 4 ranks (gloo): job all-reduce 0.77 GB/s, ...` or the line that named a rank."""
     if found.get("ok") is False:
         return f"{found['problem']} [{found['log']}]"
     where = f" in {found['seconds']:g} s over {found['world_size']} ranks ({found['backend']})" \
