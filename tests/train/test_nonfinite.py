@@ -33,7 +33,8 @@ EXPLODING = sets("train.max_steps=20", "train.warmup_steps=0", "train.lr=1e30", 
 STOP_LINE = re.compile(
     r"error: the loss or its gradients were not finite \(NaN or inf\) for (\d+) steps in a row, since step (\d+): "
     r"stopped at step (\d+) \(those steps changed no weight\); the newest checkpoint whose weights gave a finite loss "
-    r"is (\S+) \(resume from it with --resume (\S+), with a lower train\.lr, or check the data\)\n")
+    r"is (\S+): run the same command with a lower --set train\.lr=\.\.\. \(--resume auto goes on from (\S+), "
+    r"passing by the checkpoints after it\), or check the data\n")
 MARK = 0  # a byte the builtin corpus never holds: a window with it gives inf (the embedding hook of `crafted`)
 
 
@@ -152,7 +153,7 @@ def test_windows_that_stay_inf_stop_the_run_naming_the_checkpoint_before_them(tm
     # the loss of step 3 is computed on step 2's weights: only step 1's are proven to give a finite loss
     match = STOP_LINE.fullmatch(f"error: {failed.value}\n")
     assert match and match.group(1, 2, 3) == ("3", "3", "5"), str(failed.value)
-    assert match.group(4) == match.group(5) == str(ckpts / "step-000001")
+    assert match.group(4) == str(ckpts / "step-000001") and match.group(5) == "step-000001"
     # steps 3 to 5 changed nothing and saved nothing; every checkpoint written holds finite tensors only
     assert [p.name for p in checkpoint.complete_checkpoints(ckpts)] == ["step-000001", "step-000002"]
     assert_every_saved_tensor_is_finite(ckpts)
@@ -173,12 +174,15 @@ def test_a_diverging_run_stops_naming_a_checkpoint_that_resumes_with_finite_loss
     assert (n, int(stopped)) == ("3", int(first) + 2)
     # the checkpoint named holds weights whose loss a step computed, finite: saved before the step before the first
     # bad one (whose weights, a checkpoint may hold, gave the first loss that was not finite)
-    assert named == resume and int(Path(named).name.split("-")[1]) < int(first) - 1
+    assert Path(named).name == resume and int(Path(named).name.split("-")[1]) < int(first) - 1
     ckpts = tmp_cwd / "runs" / "nan" / "checkpoints"
     assert_every_saved_tensor_is_finite(ckpts)
+    assert checkpoint.pointer(ckpts, "latest") != resume  # latest holds the (finite, huge) weights that led there
 
-    code, out, err = run_main("train", *args, "--set", f"train.max_steps={int(stopped) + 2}", "--resume", named)
+    # the command the line gives: the same one, a sane train.lr, --resume auto (the default) from the named one
+    code, out, err = run_main("train", *args, "--set", f"train.max_steps={int(stopped) + 2}")
     assert code == 0, err
+    assert "its weights gave a loss that was not finite" in out + err and f"resuming from {named} " in out + err
     resumed_at = int(Path(named).name.split("-")[1])
     records = [json.loads(line) for line in (tmp_cwd / "runs" / "nan" / "metrics.jsonl").read_text().splitlines()]
     after = [r["loss"] for r in records if r["kind"] == "train" and r["step"] > resumed_at]

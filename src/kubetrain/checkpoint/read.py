@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from kubetrain.checkpoint import tensorfile, verdict
+from kubetrain.checkpoint import diverged, tensorfile, verdict
 from kubetrain.checkpoint.layout import (
     META_FILE,
     MODEL_FILE,
@@ -130,11 +130,20 @@ def find_resumable(root: Path, warn: Callable[[str], None] | None = None) -> Che
     """
     warn = warn or (lambda m: warnings.warn(m, stacklevel=2))
     found = complete_checkpoints(root)
+    bad = diverged.diverged(root)
     for path in reversed(found):
+        if path.name in bad:
+            warn(f"skipping checkpoint {path.name}: its weights gave a loss that was not finite (the run stopped "
+                 f"there); --resume {path} takes it anyway")
+            continue
         try:
             return verify(path)
         except CheckpointError as e:
             warn(f"skipping checkpoint {e}")
+    if found and all(p.name in bad for p in found):
+        raise NoCheckpointVerifies(
+            f"every checkpoint in {root} holds weights that gave a loss that was not finite: start afresh under "
+            "another run.name (--set run.name=NEW) with a lower train.lr, or --resume one of them by its path")
     if found:
         raise NoCheckpointVerifies(
             f"none of the {len(found)} checkpoints in {root} verifies: the run would start again from step 0 and "

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from kubetrain.checkpoint import tensorfile
+from kubetrain.checkpoint import diverged, tensorfile
 from kubetrain.checkpoint.layout import (
     BEST,
     CHECKSUM,
@@ -113,6 +113,7 @@ def save(
             shutil.rmtree(final)
         os.rename(tmp, final)
         fsync_dir(root)
+        diverged.forget(root, name)
         write_atomic(root / LATEST, name + "\n")
         if is_best:
             write_atomic(root / BEST, name + "\n")

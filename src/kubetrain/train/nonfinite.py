@@ -25,6 +25,7 @@ import torch.distributed as td
 from torch import nn
 
 from kubetrain import checkpoint
+from kubetrain.checkpoint import diverged
 from kubetrain.config.schema import Config
 from kubetrain.distributed import setup as dist
 from kubetrain.errors import RepeatableFailure
@@ -102,23 +103,35 @@ class NonFiniteGuard:
         if n >= self.limit:
             first = step - n + 1
             self.settle()  # a background save of a step before `first` is one to name
+            self.mark_diverged(first)
             raise RepeatableFailure(f"the loss or its gradients were not finite (NaN or inf) for {n} steps in a row, "
                                     f"since step {first}: stopped at step {step} (those steps changed no weight); "
                                     f"{self.last_good(first)}")
         return n == 0
 
+    def mark_diverged(self, first_bad: int) -> None:
+        """List the checkpoints whose weights led to the non-finite steps (rank 0), so `--resume auto` passes them by
+        (checkpoint/diverged.py): resuming `latest` would fail the same way."""
+        if td.is_initialized() and td.get_rank() != 0:
+            return
+        led_there = [p.name for p in checkpoint.complete_checkpoints(self.ckpt_root)
+                     if int(p.name.split("-")[1]) >= first_bad - 1]
+        diverged.mark(self.ckpt_root, led_there)
+
     def last_good(self, first_bad: int) -> str:
-        """The newest checkpoint whose weights gave a finite loss, for the one line that stops the run.
+        """The newest checkpoint whose weights gave a finite loss, and the command that goes on from it, for the one
+        line that stops the run.
 
         The loss of step k is computed on the weights step k-1 saved: the checkpoint of step `first_bad - 1` holds the
         weights whose loss was not finite, so the newest one before it is named."""
         proven = [p for p in checkpoint.complete_checkpoints(self.ckpt_root)
                   if int(p.name.split("-")[1]) < first_bad - 1]
         if not proven:
-            return ("no checkpoint whose weights gave a finite loss was saved before it: lower train.lr, or check the "
-                    "data")
-        return (f"the newest checkpoint whose weights gave a finite loss is {proven[-1]} (resume from it with "
-                f"--resume {proven[-1]}, with a lower train.lr, or check the data)")
+            return ("no checkpoint whose weights gave a finite loss was saved before it: run the same command with "
+                    "--set run.name=NEW and a lower --set train.lr=..., or check the data")
+        return (f"the newest checkpoint whose weights gave a finite loss is {proven[-1]}: run the same command with "
+                f"a lower --set train.lr=... (--resume auto goes on from {proven[-1].name}, passing by the "
+                "checkpoints after it), or check the data")
 
     def savable(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, last: bool,
                 say: Callable[[str], None]) -> bool:
