@@ -35,8 +35,11 @@ class Batch:
                          None if self.position_ids is None else self.position_ids.to(device))
         # nanoGPT (train.py get_batch): from pinned memory the copy is asynchronous; from pageable memory the
         # host would wait for it, and with it for the GPU, every micro-batch.
-        return Batch(*(None if t is None else t.pin_memory().to(device, non_blocking=True)
-                       for t in (self.input_ids, self.labels, self.position_ids)))
+        def copied(t: torch.Tensor) -> torch.Tensor:
+            return t.pin_memory().to(device, non_blocking=True)
+
+        return Batch(copied(self.input_ids), copied(self.labels),
+                     None if self.position_ids is None else copied(self.position_ids))
 
     def n_loss_tokens(self) -> int:
         return int((self.labels != IGNORE_INDEX).sum())

@@ -11,6 +11,7 @@ for gated models is read from the environment or from a mounted Secret file, and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -100,10 +101,9 @@ class HFCausalLM(nn.Module):
         """Why this model would attend across the sequences of a packed window (one line), or None where it keeps
         them apart: its modeling code builds its mask with transformers' masking_utils, which reads packed
         `position_ids` (sdpa, eager, flex) or hands them to flash attention's variable-length kernel."""
-        try:
+        masking_utils: Any = None
+        with contextlib.suppress(ImportError):
             from transformers import masking_utils
-        except ImportError:
-            masking_utils = None
         base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
         kind = getattr(base.config, "_attn_implementation", None) or "eager"
         modeling = sys.modules.get(type(base).__module__)

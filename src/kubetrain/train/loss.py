@@ -8,7 +8,7 @@ the compiled region, which Inductor fuses.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -18,8 +18,13 @@ from kubetrain.models.gpt import GPT
 from kubetrain.models.hf import HFCausalLM
 from kubetrain.models.loss import lm_loss_sum
 
-# (input_ids, labels, position_ids) -> summed loss; position_ids (restarting at 0 per sequence) for packed windows
-LossStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+class LossStep(Protocol):
+    """(input_ids, labels, position_ids) -> summed loss; position_ids (restarting at 0 at each sequence) for a
+    packed batch, None for one sequence per window."""
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+                 /) -> torch.Tensor: ...
 
 
 def takes_labels(model: nn.Module) -> bool:
