@@ -171,3 +171,13 @@ def test_document_attention_flags_each_document_of_a_text_source(tmp_path: Path)
     assert batch.position_ids is not None and batch.position_ids[0, first % 64] == 0
     causal = prepare(validate({**raw, "data": {**raw["data"], "attention": "causal"}}))  # type: ignore[dict-item]
     assert causal.mask() is None and np.array_equal(np.asarray(causal.tokens()[:]), np.asarray(prepared.tokens()[:]))
+
+
+def test_document_attention_on_one_conversation_per_window_is_a_quiet_no_op(
+    tmp_path: Path, skewed_chat: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    raw = config(tmp_path, skewed_chat, packing=False).model_dump(mode="json")
+    raw["data"]["attention"] = "document"
+    prepared = prepare(validate(raw))
+    assert TokenWindows(prepared, "train", BLOCK).batch([0, 1, 2]).position_ids is None  # plain causal attention
+    assert capsys.readouterr().err == ""
