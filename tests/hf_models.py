@@ -39,6 +39,22 @@ def chat_rows(n: int = 48) -> list[dict[str, object]]:
     return rows
 
 
+def skewed_chat_rows(n: int = 400, long_words: int = 40, seed: int = 0) -> list[dict[str, object]]:
+    """Chat lengths as fine-tuning sets have them: most conversations short, one in eight long (about `long_words`
+    words of answer, near the window when `long_words` is chosen so), the rest between."""
+    import random
+
+    rng = random.Random(seed)
+    rows: list[dict[str, object]] = []
+    for i in range(n):
+        kind = rng.random()
+        answer = rng.randint(long_words * 3 // 4, long_words) if kind < 0.125 else rng.randint(1, long_words // 5)
+        words = [WORDS[rng.randrange(len(WORDS))] for _ in range(2 + rng.randrange(4))]
+        rows.append({"prompt": f"{i}: " + " ".join(words),
+                     "response": " ".join(WORDS[rng.randrange(len(WORDS))] for _ in range(answer))})
+    return rows
+
+
 def build_tokenizer(folder: Path) -> Path:
     """A byte-level BPE like Llama 3's: its pre-tokenizer, BOS from the post-processor, its chat format."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers

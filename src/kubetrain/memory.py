@@ -182,6 +182,9 @@ def estimate(cfg: Config, shape: dict[str, Any], layout: Layout, device: str, *,
     if compiled is None:
         compiled = hardware.choose_compile(cfg.train.compile, device).enabled
     parts = estimate_memory(cfg, shape, layout, precision=precision, attention=attention, compiled=compiled)
+    mask = document_mask_bytes(cfg, device, precision)
+    if mask:
+        parts["document_mask"] = mask
     runtime = RUNTIME + (HF_RUNTIME if cfg.model.kind == "hf" else 0)
     staging = 0 if device == "cpu" else parts.pop("checkpoint_staging", 0)  # a GPU's copy goes to host memory
     if device == "cpu":
@@ -191,6 +194,20 @@ def estimate(cfg: Config, shape: dict[str, Any], layout: Layout, device: str, *,
         parts["cuda_context"] = CUDA_CONTEXT
     return Estimate(layout, device, parts, shape["params"], shape["params"] * shape["weight_bytes"],
                     builds_on_meta(cfg.model), runtime, staging)
+
+
+def document_mask_bytes(cfg: Config, device: str, precision: str) -> int:
+    """The attention mask a packed micro-batch builds (models/documents.py), kept through the backward: our GPT's
+    boolean (B, 1, T, T) and its additive copy in the compute dtype, none on CUDA (FlexAttention's block mask is
+    (T/128)^2 per window); a Hugging Face model's, which transformers builds for sdpa and eager (boolean)."""
+    from kubetrain.data.shards import documents
+
+    if not documents(cfg):
+        return 0
+    pairs = cfg.train.micro_batch * cfg.model.block_size ** 2
+    if cfg.model.kind == "hf":
+        return pairs
+    return 0 if device == "cuda" else pairs * (1 + (2 if precision in ("bf16", "fp16") else 4))
 
 
 def estimate_on(cfg: Config, layout: Layout, device: torch.device) -> Estimate | str:

@@ -63,3 +63,9 @@ def test_render_is_one_line_per_key_and_its_description_indented() -> None:
 def test_type_names() -> None:
     assert type_name(list[str] | str) == "list[str] | str"
     assert type_name(dict[str, int]) == "dict[str, int]"
+
+
+def test_data_attention_says_what_each_choice_trains_and_who_did_so() -> None:
+    [doc] = explain("data.attention")
+    assert doc.default == '"causal"' and "document" in doc.type
+    assert "Llama 3" in doc.description and "nanoGPT" in doc.description and "GPT-2" in doc.description

@@ -165,17 +165,6 @@ def test_unpacked_conversations_fill_one_window_each(
     assert ((windows == pad) <= (masks == 0)).all()  # padding never counts
 
 
-def test_packing_concatenates_without_padding(
-    tmp_path: Path, chat_file: Path, hf_tokenizer_dir: Path
-) -> None:
-    packed = prepare(chat_config(tmp_path, chat_file, hf_tokenizer_dir, packing=True))
-    tokens = np.asarray(packed.tokens()[:])
-    assert 4 not in tokens.tolist()
-    tok = load_hf_tokenizer(str(hf_tokenizer_dir))
-    expected = sum(len(ids) for ids, _ in encode(chat_file, tok))
-    assert len(tokens) == expected
-
-
 def test_weight_repeats_whole_conversations(tok: HFTokenizer, tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": str(i), "response": "x"} for i in range(4)])
     src = SourceConfig(kind="chat", path=str(path), weight=1.5)

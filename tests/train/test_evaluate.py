@@ -124,3 +124,26 @@ def test_distributed_loss_equals_one_process_loss_under_ddp_and_fsdp(world: int,
         found = json.loads((tmp_path / f"losses-{rank}.json").read_text())
         for strategy in ("ddp", "fsdp"):
             assert found[strategy] == pytest.approx(alone, rel=1e-6), (strategy, rank)
+
+
+def test_the_val_loss_of_a_chat_set_is_the_same_packed_and_unpacked(tmp_path: Path) -> None:
+    """Every validation conversation counted once either way, each attending only to itself from position 0."""
+    from kubetrain.data.shards import prepare
+    from kubetrain.models import gpt_config
+    from kubetrain.models.gpt import GPT
+    from tests.hf_models import skewed_chat_rows
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps(r) + "\n" for r in skewed_chat_rows(160, 40)))
+    losses = {}
+    for packing in (False, True):
+        cfg = validate({"run": {"output_dir": str(tmp_path)},
+                        "data": {"sources": [{"kind": "chat", "path": str(chat)}], "val_fraction": 0.25,
+                                 "chat": {"template": "chatml", "packing": packing}},
+                        "model": {"block_size": 256, "n_layer": 1, "n_head": 2, "n_embd": 32}})
+        prepared = prepare(cfg)
+        torch.manual_seed(0)
+        model = GPT(gpt_config(cfg.model, prepared.tokenizer().vocab_size))
+        windows = TokenWindows(prepared, "val", 256)
+        losses[packing] = evaluate(model, windows, 4, windows.n_windows, torch.device("cpu"), contextlib.nullcontext)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-6)

@@ -98,10 +98,11 @@ def test_the_confirming_step_holds_whole_gradients_when_it_accumulates() -> None
     seen: list[bool] = []
     plain = loss_step(model, compiled=False)
 
-    def loss_of(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss_of(input_ids: torch.Tensor, labels: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         # at the forward of the confirming micro-batch: are the gradients of the ones before it in place?
         seen.append(all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters()))
-        return plain(input_ids, labels)
+        return plain(input_ids, labels, position_ids)
 
     def batch(size: int) -> Batch:
         ids = torch.randint(0, 256, (size, cfg.model.block_size))

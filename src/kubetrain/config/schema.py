@@ -86,7 +86,10 @@ class ChatConfig(Section):
     )
     mask_prompt: bool = Field(True, description="Leave prompt tokens out of the loss.")
     add_special_tokens: bool = Field(False, description="Let the tokenizer add BOS/EOS around the rendered text.")
-    packing: bool = Field(False, description="Pack several conversations into one window.")
+    packing: bool = Field(
+        False, description="Pack whole conversations into windows (best-fit decreasing, little padding); each "
+        "attends only to itself, from position 0, so what is trained is what one conversation per window trains."
+    )
     skip_bad_rows: bool = Field(False, description="Skip and count malformed rows instead of failing.")
 
 
@@ -96,6 +99,11 @@ class DataConfig(Section):
     )
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="How text becomes token ids.")
     chat: ChatConfig = Field(default_factory=ChatConfig, description="How chat sources are rendered and masked.")
+    attention: Literal["causal", "document"] = Field(
+        "causal", description="causal: a window of text attends across the documents in it (nanoGPT, GPT-2); "
+        "document: each token attends only to its own document, positions restart at each (the document masking "
+        "Llama 3 was trained with). Packed chat always keeps conversations apart."
+    )
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of tokens held out for validation.")
     cache_dir: str | None = Field(None, description="Where prepared shards go (default <output_dir>/.data).")
     part_mb: float = Field(

@@ -51,12 +51,14 @@ def encode_conversations(
 ) -> Iterator[tuple[list[int], list[int]]]:
     """(ids, mask) per conversation of a chat source, `src.weight` copies of it.
 
-    Unpacked (chat_cfg.packing false and block_size given) each conversation fills exactly one window:
-    cut to block_size tokens, padded up to it, so no conversation attends to another.
+    With block_size each conversation is cut to block_size tokens, its first token out of the loss (it is only
+    ever the label of another conversation's last token) and one with no assistant token left is dropped; unpacked
+    (chat_cfg.packing false) it is padded up to exactly one window. Packed, data/packing.py bins them.
     """
     render = renderer(tok, chat_cfg)
     wrap = special_tokens(tok) if chat_cfg.add_special_tokens else ([], [])
-    unpacked = block_size is not None and not chat_cfg.packing
+    cut = block_size is not None
+    unpacked = cut and not chat_cfg.packing
     whole, frac = divmod(src.weight, 1.0)
     n_rows: int | None = None
     truncated = dropped = 0
@@ -72,7 +74,7 @@ def encode_conversations(
                 break
             count += 1
             ids, mask = encode_messages(messages, render, tok, chat_cfg.mask_prompt, wrap, where)
-            if unpacked:
+            if cut:
                 assert block_size is not None
                 truncated += copy == 0 and len(ids) > block_size
                 ids, mask = ids[:block_size], mask[:block_size]
@@ -80,6 +82,8 @@ def encode_conversations(
                 if not any(mask):  # the answer was cut off: a window with nothing to learn
                     dropped += copy == 0
                     continue
+            if unpacked:
+                assert block_size is not None
                 fill = block_size - len(ids)
                 ids, mask = ids + [pad_id(tok)] * fill, mask + [0] * fill
             yield ids, mask

@@ -36,8 +36,8 @@ def join(cfg: Config, parts: list[Part], infos: dict[int, dict[str, Any]], pad: 
 
     for s, src in enumerate(cfg.data.sources):
         own = [p for p in parts if p.source == s]
-        if src.kind == "chat":  # the copies are inside the part; unpacked, it starts on a window boundary
-            if not cfg.data.chat.packing and total % cfg.model.block_size:
+        if src.kind == "chat":  # the copies are inside the part, laid out in windows: it starts on a boundary
+            if total % cfg.model.block_size:
                 fill = cfg.model.block_size - total % cfg.model.block_size
                 segments.append({"pad": fill, "id": pad})
                 total += fill

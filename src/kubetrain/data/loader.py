@@ -4,6 +4,9 @@ Sample s of the run (counted over all ranks) is window perm_e[s mod W] of epoch 
 number of windows and perm_e a permutation seeded by (seed, e). A global micro-batch is the next
 world * batch samples; rank r takes its own contiguous slice. The order of samples therefore does not
 depend on the world size, and a resume with another world size simply continues from the cursor.
+
+A window of packed data (several sequences, `meta.json` "documents") also carries `position_ids` that restart at
+0 where each sequence starts (data/packing.py): the model keeps each sequence to itself.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kubetrain.data.packing import IN_LOSS, STARTS_SEQUENCE, position_ids
 from kubetrain.data.shards import Prepared
 
 IGNORE_INDEX = -100
@@ -28,14 +32,20 @@ def counted_tokens(labels: torch.Tensor) -> torch.Tensor:
 class Batch:
     input_ids: torch.Tensor  # (B, T) int64
     labels: torch.Tensor  # (B, T) int64, IGNORE_INDEX where no loss
+    # (B, T) int64 restarting at 0 where a sequence starts: a packed batch; None: one causal sequence per window
+    position_ids: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
         if device.type != "cuda":
-            return Batch(self.input_ids.to(device), self.labels.to(device))
+            return Batch(self.input_ids.to(device), self.labels.to(device),
+                         None if self.position_ids is None else self.position_ids.to(device))
         # nanoGPT (train.py get_batch): from pinned memory the copy is asynchronous; from pageable memory the
         # host would wait for it, and with it for the GPU, every micro-batch.
-        return Batch(self.input_ids.pin_memory().to(device, non_blocking=True),
-                     self.labels.pin_memory().to(device, non_blocking=True))
+        def copied(t: torch.Tensor) -> torch.Tensor:
+            return t.pin_memory().to(device, non_blocking=True)
+
+        return Batch(copied(self.input_ids), copied(self.labels),
+                     None if self.position_ids is None else copied(self.position_ids))
 
     def n_loss_tokens(self) -> int:
         return int(counted_tokens(self.labels))
@@ -51,21 +61,34 @@ class TokenWindows:
         mask = prepared.mask()
         self.mask = mask.view(start, end) if mask is not None else None
         self.block_size = block_size
-        self.n_windows = max(0, (len(self.tokens) - 1) // block_size)
+        self.documents = bool(prepared.meta.get("documents"))
+        # A window's last label is the next window's first token. Validation of masked data (chat) also reads the
+        # last window, whose missing label is one the loss never counts (a conversation's first token), so every
+        # conversation is evaluated; training keeps its count, which checkpoints record.
+        whole = not train and self.mask is not None
+        self.n_windows = max(0, (len(self.tokens) - (0 if whole else 1)) // block_size)
 
     def window(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
         a = i * self.block_size
         seq = self.tokens[a : a + self.block_size + 1]
-        return seq, (self.mask[a : a + self.block_size + 1] if self.mask is not None else None)
+        mask = self.mask[a : a + self.block_size + 1] if self.mask is not None else None
+        if len(seq) == self.block_size and mask is not None:  # the last window of a split read whole
+            seq, mask = np.append(seq, seq[-1:]), np.append(mask, np.zeros(1, mask.dtype))
+        return seq, mask
 
     def batch(self, indices: list[int]) -> Batch:
         seqs, masks = zip(*(self.window(i) for i in indices), strict=True)
         x = torch.from_numpy(np.stack(seqs).astype(np.int64))
         inputs, labels = x[:, :-1], x[:, 1:].clone()
+        positions = None
         if self.mask is not None:
-            m = torch.from_numpy(np.stack(masks).astype(np.bool_))[:, 1:]
-            labels[~m] = IGNORE_INDEX
-        return Batch(inputs.contiguous(), labels.contiguous())
+            flags = torch.from_numpy(np.stack(masks).astype(np.uint8))
+            labels[(flags[:, 1:] & IN_LOSS) == 0] = IGNORE_INDEX
+            starts = (flags[:, :-1] & STARTS_SEQUENCE) != 0
+            # a batch whose windows each hold one sequence is plain causal attention: no mask to build
+            if self.documents and bool(starts[:, 1:].any()):
+                positions = position_ids(starts)
+        return Batch(inputs.contiguous(), labels.contiguous(), positions)
 
 
 class TrainLoader:

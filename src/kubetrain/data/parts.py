@@ -22,6 +22,7 @@ import xxhash
 from kubetrain.config.schema import Config, SourceConfig
 from kubetrain.data import sources
 from kubetrain.data.claims import process_tag
+from kubetrain.data.packing import IN_LOSS, STARTS_SEQUENCE, packed_windows
 from kubetrain.data.pieces import PIECE_BYTES, boundary, text_pieces
 from kubetrain.data.tokenizers import ByteTokenizer, Tokenizer, encode_texts
 from kubetrain.errors import DataError
@@ -101,11 +102,21 @@ class PartWriter:
         self.hashes = [xxhash.xxh3_128() for _ in self.names]
         self.tokens = 0
         self.ends: list[int] | None = [] if doc_ends else None
+        self.info: dict[str, Any] = {}  # more for the part's .json (packed chat: where validation starts, padding)
+        self._starts = False
+
+    def start_document(self) -> None:
+        """Flag the next token added as the start of a document (data.attention: document)."""
+        self._starts = True
 
     def add(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
         blobs = [ids.astype(self.dtype, copy=False).tobytes()]
         if len(self.files) > 1:
-            blobs.append((mask if mask is not None else np.ones(len(ids), np.uint8)).astype(np.uint8).tobytes())
+            flags = (mask if mask is not None else np.full(len(ids), IN_LOSS, np.uint8)).astype(np.uint8)
+            if self._starts and len(ids):
+                flags[0] |= STARTS_SEQUENCE
+                self._starts = False
+            blobs.append(flags.tobytes())
         for f, h, b in zip(self.files, self.hashes, blobs, strict=True):
             f.write(b)
             h.update(b)
@@ -124,7 +135,7 @@ class PartWriter:
         for n in self.names:
             os.replace(self.folder / (n + self.suffix), self.folder / n)
         info: dict[str, Any] = {"tokens": self.tokens, "checksums": {
-            n: h.hexdigest() for n, h in zip(self.names, self.hashes, strict=True)}}
+            n: h.hexdigest() for n, h in zip(self.names, self.hashes, strict=True)}, **self.info}
         if self.ends is not None:
             info["doc_ends"] = self.ends
         tmp = self.folder / f"{self.part.name}.json{self.suffix}"
@@ -144,13 +155,20 @@ def write_part(cfg: Config, tok: Tokenizer, part: Part, folder: Path, dtype: np.
     src = cfg.data.sources[part.source]
     doc_ends = part.kind in ("jsonl", "hf") and src.weight % 1 > 0  # a fractional copy ends mid-part
     writer = PartWriter(folder, part, dtype, masked, doc_ends)
+    documents = cfg.data.attention == "document"
     try:
         if part.kind == "chat":
             from kubetrain.data.chat import encode_conversations
 
-            for conv, mask in encode_conversations(src, tok, cfg.data.chat, block_size=cfg.model.block_size):
-                writer.add(np.asarray(conv, dtype=np.int64), np.asarray(mask, dtype=np.uint8))
+            conversations = encode_conversations(src, tok, cfg.data.chat, block_size=cfg.model.block_size)
+            if cfg.data.chat.packing:
+                _write_packed(cfg, tok, part, writer, conversations)
+            else:  # one conversation per window
+                for conv, mask in conversations:
+                    writer.add(np.asarray(conv, dtype=np.int64), np.asarray(mask, dtype=np.uint8))
         elif part.kind == "text":
+            if documents and part.start == 0:  # a text source's document is a file
+                writer.start_document()
             with open(part.path or "", "rb") as f:
                 a, b = _real_range(f, part)
                 for batch in _batches(text_pieces(f, a, b)):
@@ -164,6 +182,8 @@ def write_part(cfg: Config, tok: Tokenizer, part: Part, folder: Path, dtype: np.
             for batch in _batches(docs):
                 for text, ids in zip(batch, _encode_documents(tok, batch), strict=True):
                     if text:
+                        if documents:
+                            writer.start_document()
                         writer.add(ids)
                         writer.add(sep)
                     writer.end_document()
@@ -171,6 +191,29 @@ def write_part(cfg: Config, tok: Tokenizer, part: Part, folder: Path, dtype: np.
         writer.abort()
         raise
     writer.commit()
+
+
+def _write_packed(cfg: Config, tok: Tokenizer, part: Part, writer: PartWriter,
+                  conversations: Iterable[tuple[list[int], list[int]]]) -> None:
+    """A chat source's conversations in packed windows (data/packing.py), written window after window.
+
+    When the source is the last one (the validation split is its tail), its last `data.val_fraction` of the
+    conversations are packed on their own after the others: validation holds the same conversations packed as
+    unpacked, and the split falls between windows. The part's .json records where they start and the padding."""
+    from kubetrain.data.chat import pad_id
+
+    convs = [(np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)) for ids, mask in conversations]
+    last = part.source == len(cfg.data.sources) - 1
+    n_val = int(len(convs) * cfg.data.val_fraction) if last else 0
+    block, pad = cfg.model.block_size, pad_id(tok)
+    for ids, flags in packed_windows(convs[: len(convs) - n_val], block, pad):
+        writer.add(ids, flags)
+    val_from = writer.tokens
+    for ids, flags in packed_windows(convs[len(convs) - n_val :], block, pad):
+        writer.add(ids, flags)
+    writer.info.update({"val_from": val_from if last else None,
+                        "packing": {"tokens": sum(len(ids) for ids, _ in convs), "positions": writer.tokens,
+                                    "windows": writer.tokens // block}})
 
 
 def _real_range(f: BinaryIO, part: Part) -> tuple[int, int]:

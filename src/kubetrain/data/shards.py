@@ -102,8 +102,10 @@ def data_key(cfg: Config) -> str:
     h.update(json.dumps(cfg.data.chat.model_dump(mode="json"), sort_keys=True).encode())
     h.update(f"{cfg.data.val_fraction}".encode())
     h.update(f"part{cfg.data.part_mb}:piece{PIECE_BYTES}".encode())  # where long texts are cut
-    if _unpacked_chat(cfg):  # conversations are laid out one per window
+    if _windowed_chat(cfg):  # conversations are laid out in windows: one per window, or packed
         h.update(f"block{cfg.model.block_size}".encode())
+    if cfg.data.attention != "causal":  # document starts are flagged
+        h.update(f"attention:{cfg.data.attention}".encode())
     if tok.kind in ("hf", "bpe") and tok.path and Path(tok.path).expanduser().exists():
         for f in sorted(Path(tok.path).expanduser().glob("*")):
             if f.is_file() and f.suffix not in _WEIGHT_SUFFIXES:  # a model folder: hash the tokenizer, not GBs
@@ -117,8 +119,13 @@ def data_key(cfg: Config) -> str:
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
-def _unpacked_chat(cfg: Config) -> bool:
-    return not cfg.data.chat.packing and any(src.kind == "chat" for src in cfg.data.sources)
+def _windowed_chat(cfg: Config) -> bool:
+    return any(src.kind == "chat" for src in cfg.data.sources)
+
+
+def documents(cfg: Config) -> bool:
+    """Whether windows can hold several sequences that must not see each other: packed chat, document attention."""
+    return cfg.data.attention == "document" or (cfg.data.chat.packing and _windowed_chat(cfg))
 
 
 def prepare(cfg: Config, min_tokens: int | None = None, log: Log | None = None, first: int = 0) -> Prepared:
@@ -131,6 +138,10 @@ def prepare(cfg: Config, min_tokens: int | None = None, log: Log | None = None, 
     folder = cache_root(cfg) / key
     prepared = _cached(folder) or _build(cfg, key, folder, log, first)
     _check_size(prepared, min_tokens)
+    packing = prepared.meta.get("packing")
+    if log and packing:
+        log(f"packing: {100 * packing['tokens'] / max(1, packing['positions']):.1f}% of positions are tokens "
+            f"({packing['tokens']:,} tokens in {packing['windows']:,} windows)")
     return prepared
 
 
@@ -203,7 +214,7 @@ def _build(cfg: Config, key: str, folder: Path, log: Log | None, first: int) -> 
         parts = plan(cfg)
         tasks = {f"part-{p.index:05d}": p for p in parts}
         dtype = np.dtype(np.uint16 if info["vocab_size"] <= 65535 else np.uint32)
-        masked = any(src.kind == "chat" for src in cfg.data.sources)
+        masked = any(src.kind == "chat" for src in cfg.data.sources) or cfg.data.attention == "document"
         if log:
             log(f"preparing data into {folder}: {len(parts)} parts of up to {cfg.data.part_mb:g} MiB, shared by "
                 "every process that prepares it")
@@ -292,8 +303,12 @@ def _publish(cfg: Config, key: str, work: Path, folder: Path, parts: list[Part],
         names = ", ".join(s.path or "builtin corpus" for s in cfg.data.sources)
         raise DataError(f"the corpus is empty: no tokens in {names}")
     n_val = int(n_tokens * cfg.data.val_fraction)
-    if _unpacked_chat(cfg):
+    if _windowed_chat(cfg):
         n_val -= n_val % cfg.model.block_size  # the validation windows start on a conversation too
+    last = parts[-1] if parts else None
+    if last is not None and last.kind == "chat" and infos[last.index].get("val_from") is not None:
+        n_val = infos[last.index]["tokens"] - infos[last.index]["val_from"]  # its last conversations, packed apart
+    packed = [infos[p.index]["packing"] for p in parts if "packing" in infos[p.index]]
     meta = {
         "format": FORMAT_VERSION,
         "key": key,
@@ -307,6 +322,8 @@ def _publish(cfg: Config, key: str, work: Path, folder: Path, parts: list[Part],
         "val_tokens": n_val,
         "val_fraction": cfg.data.val_fraction,
         "masked": masked,
+        "documents": documents(cfg),
+        "packing": {k: sum(p[k] for p in packed) for k in ("tokens", "positions", "windows")} if packed else None,
         "part_mb": cfg.data.part_mb,
         "sources": [s.model_dump(mode="json") for s in cfg.data.sources],
         "parts": segments,

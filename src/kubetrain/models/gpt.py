@@ -1,5 +1,9 @@
 """kubetrain's own GPT decoder: RoPE, RMSNorm, SwiGLU, tied embeddings, causal SDPA, scaled init.
 
+A packed window (several sequences in one, `position_ids` restarting at 0 at each) attends within each sequence
+only, with rotary positions counted from each sequence's start (models/documents.py): its logits are each
+sequence's own.
+
 Single-device code: DDP/FSDP, compile and mixed precision are applied from outside (distributed/, train/).
 It is the Llama architecture, so export/ maps it onto a Llama config for Hugging Face and GGUF.
 """
@@ -15,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kubetrain.models.documents import DocumentMask, document_mask
 from kubetrain.models.loss import linear_loss_sum
 
 
@@ -98,7 +103,7 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: tuple[KVCache, int] | None = None) -> torch.Tensor:
+                cache: tuple[KVCache, int] | None = None, documents: DocumentMask | None = None) -> torch.Tensor:
         B, T, C = x.shape
         x = autocast_input(x)
         # Three matmuls measured faster on the CPU than one fused qkv (no weight concat, no strided views).
@@ -110,9 +115,11 @@ class Attention(nn.Module):
         if cache is not None:  # the prompt fills an empty cache (causal), then one query sees every key
             k, v = cache[0].extend(cache[1], k, v)
             causal = T > 1
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0
-        )
+        dropout = self.dropout if self.training else 0.0
+        if documents is not None:  # a packed window: each token attends within its own sequence
+            y = documents.attend(q, k, v, dropout)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -170,8 +177,8 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: tuple[KVCache, int] | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, cache))
+                cache: tuple[KVCache, int] | None = None, documents: DocumentMask | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin, cache, documents))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -217,16 +224,18 @@ class GPT(nn.Module):
                 init(name, p, "normal", self.init_std(name))
 
     def forward(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) for token ids (B, T), which follow the tokens in `kv_cache` when one is given; with
         `labels` (B, T) instead the summed cross-entropy of those logits (fp32), made chunk by chunk with the head
-        so the whole logits never exist (models/loss.py `linear_loss_sum`)."""
-        x = self.hidden(input_ids, kv_cache)
+        so the whole logits never exist (models/loss.py `linear_loss_sum`). `position_ids` (B, T), restarting at 0
+        where a sequence starts, make a packed window: each sequence attends only to itself, from position 0."""
+        x = self.hidden(input_ids, kv_cache, position_ids)
         if labels is not None:
             return linear_loss_sum(x, self.lm_head.weight, self.lm_head.bias, labels)
         return self.lm_head(x)
 
-    def hidden(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def hidden(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm's output (B, T, n_embd): what the head turns into logits."""
         start = kv_cache.length if kv_cache is not None else 0
         end = start + input_ids.shape[1]
@@ -235,9 +244,15 @@ class GPT(nn.Module):
         if kv_cache is not None and start and input_ids.shape[1] > 1:
             raise ValueError("a filled KV cache takes one token per forward")
         cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]
+        documents = None
+        if position_ids is not None:  # a packed window: rotary positions per sequence, (B, 1, T, head_dim)
+            if kv_cache is not None:
+                raise ValueError("a packed window (position_ids) is trained or evaluated, never sampled with a cache")
+            cos, sin = self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1)
+            documents = document_mask(position_ids, self.config.dropout if self.training else 0.0)
         x = self.drop(self.embed(input_ids))
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, None if kv_cache is None else (kv_cache, i))
+            x = block(x, cos, sin, None if kv_cache is None else (kv_cache, i), documents)
         if kv_cache is not None:
             kv_cache.length = end
         normed: torch.Tensor = self.norm(x)

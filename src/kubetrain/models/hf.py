@@ -1,13 +1,20 @@
 """Hugging Face causal LMs behind our model interface: forward(input_ids) -> logits, and `.blocks` for FSDP.
 
+A packed window passes `position_ids` that restart at 0 at each sequence: the rotary positions restart, and
+transformers' masking_utils (`find_packed_sequence_indices`) builds its sdpa, eager and flex masks so that each
+sequence attends only to itself (flash attention takes them as variable-length sequences). A model whose attention
+would not (remote code, another kernel, a transformers without that function) is refused for packed data.
+
 The model comes from a local folder (offline by default) or a hub id when the config allows it; the token
 for gated models is read from the environment or from a mounted Secret file, and is never logged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -58,20 +65,23 @@ class HFCausalLM(nn.Module):
         layers = getattr(self.lm.get_decoder(), "layers", None)
         return layers if isinstance(layers, nn.ModuleList) else nn.ModuleList()
 
-    def forward(self, input_ids: torch.Tensor, kv_cache: Any = None, labels: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, kv_cache: Any = None, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) for token ids (B, T), which follow the tokens in `kv_cache` when one is given; with
         `labels` (B, T) instead the summed cross-entropy of those logits (fp32), made with the head chunk by chunk
-        where the head is a plain linear (models/loss.py `linear_loss_sum`)."""
+        where the head is a plain linear (models/loss.py `linear_loss_sum`). `position_ids` (B, T), restarting at 0
+        where a sequence starts, make a packed window (see the module's docstring)."""
+        packed = {} if position_ids is None else {"position_ids": position_ids}
         if labels is not None:
-            return self._loss_sum(input_ids, labels)
+            return self._loss_sum(input_ids, labels, packed)
         if kv_cache is None:
-            logits: torch.Tensor = self.lm(input_ids=input_ids, use_cache=False).logits
+            logits: torch.Tensor = self.lm(input_ids=input_ids, use_cache=False, **packed).logits
             return logits
         cached: torch.Tensor = self.lm(input_ids=input_ids, past_key_values=kv_cache, use_cache=True).logits
         return cached
 
-    def _loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, packed: dict[str, torch.Tensor]
+                  ) -> torch.Tensor:
         """The transformers model's decoder (under LoRA: the base model's, its layers adapted in place), then the
         head and loss together. A head that is more than a linear (LoRA or modules_to_save on it, a quantized head,
         logits changed after it: Gemma's soft-capping, Cohere's scale, Granite's scaling; remote code, which nobody
@@ -83,9 +93,32 @@ class HFCausalLM(nn.Module):
                  and base.base_model is not base and getattr(config, "final_logit_softcapping", None) is None
                  and all(getattr(config, name, None) in (None, 1.0) for name in ("logit_scale", "logits_scaling")))
         if not plain:
-            return lm_loss_sum(self(input_ids), labels)
-        hidden = base.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+            return lm_loss_sum(self(input_ids, **packed), labels)
+        hidden = base.base_model(input_ids=input_ids, use_cache=False, **packed).last_hidden_state
         return linear_loss_sum(hidden, head.weight, head.bias, labels)
+
+    def packed_attention_problem(self) -> str | None:
+        """Why this model would attend across the sequences of a packed window (one line), or None where it keeps
+        them apart: its modeling code builds its mask with transformers' masking_utils, which reads packed
+        `position_ids` (sdpa, eager, flex) or hands them to flash attention's variable-length kernel."""
+        masking_utils: Any = None
+        with contextlib.suppress(ImportError):
+            from transformers import masking_utils
+        base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+        kind = getattr(base.config, "_attn_implementation", None) or "eager"
+        modeling = sys.modules.get(type(base).__module__)
+        masks = [getattr(masking_utils, n, None) for n in ("create_causal_mask", "create_sliding_window_causal_mask")]
+        uses_masking_utils = modeling is not None and any(
+            m is not None and getattr(modeling, n, None) is m
+            for n, m in zip(("create_causal_mask", "create_sliding_window_causal_mask"), masks, strict=True))
+        if masking_utils is None or not hasattr(masking_utils, "find_packed_sequence_indices"):
+            return "this transformers builds no mask from packed position_ids: upgrade it (pip install -U transformers)"
+        if not uses_masking_utils:
+            return (f"{type(base).__name__} ({type(base).__module__}) builds its attention mask without transformers' "
+                    "masking_utils, so packed sequences would attend to each other")
+        if kind not in ("sdpa", "eager", "flex_attention") and not kind.startswith("flash_attention"):
+            return f"its attention implementation '{kind}' gets no mask for packed sequences (sdpa and eager do)"
+        return None
 
     def new_kv_cache(self) -> Any:
         """An empty transformers cache for `forward(ids, kv_cache=...)` (sampling)."""

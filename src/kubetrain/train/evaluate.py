@@ -56,7 +56,8 @@ def evaluate(
     """Token-weighted mean validation loss over the first `n_eval` windows (collective when distributed): the same
     number at any world size and micro-batch (`batch_size`, which only sets the windows per forward).
 
-    `loss_of` (input_ids, labels) -> summed loss: the training step's (compiled with it); default the eager model's.
+    `loss_of` (input_ids, labels, position_ids) -> summed loss: the training step's (compiled with it); default the
+    eager model's.
     """
     loss_of = loss_of or loss_step(model, compiled=False)
     was_training = model.training
@@ -66,7 +67,7 @@ def evaluate(
     for batch in _batches(windows, eval_batches(windows.n_windows, batch_size, n_eval, rank, world)):
         batch = batch.to(device)
         with autocast():
-            loss_sum = loss_of(batch.input_ids, batch.labels)
+            loss_sum = loss_of(batch.input_ids, batch.labels, batch.position_ids)
         acc[0] += loss_sum.to(acc.dtype)
         acc[1] += counted_tokens(batch.labels)
     model.train(was_training)

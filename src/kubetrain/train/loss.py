@@ -8,7 +8,7 @@ the compiled region, which Inductor fuses.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -18,7 +18,13 @@ from kubetrain.models.gpt import GPT
 from kubetrain.models.hf import HFCausalLM
 from kubetrain.models.loss import lm_loss_sum
 
-LossStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, labels) -> summed loss
+
+class LossStep(Protocol):
+    """(input_ids, labels, position_ids) -> summed loss; position_ids (restarting at 0 at each sequence) for a
+    packed batch, None for one sequence per window."""
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+                 /) -> torch.Tensor: ...
 
 
 def takes_labels(model: nn.Module) -> bool:
@@ -42,16 +48,24 @@ def loss_step(model: nn.Module, compiled: bool, blocks_compiled: bool = False,
     """
     fused = takes_labels(model)
 
-    def forward_loss(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_loss(input_ids: torch.Tensor, labels: torch.Tensor,
+                     position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        packed = {} if position_ids is None else {"position_ids": position_ids}
         if fused:
-            summed: torch.Tensor = model(input_ids, labels=labels)
+            summed: torch.Tensor = model(input_ids, labels=labels, **packed)
             return summed
-        return lm_loss_sum(model(input_ids), labels)
+        return lm_loss_sum(model(input_ids, **packed), labels)
 
     if not compiled:
         return forward_loss
     if blocks_compiled:
         loss = torch.compile(lm_loss_sum, backend=backend)
-        return lambda input_ids, labels: loss(model(input_ids), labels)
+
+        def blocks_then_loss(input_ids: torch.Tensor, labels: torch.Tensor,
+                             position_ids: torch.Tensor | None = None) -> torch.Tensor:
+            packed = {} if position_ids is None else {"position_ids": position_ids}
+            return loss(model(input_ids, **packed), labels)
+
+        return blocks_then_loss
     step: LossStep = torch.compile(forward_loss, backend=backend)
     return step

@@ -188,7 +188,7 @@ def training_step(model: nn.Module, batch: Callable[[int], Any], device: torch.d
                             p.grad = torch.zeros_like(p)
                     b = batch(size).to(device)
                     with autocast_ctx():
-                        loss = loss_of(b.input_ids, b.labels) / counted_tokens(b.labels)
+                        loss = loss_of(b.input_ids, b.labels, b.position_ids) / counted_tokens(b.labels)
                     loss.backward()
                     del held, loss
                 except (torch.OutOfMemoryError, RuntimeError) as e:

@@ -10,6 +10,7 @@ from torch import nn
 from kubetrain.config.schema import Config
 from kubetrain.distributed import parallelize
 from kubetrain.distributed.env import ProcessEnv
+from kubetrain.errors import ConfigError
 from kubetrain.models import build_model, builds_on_meta, fill_weights
 from kubetrain.models.lora import apply_lora, init_adapters, is_lora
 from kubetrain.train.device import hf_weight_dtype
@@ -36,16 +37,32 @@ def build_model_for_world(cfg: Config, vocab_size: int, device: torch.device, pr
     init = parallelize.ShardInit(cfg.run.seed)
     if builds_on_meta(cfg.model) and (sharded or cfg.model.kind == "gpt"):
         with parallelize.params_on_meta():
-            model = with_lora(build_model(model_cfg, vocab_size, load_weights=False), cfg)
+            model = with_lora(keeps_sequences_apart(build_model(model_cfg, vocab_size, load_weights=False), cfg), cfg)
         if sharded:
             model = parallelize.parallelize(model, cfg, world, device, precision, compiled)
         parallelize.materialise(model, device)
         fill_weights(model, model_cfg, init)
         return model if sharded else parallelize.parallelize(model, cfg, world, device, precision, compiled)
-    model = with_lora(build_model(model_cfg, vocab_size, device=device).to(device), cfg)
+    model = with_lora(keeps_sequences_apart(build_model(model_cfg, vocab_size, device=device), cfg).to(device), cfg)
     if is_lora(model):  # PEFT drew the adapters from the global RNG; the sharded path draws them by name
         init_adapters(model, init)
     return parallelize.parallelize(model, cfg, world, device, precision, compiled)
+
+
+def keeps_sequences_apart(model: nn.Module, cfg: Config) -> nn.Module:
+    """The model, when its attention keeps the sequences of a packed window apart or the data packs none; else a
+    ConfigError (exit 2) naming what to change: such a model would silently train on attention across them."""
+    from kubetrain.data.shards import documents
+    from kubetrain.models.hf import HFCausalLM
+
+    if isinstance(model, HFCausalLM) and documents(cfg):
+        problem = model.packed_attention_problem()
+        if problem is not None:
+            setting = "data.attention: document" if cfg.data.attention == "document" else "data.chat.packing"
+            raise ConfigError(f"{setting} needs a model that masks packed sequences, and {cfg.model.name_or_path} "
+                              f"does not: {problem}; set {setting.replace(': document', ': causal')}"
+                              f"{' false' if setting == 'data.chat.packing' else ''} or use another model")
+    return model
 
 
 def with_lora(model: nn.Module, cfg: Config) -> nn.Module:

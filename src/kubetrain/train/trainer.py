@@ -274,7 +274,8 @@ class Trainer:
         cfg = self.cfg
         batch = TrainLoader(self.train_windows, cfg.train.micro_batch, cfg.run.seed).next_batch().to(self.device)
         with torch.no_grad(), self.amp():  # the training step's own loss: never the whole logits
-            first_loss = float(self.loss_of(batch.input_ids, batch.labels) / counted_tokens(batch.labels).clamp(min=1))
+            first_loss = float(self.loss_of(batch.input_ids, batch.labels, batch.position_ids)
+                               / counted_tokens(batch.labels).clamp(min=1))
         self.say(f"dry run: one forward pass, loss {first_loss:.4f} (ln(vocab) = "
                  f"{math.log(self.tokenizer.vocab_size):.4f}); no run directory was written")
         return TrainResult("", 0, 0, first_loss, None, None, 0.0, "dry-run")
@@ -359,7 +360,7 @@ class Trainer:
             last = micro == accum - 1
             sync = no_grad_sync() if no_grad_sync is not None and not last else contextlib.nullcontext()
             with sync, self.amp():
-                loss_sum = self.loss_of(batch.input_ids, batch.labels)
+                loss_sum = self.loss_of(batch.input_ids, batch.labels, batch.position_ids)
             self.compute_timer.stop()
             self.scaler.scale(self.guard.loss_to_backward(loss_sum, window.loss_scale())).backward()
             self.logged_loss.add(loss_sum)
