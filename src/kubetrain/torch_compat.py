@@ -282,23 +282,6 @@ def step_unless_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Ten
         optimizer.step()
 
 
-# --- kernels --------------------------------------------------------------------------------------------------
-
-
-def fused_linear_cross_entropy() -> tuple[Callable[..., torch.Tensor], Callable[[], Any]] | None:
-    """torch's fused head + loss and its options class, `(F.linear_cross_entropy, nn.LinearCrossEntropyOptions)`,
-    or None where this torch has neither (before 2.13).
-
-    Without options it is the reference (the whole logits); with `LinearCrossEntropyOptions()` it chunks over
-    tokens. Whether it runs is models/loss.py `head_loss_kernel`'s decision (measured per device).
-    """
-    fused = getattr(torch.nn.functional, "linear_cross_entropy", None)
-    options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
-    if fused is None or options is None:
-        return None
-    return fused, options
-
-
 # --- Dynamo ---------------------------------------------------------------------------------------------------
 
 
