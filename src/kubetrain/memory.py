@@ -228,7 +228,8 @@ def estimate_memory(cfg: Config, shape: dict[str, Any], layout: Layout, *, preci
     checkpointing only each block's fp32 input is kept, and one block is recomputed at a time. Compiled, the loss
     keeps the logits in the compute dtype (Inductor writes their gradient over them); eager, the head is fused with
     the loss (models/loss.py LinearCrossEntropy): the hidden states' gradient and one fp32 chunk at a time, never
-    the whole logits; the head's fp32 gradient is counted with the gradients.
+    the whole logits; the head's fp32 gradient is counted with the gradients (under FSDP/HSDP whole, as
+    `head_gradient`: the fused head makes it unsharded).
     """
     from kubetrain.models.loss import chunk_tokens
 

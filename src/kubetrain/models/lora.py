@@ -121,12 +121,14 @@ def adapted_head(head: nn.Module, hidden: torch.Tensor
         return None
     if not active:
         return base, None
-    ins, outs = [], []
+    ins: list[torch.Tensor] = []
+    outs: list[torch.Tensor] = []
     for name in active:
-        a = head.lora_A[name]
+        a, b = head.lora_A[name], head.lora_B[name]
+        assert isinstance(a, nn.Linear) and isinstance(b, nn.Linear)  # PEFT's LoRA on a linear: linears
         x = head._cast_input_dtype(hidden, a.weight.dtype) if hasattr(head, "_cast_input_dtype") else hidden
         ins.append(a(head.lora_dropout[name](x)) * head.scaling[name])
-        outs.append(head.lora_B[name].weight)
+        outs.append(b.weight)
     if len(active) == 1:
         return base, (ins[0], outs[0])
     return base, (torch.cat(ins, dim=-1), torch.cat(outs, dim=1))
