@@ -212,16 +212,15 @@ def test_lora_on_the_head_gets_the_plain_heads_loss_and_gradients(target: str, p
     assert set(fused_grads) == set(plain_grads) == trainable  # every adapter, the head's A and B included
     assert any("lm_head.lora_A" in n for n in trainable) and any("lm_head.lora_B" in n for n in trainable)
     # fp32: rounding alone; bf16: both paths round their matmuls to bf16, in another order
-    tol = 1e-5 if precision == "fp32" else 1e-2
-    assert fused == pytest.approx(plain, rel=tol)
+    tol = 1e-5 if precision == "fp32" else 5e-2
+    assert fused == pytest.approx(plain, rel=1e-5 if precision == "fp32" else 1e-3)
     for name, grad in plain_grads.items():
-        assert _close(fused_grads[name], grad, tol), name
+        assert grad.abs().max() > 0 and _close(fused_grads[name], grad, tol), name
 
 
 def _close(found: torch.Tensor, expected: torch.Tensor, tol: float) -> bool:
-    """Equal within `tol` of the expected tensor's largest magnitude (which must not be zero)."""
-    scale = expected.abs().max()
-    return bool(scale > 0 and (found - expected).abs().max() <= tol * scale)
+    """Equal within `tol` of the expected tensor's largest magnitude (exactly, where that is zero)."""
+    return bool((found - expected).abs().max() <= tol * expected.abs().max())
 
 
 def test_a_head_the_fused_loss_cannot_take_whole_gets_its_logits_and_every_gradient() -> None:
