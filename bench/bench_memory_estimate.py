@@ -41,6 +41,9 @@ def cases(work: Path) -> dict[str, tuple[list[str], int | None]]:
         "tiny": (["--preset", "tiny"], None),
         "gpt2-124m-mb2": (["--preset", "gpt2-124m", "--set", "data.tokenizer.kind=byte",
                            "--set", "train.micro_batch_size=2", "--set", "train.grad_accum_steps=1"], None),
+        "gpt2-124m-mb4-bf16": (["--preset", "gpt2-124m", "--set", "data.tokenizer.kind=byte",
+                                "--set", "train.micro_batch_size=4", "--set", "train.grad_accum_steps=1",
+                                "--set", "train.precision=bf16"], None),
         "ddp-2": (["--preset", "tiny", *_sets(SMALL)], 2),
         "ddp-4": (["--preset", "tiny", *_sets(SMALL)], 4),
         "fsdp-4": (["--preset", "tiny", *_sets(SMALL), "--set", "dist.strategy=fsdp"], 4),
@@ -78,6 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds each command may take")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
@@ -89,7 +93,7 @@ def main() -> None:
             run = ["--set", f"run.name={name}", "--set", f"run.output_dir={work / 'runs'}",
                    "--set", f"data.cache_dir={work / 'data'}", *_sets(COMMON)]
             started = time.monotonic()
-            row = estimate_against_peak([*config_args, *run], nproc, cwd=work)
+            row = estimate_against_peak([*config_args, *run], nproc, timeout=args.timeout, cwd=work)
             row = {"case": name, "nproc": nproc or 1, **row, "seconds": round(time.monotonic() - started, 1)}
             rows.append(row)
             print(f"{name:16} estimate {row['estimate_bytes'] / 2**20:8.0f} MiB  measured "

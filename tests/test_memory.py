@@ -155,6 +155,31 @@ def test_the_estimate_knows_fsdp_and_the_world_size() -> None:
     assert "each of 4 processes (fsdp, sharded 4 ways)" in doctor._fit_line(fit)
 
 
+def test_under_fsdp_the_fused_heads_whole_gradient_is_counted_unsharded() -> None:
+    # a full fine-tune of the Llama-3.2-1B shape over 8 processes: eager, the fused head makes its weight's whole
+    # fp32 gradient (1 GiB) in its forward pass and hands it over in the gathered weight's dtype (bf16: 0.5 GiB
+    # more) to FSDP, which reduce-scatters the root's gradients only after every block's backward
+    cfg = load_config(overrides=["model.n_layer=2", "model.n_embd=2048", "model.n_head=32", "model.block_size=2048",
+                                 "model.vocab_size=128256", "train.micro_batch_size=1", "dist.strategy=fsdp"])
+    shape = model_shape(cfg)
+    head = 128256 * 2048
+
+    def parts(precision: str, compiled: bool = False, config: object = cfg) -> dict[str, int]:
+        return estimate_memory(config, shape, Layout.of(config, 8), precision=precision,  # type: ignore[arg-type]
+                               attention="flash", compiled=compiled)
+
+    assert parts("bf16")["head_gradient"] == head * (4 + 2)
+    assert parts("fp32")["head_gradient"] == head * 4  # handed over as it is
+    assert parts("bf16")["gradients"] < head * 4 // 8 + 1  # the rest's gradients, sharded, are not at the peak
+    assert "head_gradient" not in parts("bf16", compiled=True)  # compiled: the head's gradient is autograd's
+    lora = load_config(overrides=[*(f"{k}={v}" for k, v in [("model.n_layer", 2), ("model.n_embd", 2048),
+                                                            ("model.n_head", 32), ("model.vocab_size", 128256)]),
+                                  "dist.strategy=fsdp", "model.lora.r=8"])
+    assert "head_gradient" not in parts("bf16", config=lora)  # a frozen head gets no weight gradient made
+    one = estimate_memory(cfg, shape, Layout.of(cfg, 1), precision="bf16", attention="flash")
+    assert "head_gradient" not in one and one["gradients"] >= head * 4  # one process: counted with the gradients
+
+
 def _kept_per_token_and_layer(compiled: bool, precision: str, width: int) -> float:
     """Bytes autograd keeps per token in one block of our GPT, measured: tensors saved for backward (what
     saved_tensors_hooks sees, also from a compiled graph) of a 2-block model less a 1-block one, at two batch

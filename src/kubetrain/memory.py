@@ -245,7 +245,8 @@ def estimate_memory(cfg: Config, shape: dict[str, Any], layout: Layout, *, preci
     checkpointing only each block's fp32 input is kept, and one block is recomputed at a time. Compiled, the loss
     keeps the logits in the compute dtype (Inductor writes their gradient over them); eager, the head is fused with
     the loss (models/loss.py LinearCrossEntropy): the hidden states' gradient and one fp32 chunk at a time, never
-    the whole logits; the head's fp32 gradient is counted with the gradients.
+    the whole logits; the head's fp32 gradient is counted with the gradients (under FSDP/HSDP whole, as
+    `head_gradient`: the fused head makes it unsharded).
     """
     from kubetrain.models.loss import chunk_tokens
 
@@ -268,21 +269,35 @@ def estimate_memory(cfg: Config, shape: dict[str, Any], layout: Layout, *, preci
     activations = (layers * tokens * h * 4 + per_layer) if checkpointed else layers * per_layer
     activations += tokens * h * (4 + act)  # the final norm's output and the head's input
     half_weights = params * 2 if act == 2 and weight_bytes == 4 and not layout.sharded else 0
+    # the dtype the layers compute in: autocast's (unsharded), FSDP's gathered weights' (sharded)
+    compute = (2 if act == 2 else weight_bytes) if layout.sharded else act
     # compiled: the logits in the compute dtype (Inductor writes their gradient over them); eager: the head fused
-    # with the loss, the hidden states' gradient and one chunk's fp32 logits, softmax and gradient
-    fused = tokens * h * act + 3 * min(tokens, chunk_tokens(vocab)) * vocab * 4
+    # with the loss (LinearCrossEntropy): the hidden states' gradient (fp32 under autocast, whose norms give fp32),
+    # their copy in the compute dtype, and one chunk's logits: the product in the compute dtype and its fp32 copy,
+    # then the softmax's gradient written over that copy, and its cast back for the hidden states' matmul
+    hidden_bytes = compute if layout.sharded else 4
+    cast = compute if compute < hidden_bytes else 0
+    chunk = min(tokens, chunk_tokens(vocab)) * vocab * (4 + (compute if compute < 4 else 0))
+    fused = tokens * (h * (hidden_bytes + cast) + 8) + chunk
     loss = tokens * vocab * act if compiled else fused
     # Gradients: whole from the second micro-batch of an accumulation on, else the head's at the activations'
     # peak, and whole at the optimizer step, once activations, logits and autocast's copies are gone.
     gradients = trainable * 4
+    # eager, the fused head makes its weight's whole fp32 gradient in its forward pass, and hands it over in the
+    # weight's dtype in its backward: under FSDP that is the gathered head's, unsharded (the root's gradients are
+    # reduce-scattered after every block's backward), not a shard of it
+    fused_head = layout.sharded and not compiled and trainable > 0
+    head_gradient = head * (4 + (compute if compute < 4 else 0)) if fused_head else 0
     if cfg.train.grad_accum_steps == 1:
-        gradients = max(head * 4 if trainable else 0, gradients - (activations + loss + half_weights))
+        at_peak = 0 if fused_head else head * 4 if trainable else 0
+        gradients = max(at_peak, gradients - (activations + loss + half_weights))
     parts = {"weights": params * weight_bytes, "gradients": gradients, "optimizer": trainable * 8}
     if layout.sharded:
         block = max(0, params - head * (1 if tied else 2)) // max(1, layers)
-        compute = 2 if precision == "bf16" else weight_bytes
         parts = {k: -(-v // layout.shards) for k, v in parts.items()}
         parts["gathered"] = (head * (1 if tied else 2) + 2 * block) * compute + (block * 4 if trainable else 0)
+        if head_gradient:
+            parts["head_gradient"] = head_gradient
     else:
         if half_weights:
             parts["half_weights"] = half_weights  # autocast's copies, kept for the backward
@@ -309,7 +324,8 @@ def other_parts(cfg: Config, parts: dict[str, int], tokens: int, vocab: int, act
         extra["checkpoint_staging"] = parts["weights"] + parts["optimizer"]
     # compiled: the plain loss's logits; eager: the fused head's chunks (no gradient is made without autograd)
     evaluation = tokens * vocab * act if compiled else 2 * min(tokens, chunk_tokens(vocab)) * vocab * 4
-    step = parts["gradients"] + parts["activations"] + parts["loss"] + parts.get("half_weights", 0)
+    step = (parts["gradients"] + parts["activations"] + parts["loss"] + parts.get("half_weights", 0)
+            + parts.get("head_gradient", 0))
     if evaluation > step:
         extra["eval"] = evaluation - step
     return extra

@@ -285,20 +285,6 @@ def step_unless_found_inf(optimizer: torch.optim.Optimizer, found_inf: torch.Ten
 # --- kernels --------------------------------------------------------------------------------------------------
 
 
-def fused_linear_cross_entropy() -> tuple[Callable[..., torch.Tensor], Callable[[], Any]] | None:
-    """torch's fused head + loss and its options class, `(F.linear_cross_entropy, nn.LinearCrossEntropyOptions)`,
-    or None where this torch has neither (before 2.13).
-
-    Without options it is the reference (the whole logits); with `LinearCrossEntropyOptions()` it chunks over
-    tokens. Whether it runs is models/loss.py `head_loss_kernel`'s decision (measured per device).
-    """
-    fused = getattr(torch.nn.functional, "linear_cross_entropy", None)
-    options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
-    if fused is None or options is None:
-        return None
-    return fused, options
-
-
 def flex_attention(device: torch.device) -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     """`(flex_attention, create_block_mask)` where they are the fast path for attention over packed windows, else
     None (the caller then gives SDPA an explicit mask).

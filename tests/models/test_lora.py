@@ -165,3 +165,129 @@ def test_importing_peft_with_bitsandbytes_installed_says_nothing() -> None:
     done = subprocess.run([sys.executable, "-c", "import kubetrain.models, peft, bitsandbytes"], env=cli_env(),
                           capture_output=True, text=True, timeout=300, check=False)
     assert (done.returncode, done.stderr) == (0, "")
+
+
+# --- LoRA on the head: the fused head + loss applies the adapters, with the plain head's loss and gradients -----------
+
+HEAD_TARGETS = {"lm_head": ["lm_head"], "all-linear": "all-linear"}
+
+
+def _adapted_gpt(target: list[str] | str) -> torch.nn.Module:
+    """A tiny GPT with LoRA on its head (and, for all-linear, every other linear); B random so the adapters count."""
+    model = apply_lora(tiny_gpt(), LoraConfig(r=4, alpha=8, dropout=0.0, target_modules=target))
+    assert type(model.get_base_model().lm_head).__module__.startswith("peft.")  # the head itself is adapted
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def _plain_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The unfused path: the head's whole logits (PEFT's forward), then cross-entropy."""
+    logits = model(ids)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                                             ignore_index=-100, reduction="sum")
+
+
+def _loss_and_grads(model: torch.nn.Module, loss: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    return loss.item(), grads
+
+
+@pytest.mark.parametrize("target", list(HEAD_TARGETS))
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_lora_on_the_head_gets_the_plain_heads_loss_and_gradients(target: str, precision: str) -> None:
+    model = _adapted_gpt(HEAD_TARGETS[target])
+    torch.manual_seed(2)
+    ids, labels = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    labels[0, :5] = -100  # a prompt: positions that do not count
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        fused, fused_grads = _loss_and_grads(model, model(ids, labels=labels))
+        plain, plain_grads = _loss_and_grads(model, _plain_loss(model, ids, labels))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(fused_grads) == set(plain_grads) == trainable  # every adapter, the head's A and B included
+    assert any("lm_head.lora_A" in n for n in trainable) and any("lm_head.lora_B" in n for n in trainable)
+    # fp32: rounding alone; bf16: both paths round their matmuls to bf16, in another order
+    tol = 1e-5 if precision == "fp32" else 5e-2
+    assert fused == pytest.approx(plain, rel=1e-5 if precision == "fp32" else 1e-3)
+    for name, grad in plain_grads.items():
+        assert grad.abs().max() > 0 and _close(fused_grads[name], grad, tol), name
+
+
+def _close(found: torch.Tensor, expected: torch.Tensor, tol: float) -> bool:
+    """Equal within `tol` of the expected tensor's largest magnitude (exactly, where that is zero)."""
+    return bool((found - expected).abs().max() <= tol * expected.abs().max())
+
+
+def test_a_head_the_fused_loss_cannot_take_whole_gets_its_logits_and_every_gradient() -> None:
+    # modules_to_save copies the head into a trained module: the fused loss would read the frozen original
+    model = apply_lora(tiny_gpt(), LoraConfig(r=4, alpha=8, dropout=0.0, target_modules=ALL_LINEARS,
+                                              modules_to_save=["lm_head"]))
+    torch.manual_seed(2)
+    ids, labels = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    with torch.no_grad():  # the trained copy differs from the frozen original, so reading the wrong one shows
+        model.get_base_model().lm_head.modules_to_save["default"].weight.add_(0.1)
+    fused, fused_grads = _loss_and_grads(model, model(ids, labels=labels))
+    plain, plain_grads = _loss_and_grads(model, _plain_loss(model, ids, labels))
+    assert fused == pytest.approx(plain, rel=1e-6)
+    assert set(fused_grads) == {n for n, p in model.named_parameters() if p.requires_grad}
+    for name, grad in plain_grads.items():
+        assert _close(fused_grads[name], grad, 1e-5), name
+
+
+def _ddp_lora_head_worker(rank: int, world: int, root: str) -> None:
+    import datetime
+
+    import torch.distributed as td
+    from torch.nn.parallel import DistributedDataParallel
+
+    from kubetrain.distributed.setup import teardown
+    from kubetrain.train.loss import loss_step
+
+    torch.set_num_threads(1)
+    td.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=world,
+                          timeout=datetime.timedelta(seconds=120))
+    found: dict[str, object] = {}
+    for target, modules in HEAD_TARGETS.items():
+        model = _adapted_gpt(modules)
+        ddp = DistributedDataParallel(model)
+        step = loss_step(ddp, compiled=False)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses, first = [], {}
+        for i in range(3):  # DDP failed the second step ("Expected to have finished reduction...")
+            torch.manual_seed(100 * i + rank)  # each rank its own batch
+            ids, labels = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+            labels[0, : rank + 1] = -100
+            if i == 0:  # the plain path on this rank's batch, averaged over the ranks by hand: what DDP must give
+                _, plain = _loss_and_grads(model, _plain_loss(model, ids, labels))
+                for grad in plain.values():
+                    td.all_reduce(grad)
+                    grad /= world
+            optimizer.zero_grad(set_to_none=True)
+            loss = step(ids, labels)
+            loss.backward()
+            if i == 0:
+                first = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+                found[f"{target}-match"] = sorted(first) == sorted(plain) and all(
+                    g is not None and _close(g, plain[n], 1e-5) for n, g in first.items())
+            optimizer.step()
+            losses.append(loss.item())
+        found[f"{target}-losses"] = losses
+    (Path(root) / f"rank-{rank}.json").write_text(json.dumps(found))
+    teardown()
+
+
+@pytest.mark.slow  # two processes
+def test_lora_on_the_head_under_ddp_trains_with_the_plain_gradients(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_ddp_lora_head_worker, args=(2, str(tmp_path)), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        found = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        for target in HEAD_TARGETS:
+            assert found[f"{target}-match"] is True, (rank, target)
+            assert len(found[f"{target}-losses"]) == 3  # three steps, no reduction error

@@ -7,22 +7,23 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from kubetrain.data.loader import IGNORE_INDEX
 from kubetrain.models.loss import (
     ChunkedCrossEntropy,
     LinearCrossEntropy,
     chunk_tokens,
-    head_loss_kernel,
     linear_loss_sum,
     lm_loss,
     lm_loss_sum,
 )
-from kubetrain.torch_compat import fused_linear_cross_entropy
 
 
 def reference_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -187,28 +188,98 @@ def test_the_fused_head_keeps_no_tokens_by_vocab_tensor_for_backward() -> None:
     def biggest(loss_fn: object) -> int:
         saved.clear()
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            loss_fn()  # type: ignore[operator]
-        return max(t.numel() for t in saved)
+            loss = loss_fn()  # type: ignore[operator]
+        held = getattr(loss.grad_fn, "grads", [])  # the fused head keeps its gradients on its context
+        return max(t.numel() for t in [*saved, *held] if t is not None)
 
     assert biggest(lambda: lm_loss_sum(F.linear(hidden, weight), labels)) >= tokens * vocab  # logits kept before
     assert biggest(lambda: linear_loss_sum(hidden, weight, None, labels)) < tokens * vocab
 
 
-def test_the_head_kernel_is_ours_on_the_cpu_where_torchs_measured_slower() -> None:
-    assert head_loss_kernel(torch.device("cpu")) == "kubetrain"
-    assert head_loss_kernel(torch.device("meta")) == "kubetrain"  # nothing measured: ours
+class _NewTensors(TorchDispatchMode):
+    """The sizes (elements) of the tensors the ops under it make: outputs that share no storage with an input (an
+    in-place op's or a view's output is not a new tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        self.sizes += [t.numel() for t in tree_leaves(out)
+                       if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given]
+        return out
 
 
-def test_torchs_fused_kernel_where_present_agrees_with_ours() -> None:
-    # what linear_loss_sum would call on a device where torch's is measured faster: its arguments, checked here
-    found = fused_linear_cross_entropy()
-    if found is None:
-        pytest.skip(f"torch {torch.__version__} has no F.linear_cross_entropy")
-    fused, options = found
-    hidden, weight, b, labels = _head(True)
-    theirs = fused(hidden, weight, labels, linear_bias=b, reduction="sum", ignore_index=IGNORE_INDEX,
-                   options=options())
-    assert torch.allclose(linear_loss_sum(hidden, weight, b, labels), theirs.float(), rtol=1e-5)
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_fused_head_makes_no_weight_sized_tensor_per_chunk_nor_in_backward(precision: str) -> None:
+    # under bf16 each chunk made a bf16 weight-sized product and its fp32 copy, and backward an fp32 copy of the
+    # gradient: at a 128k vocabulary and width 2048, 0.5 + 1 GiB per chunk and 1 GiB in backward
+    tokens, width, vocab = 64, 24, 512  # a chunk's logits (8 x 512) are not the weight's size
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, width, requires_grad=True)
+    head = torch.nn.Parameter(torch.randn(vocab, width) / 4)
+    labels = torch.randint(0, vocab, (tokens,))
+    weight_sized = vocab * width
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with _NewTensors() as forward:
+            total = LinearCrossEntropy.apply(hidden, head, None, labels, 8)  # 8 chunks
+        with _NewTensors() as backward:
+            (total / 7).backward()
+    # forward: the fp32 gradient, and under bf16 the weight's one bf16 copy (as autocast makes one)
+    assert forward.sizes.count(weight_sized) == (2 if precision == "bf16" else 1), forward.sizes
+    assert backward.sizes.count(weight_sized) == 0, backward.sizes  # the gradient is the one made in forward
+    plain = torch.nn.Parameter(head.detach().clone())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        reference = F.cross_entropy(F.linear(hidden, plain).float(), labels, reduction="sum") / 7
+    reference.backward()
+    assert head.grad is not None and plain.grad is not None
+    tol = 1e-5 if precision == "fp32" else 1e-2  # bf16: the plain path rounds its weight gradient to bf16
+    assert (head.grad - plain.grad).abs().max() <= tol * plain.grad.abs().max()
+
+
+def test_the_fused_head_hands_its_weight_gradient_over_once() -> None:
+    hidden, weight, _, labels = _head(False)
+    total = linear_loss_sum(hidden, weight, None, labels)
+    total.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        total.backward()
+
+
+def test_under_fp16_the_fused_heads_gradient_is_scaled_by_the_grad_scaler_and_an_overflow_skips_the_step() -> None:
+    from kubetrain.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    ids, labels = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+
+    def grads(scale: float) -> tuple[dict[str, torch.Tensor], torch.amp.GradScaler]:
+        model.zero_grad(set_to_none=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(ids, labels=labels) / 32
+        scaler.scale(loss).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, scaler
+
+    unscaled, _ = grads(1.0)
+    scaled, scaler = grads(1024.0)
+    for name in ("embed.weight", "blocks.0.mlp.down_proj.weight"):  # the tied head (the embedding) and a block
+        expected = 1024 * unscaled[name]  # within fp16's rounding of the block's gradients, at the largest's scale
+        assert (scaled[name] - expected).abs().max() <= 1e-3 * expected.abs().max(), name
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.unscale_(optimizer)
+    assert model.lm_head.weight.grad is not None
+    unscaled_head = unscaled["embed.weight"]
+    assert (model.lm_head.weight.grad - unscaled_head).abs().max() <= 1e-3 * unscaled_head.abs().max()
+    with torch.no_grad():  # logits past fp16's range: the head's loss and gradient are not finite
+        model.lm_head.weight.mul_(1e6)
+    before = model.lm_head.weight.detach().clone()
+    _, scaler = grads(1024.0)
+    scaler.step(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler.update()
+    assert scaler.get_scale() < 1024.0  # the scaler found the overflow and backed off
+    assert torch.equal(model.lm_head.weight, before)  # and skipped the step
 
 
 def _saved_bytes(loss_fn: object, logits: torch.Tensor, labels: torch.Tensor) -> int:

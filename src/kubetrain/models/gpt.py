@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kubetrain.models.documents import DocumentMask, document_mask
-from kubetrain.models.loss import linear_loss_sum
+from kubetrain.models.loss import linear_loss_sum, lm_loss_sum
 
 
 @dataclass(frozen=True)
@@ -230,9 +230,24 @@ class GPT(nn.Module):
         so the whole logits never exist (models/loss.py `linear_loss_sum`). `position_ids` (B, T), restarting at 0
         where a sequence starts, make a packed window: each sequence attends only to itself, from position 0."""
         x = self.hidden(input_ids, kv_cache, position_ids)
-        if labels is not None:
-            return linear_loss_sum(x, self.lm_head.weight, self.lm_head.bias, labels)
-        return self.lm_head(x)
+        if labels is None:
+            return self.lm_head(x)
+        return self.head_loss_sum(x, labels)
+
+    def head_loss_sum(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The head and the loss fused where the head is a plain linear, or PEFT's LoRA on one (its adapters' term
+        made inside the fused loss, models/lora.py `adapted_head`); any other head (modules_to_save, DoRA) gives
+        its whole logits to the chunked loss, so every trained parameter gets its gradient."""
+        head = self.lm_head
+        if type(head) is nn.Linear:
+            return linear_loss_sum(x, head.weight, head.bias, labels)
+        if not torch.compiler.is_compiling():
+            from kubetrain.models.lora import adapted_head
+
+            found = adapted_head(head, x)
+            if found is not None:
+                return linear_loss_sum(x, found[0].weight, found[0].bias, labels, found[1])
+        return lm_loss_sum(head(x), labels)
 
     def hidden(self, input_ids: torch.Tensor, kv_cache: KVCache | None = None,
                position_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -95,3 +95,40 @@ def merge_lora(model: nn.Module) -> nn.Module:
         return model
     merged: nn.Module = model.merge_and_unload()  # type: ignore[operator]
     return merged
+
+
+def adapted_head(head: nn.Module, hidden: torch.Tensor
+                 ) -> tuple[nn.Linear, tuple[torch.Tensor, torch.Tensor] | None] | None:
+    """A head carrying PEFT's LoRA as the fused head + loss takes it: its base linear and the adapters' term (u, B),
+    so that `head(hidden) == base(hidden) + u @ B.T`, with u = scaling * A(dropout(hidden)) and B the adapters' B
+    (several active adapters side by side); (base, None) where no adapter applies (merged, or none active). None
+    for anything else (DoRA and other variants, a bias on B, modules_to_save, a layer that is not PEFT's LoRA on a
+    linear): the caller computes the head's whole logits, whose autograd reaches every parameter. Handing the
+    fused loss the base weight alone would give the adapters no gradient, and DDP would then fail its next step
+    waiting for theirs."""
+    if "peft" not in sys.modules:
+        return None
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    if type(head) is not LoraLinear or type(head.base_layer) is not nn.Linear or head.disable_adapters:
+        return None
+    base = head.base_layer
+    if head.merged:  # the adapters are in the base weight, and PEFT's forward runs the base alone
+        return base, None
+    active = [name for name in head.active_adapters if name in head.lora_A]
+    if any(name in getattr(head, "lora_variant", {}) or head.use_dora.get(name) or head.lora_B[name].bias is not None
+           for name in active):
+        return None
+    if not active:
+        return base, None
+    ins: list[torch.Tensor] = []
+    outs: list[torch.Tensor] = []
+    for name in active:
+        a, b = head.lora_A[name], head.lora_B[name]
+        assert isinstance(a, nn.Linear) and isinstance(b, nn.Linear)  # PEFT's LoRA on a linear: linears
+        x = head._cast_input_dtype(hidden, a.weight.dtype) if hasattr(head, "_cast_input_dtype") else hidden
+        ins.append(a(head.lora_dropout[name](x)) * head.scaling[name])
+        outs.append(b.weight)
+    if len(active) == 1:
+        return base, (ins[0], outs[0])
+    return base, (torch.cat(ins, dim=-1), torch.cat(outs, dim=1))

@@ -7,7 +7,8 @@ with the head taken in, never holds them at all.
 - `LinearCrossEntropy` (hidden states and the head's weight given): the head's matmul, the cross-entropy and their
   gradients chunk by chunk, so no tokens x vocab tensor exists beyond one chunk (Liger's and Apple's
   cut-cross-entropy idea; a Llama-3.2 vocabulary of 128,256 at 2,048 tokens is 1 GiB of fp32 logits, more with their
-  gradient). `head_loss_kernel` picks torch's own fused kernel or an installed one where it is the faster.
+  gradient). Under bf16 autocast nothing of the weight's size is made per chunk: the weight's gradient is summed in
+  fp32 straight from each chunk's fp32 softmax. With LoRA on the head its adapters' term is added chunk by chunk.
 - Compiled: the plain formulation inside the compiled region, where Inductor fuses the upcast into the softmax's
   reductions (torchtitan compiles its loss; nanoGPT computes it in `forward`).
 
@@ -24,7 +25,6 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from kubetrain.data.loader import IGNORE_INDEX
-from kubetrain.torch_compat import fused_linear_cross_entropy
 
 # fp32 elements of one chunk of logits: 2**24 (64 MiB) holds 333 tokens of a 50k vocabulary, 130 of 128k; a few
 # dozen chunks per micro-batch cost a few hundred small kernels, nothing beside the model's
@@ -91,47 +91,70 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """One chunk's logits in fp32, from the matmul in the inputs' dtype."""
-    out = hidden @ weight.t() if bias is None else torch.addmm(bias, hidden, weight.t())
+LowRank = tuple[torch.Tensor, torch.Tensor]  # (u (N, r), B (V, r)): a term u @ B.T added to the logits
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, low: LowRank | None) -> torch.Tensor:
+    """One chunk's logits in fp32, from the matmuls in the inputs' dtype (the chunk's own tensor: free to write)."""
+    out = h @ w.t() if b is None else torch.addmm(b, h, w.t())
+    if low is not None:
+        out.addmm_(low[0], low[1].t())
     return out.float()
 
 
+def _softmax_minus_onehot_(logits: torch.Tensor, lse: torch.Tensor, safe: torch.Tensor, counted: torch.Tensor
+                           ) -> torch.Tensor:
+    """`_softmax_minus_onehot` (for an upstream gradient of 1) written over a chunk's own fp32 logits: no second
+    chunk-sized tensor; the rows that do not count are filled with zero (a NaN there is overwritten, never summed)."""
+    logits.sub_(lse.unsqueeze(1)).exp_()
+    logits[torch.arange(logits.shape[0], device=logits.device), safe] -= 1.0
+    return logits.masked_fill_(~counted.unsqueeze(1), 0.0)
+
+
 def _head_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-               chunk: int, want: tuple[bool, bool, bool]
-               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The summed loss of the head `hidden @ weight.T + bias` and, for the inputs `want` names, its gradients (for an
-    upstream gradient of 1), `chunk` rows at a time: each chunk's logits are made, reduced and dropped. The matmuls
-    run in autocast's dtype where it is on, like nn.Linear's; the gradients of the weight and bias are fp32 sums."""
+               chunk: int, want: tuple[bool, ...], low_rank: LowRank | None = None) -> tuple[Any, ...]:
+    """The summed loss of the head `hidden @ weight.T + bias (+ u @ B.T)` and, for the inputs `want` names (hidden,
+    weight, bias, u, B), its gradients for an upstream gradient of 1, `chunk` rows at a time: each chunk's logits
+    are made, reduced and dropped. The matmuls of the logits and of the hidden states' gradient run in autocast's
+    dtype where it is on, like nn.Linear's; the weight's gradient is an fp32 sum made by fp32 addmm_ from the
+    chunk's fp32 softmax, so under bf16 no weight-sized tensor is made per chunk (a half product and its fp32 copy
+    were two); a bf16 copy of the weight is made once, as autocast makes one."""
     dtype = _compute_dtype(hidden)
     counted, safe = _targets(labels)
-    n = hidden.shape[0]
-    lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    target = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    n, device = hidden.shape[0], hidden.device
+    f32 = torch.float32
+    lse = torch.empty(n, dtype=f32, device=device)
+    target = torch.empty(n, dtype=f32, device=device)
+    u, big_b = low_rank if low_rank is not None else (None, None)
     grad_h = torch.empty_like(hidden) if want[0] else None
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want[1] else None
-    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want[2] else None
-    with torch.autocast(hidden.device.type, enabled=False):
+    grad_w = torch.zeros(weight.shape, dtype=f32, device=device) if want[1] else None
+    grad_b = torch.zeros(weight.shape[0], dtype=f32, device=device) if bias is not None and want[2] else None
+    grad_u = torch.empty_like(u) if u is not None and want[3] else None
+    grad_big_b = torch.zeros(big_b.shape, dtype=f32, device=device) if big_b is not None and want[4] else None
+    with torch.autocast(device.type, enabled=False):
         h, w = hidden.to(dtype), weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
-        one = torch.ones((), dtype=torch.float32, device=hidden.device)
+        low = None if u is None or big_b is None else (u.to(dtype), big_b.to(dtype))
         for start in range(0, n, chunk):
             part = slice(start, start + chunk)
-            logits = _logits(h[part], w, b)
+            logits = _chunk_logits(h[part], w, b, None if low is None else (low[0][part], low[1]))
             lse[part] = torch.logsumexp(logits, dim=-1)
             target[part] = logits.gather(1, safe[part].unsqueeze(1)).squeeze(1)
             if not any(want):
                 continue
-            g = _softmax_minus_onehot(logits, lse[part], safe[part], counted[part], one).to(dtype)
+            g = _softmax_minus_onehot_(logits, lse[part], safe[part], counted[part])  # fp32, over the logits
+            g_low = g.to(dtype)  # the compute dtype's copy, for the matmuls that run in it (the same tensor in fp32)
             if grad_h is not None:
-                grad_h[part] = g @ w
-            if grad_w is not None and dtype == torch.float32:
-                grad_w.addmm_(g.t(), h[part])  # no chunk-sized temporary of the weight's size
-            elif grad_w is not None:
-                grad_w += (g.t() @ h[part]).float()
+                grad_h[part] = g_low @ w
+            if grad_w is not None:
+                grad_w.addmm_(g.t(), h[part].float())
             if grad_b is not None:
-                grad_b += g.float().sum(0)
-    return torch.where(counted, lse - target, 0.0).sum(), grad_h, grad_w, grad_b
+                grad_b += g.sum(0)
+            if grad_u is not None and low is not None:
+                grad_u[part] = g_low @ low[1]
+            if grad_big_b is not None and low is not None:
+                grad_big_b.addmm_(g.t(), low[0][part].float())
+    return torch.where(counted, lse - target, 0.0).sum(), grad_h, grad_w, grad_b, grad_u, grad_big_b
 
 
 class LinearCrossEntropy(torch.autograd.Function):
@@ -139,63 +162,68 @@ class LinearCrossEntropy(torch.autograd.Function):
     rows at a time, so no tokens x vocab tensor exists beyond one chunk. The loss is a scalar whose upstream gradient
     is a scalar too, so the gradients are made in the same pass (Liger's way: no second matmul to recompute the
     logits in backward), with g = softmax - onehot per chunk: grad_hidden = g @ W, grad_W += g.T @ h. Backward only
-    scales them. Saved: the gradients (hidden's size, and the weight's where the head trains), never the logits; a
-    frozen head (LoRA) gets no weight gradient made."""
+    scales them. Held: the gradients (hidden's size, and the weight's where the head trains), never the logits; a
+    frozen head (LoRA) gets no weight gradient made.
+
+    `low_in` (N, r) and `low_out` (V, r), where given, add `low_in @ low_out.T` to the logits: LoRA's adapters on
+    the head (u = scale * A(dropout(hidden)), B), whose gradients are made alongside, without the merged weight.
+
+    The weight's gradient is handed to autograd as it is, scaled in place, with no reference kept, so autograd
+    takes it as the parameter's gradient without a copy: no second weight-sized tensor in backward. It can
+    therefore be handed over once: a second backward (retain_graph) through a trained head is refused."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                labels: torch.Tensor, chunk: int) -> torch.Tensor:
-        want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
-        total, grad_h, grad_w, grad_b = _head_loss(hidden, weight, bias, labels, chunk, want)
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
-        ctx.dtypes = weight.dtype, None if bias is None else bias.dtype
+                labels: torch.Tensor, chunk: int, low_in: torch.Tensor | None = None,
+                low_out: torch.Tensor | None = None) -> torch.Tensor:
+        need = ctx.needs_input_grad
+        want = (need[0], need[1], bias is not None and need[2], low_in is not None and need[5],
+                low_out is not None and need[6])
+        low = None if low_in is None or low_out is None else (low_in, low_out)
+        total, *grads = _head_loss(hidden, weight, bias, labels, chunk, want, low)
+        ctx.grads = grads  # on ctx, not saved for backward: backward hands the weight's over without a copy
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype,
+                      None if low_in is None else low_in.dtype, None if low_out is None else low_out.dtype)
         return total
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_total: torch.Tensor
-                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
-        grad_h, grad_w, grad_b = ctx.saved_tensors  # out of place: a second backward (retain_graph) reads them again
-        weight_dtype, bias_dtype = ctx.dtypes
-        return (None if grad_h is None else grad_h * grad_total.to(grad_h.dtype),
-                None if grad_w is None else (grad_w * grad_total).to(weight_dtype),
-                None if grad_b is None else (grad_b * grad_total).to(bias_dtype), None, None)
-
-
-def head_loss_kernel(device: torch.device) -> str:
-    """Which fused head + loss runs on `device`: "torch" (F.linear_cross_entropy with its chunking options) where
-    this torch has it and it was measured faster there than ours, else "kubetrain" (`LinearCrossEntropy`).
-
-    Measured (bench/bench_loss.py): on the CPU torch's is 1.15x to 3x ours (bench/results/loss_cpu_2026-11-28.json,
-    head_loss_cpu_2026-11-29.json). On CUDA nobody has measured it yet: until a GPU run of bench/bench_loss.py shows
-    it faster, ours runs there too. Liger's and Apple's cut-cross-entropy kernels are optional extras named in
-    docs/torch-versions.md; none is installed by kubetrain."""
-    return "torch" if device.type in TORCH_KERNEL_FASTER_ON and fused_linear_cross_entropy() is not None \
-        else "kubetrain"
-
-
-# device types where torch's fused kernel was measured faster than ours (none yet; see head_loss_kernel)
-TORCH_KERNEL_FASTER_ON: frozenset[str] = frozenset()
+    def backward(ctx: Any, grad_total: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads: list[torch.Tensor | None] = ctx.grads
+        if grads[1] is None and ctx.needs_input_grad[1]:
+            raise RuntimeError("the fused head's weight gradient was handed over by an earlier backward: a second "
+                               "backward through it (retain_graph) is not supported")
+        out: list[torch.Tensor | None] = []
+        for i, (grad, dtype) in enumerate(zip(grads, ctx.dtypes, strict=True)):
+            if grad is None:
+                out.append(None)
+            elif i == 1:  # the weight's: scaled in place and given away (autograd steals a tensor nobody holds)
+                grads[1] = None
+                grad.mul_(grad_total)
+                out.append(grad if grad.dtype == dtype else grad.to(dtype))
+            else:  # hidden-, bias- or rank-sized: out of place, so a second backward reads them again
+                out.append((grad * grad_total).to(dtype))
+        return out[0], out[1], out[2], None, None, out[3], out[4]
 
 
 def linear_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    labels: torch.Tensor) -> torch.Tensor:
+                    labels: torch.Tensor, low_rank: LowRank | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy (fp32) of the head `hidden @ weight.T + bias` over the positions that count,
     without the whole logits: the same number as `lm_loss_sum(F.linear(hidden, weight, bias), labels)`.
+    `low_rank` (u (..., r) shaped like hidden, B (V, r)) adds u @ B.T to the logits (LoRA's adapters on the head).
 
-    Compiled: that plain formulation, which Inductor fuses; eager: the kernel `head_loss_kernel` picks."""
+    Compiled: that plain formulation, which Inductor fuses; eager: `LinearCrossEntropy`."""
     flat, targets = hidden.reshape(-1, hidden.size(-1)), labels.reshape(-1)
+    low = None if low_rank is None else (low_rank[0].reshape(-1, low_rank[0].size(-1)), low_rank[1])
     if torch.compiler.is_compiling():
-        return lm_loss_sum(F.linear(flat, weight, bias), targets)
-    if head_loss_kernel(flat.device) == "torch":
-        fused, options = fused_linear_cross_entropy()  # type: ignore[misc]
-        summed: torch.Tensor = fused(flat, weight, targets, linear_bias=bias, reduction="sum",
-                                     ignore_index=IGNORE_INDEX, options=options())
-        return summed.float()
+        logits = F.linear(flat, weight, bias)
+        return lm_loss_sum(logits if low is None else logits + F.linear(low[0], low[1]), targets)
     chunk = chunk_tokens(weight.shape[0])
     if not torch.is_grad_enabled():  # evaluation: the loss alone, no gradients made
-        return _head_loss(flat, weight, bias, targets, chunk, (False, False, False))[0]
-    total: torch.Tensor = LinearCrossEntropy.apply(flat, weight, bias, targets, chunk)
+        loss: torch.Tensor = _head_loss(flat, weight, bias, targets, chunk, (False,) * 5, low)[0]
+        return loss
+    total: torch.Tensor = LinearCrossEntropy.apply(flat, weight, bias, targets, chunk,
+                                                   *(low if low is not None else (None, None)))
     return total
 
 
