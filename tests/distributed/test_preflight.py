@@ -231,3 +231,29 @@ def test_a_rank_stalled_once_is_cleared_by_the_second_look_and_the_job_trains(tm
     table = json.loads(next(tmp_path.rglob(PREFLIGHT_FILE)).read_text())
     assert table["second_look"] is True and table["verdict"]["ok"]  # the first look had named rank 2's links
     assert table["seconds"] <= table["budget_seconds"]
+
+
+# Started by the test only: rank 2 is killed (SIGKILL: no word, no error file) in its device check.
+KILL_RANK_2 = '''
+import os
+if os.environ.get("RANK") == "2" and os.environ.get("TORCHELASTIC_RUN_ID"):
+    import signal
+    import kubetrain.distributed.device_check as check
+
+    def killed(a, b):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    check.device_matmul = killed
+'''
+
+
+@pytest.mark.ci  # minutes of processes together with its peers: .ci/run runs it, not the README's test command
+@pytest.mark.slow
+def test_a_worker_killed_during_the_preflight_is_an_incident_naming_its_rank(tmp_path: Path) -> None:
+    """A kill at step 3 was named by the hang watch from the heartbeats; in the preflight there are none yet, and the
+    job ended with no incident: the agent's failure names the rank, so the launcher records it."""
+    proc = _train_with_hook(tmp_path, KILL_RANK_2)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    incidents = [json.loads(f.read_text()) for f in tmp_path.rglob("incidents/*.json")]
+    assert [(i["rank"], i["step"]) for i in incidents if i["kind"] in ("worker-exit", "oom")] == [(2, None)], incidents
+    assert "incident: " in proc.stderr and "rank 2" in proc.stderr

@@ -149,9 +149,11 @@ class HangWatch:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _oom_at_start: int | None = None
+    _started_at: float | None = None  # when this launch's watch started: incidents from before are not its own
 
     def start(self) -> HangWatch:
         self._oom_at_start = oom_kills()
+        self._started_at = time.time()
         self._thread = threading.Thread(target=self._loop, name="kubetrain-hang-watch", daemon=True)
         self._thread.start()
         return self
@@ -254,6 +256,10 @@ class HangWatch:
         """A worker ended on its own: its kind (oom, timeout, worker-exit), rank and last step."""
         self.handled.add(beat.round_key)
         message = failure_message or _error_message(beat.error_file) or describe_exit(status)
+        self.record_ended(beat.rank, beat.step, status, message)
+
+    def record_ended(self, rank: int, step: int | None, status: int | None, message: str) -> None:
+        """The incident of a worker that ended (`step` None: before its first step), of the kind its end says."""
         oom_now = oom_kills()
         kind: incidents.Kind = "worker-exit"
         if _OOM.search(message) or (status is not None and status & 0x7F == signal.SIGKILL
@@ -262,7 +268,7 @@ class HangWatch:
         elif _TIMEOUT.search(message):
             kind = "timeout"
         self._oom_at_start = oom_now
-        self.recorded(incidents.record(self.run_dir, kind, rank=beat.rank, step=beat.step,
+        self.recorded(incidents.record(self.run_dir, kind, rank=rank, step=step,
                                        message=message.splitlines()[0][:500] if message else ""))
 
     def recorded(self, entry: dict[str, Any]) -> None:
@@ -345,6 +351,14 @@ class HangWatch:
         if beats and beats[0].round_key not in self.handled and failure_rank is not None:
             beat = next((b for b in beats if b.rank == failure_rank), beats[0])
             self.record_exit(beat, None, failure_message)
+        elif not beats and failure_rank is not None and not self._recorded_since_start():
+            # before any heartbeat (the preflight, the start-up): the agent's failure names the rank, no step yet
+            self.record_ended(failure_rank, None, None, failure_message or "the worker ended before its first step")
+
+    def _recorded_since_start(self) -> bool:
+        """Whether an incident of this launch is already in the run folder (the preflight records its own)."""
+        started = self._started_at
+        return started is not None and any(e.get("time", 0) >= started for e in incidents.read_all(self.run_dir))
 
     def live_beats(self) -> list[Beat]:
         """The newest round's beats of workers still running (what the launcher's /metrics shows per rank)."""
