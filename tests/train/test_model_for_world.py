@@ -44,10 +44,10 @@ def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _first_step(cfg: Any) -> tuple[dict[str, torch.Tensor], float]:
     """The Trainer's initial weights (gathered) and the loss of its first step."""
-    from kubetrain.train.micro_batch import resolve_here
+    from kubetrain.train.launch_plan import plan_worker
     from kubetrain.train.trainer import RunOptions, Trainer
 
-    cfg, _ = resolve_here(cfg)  # the accumulation that keeps the global batch at this world size, as `train` does
+    cfg = plan_worker(cfg).cfg  # the accumulation that keeps the global batch at this world size, as `train` does
     trainer = Trainer(cfg, RunOptions(argv=[], resume="never"), log=lambda m: None)
     trainer.setup()
     trainer.open()

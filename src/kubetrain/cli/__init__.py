@@ -160,11 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             traceback.print_exc()
         record_worker_error(e)
-        if not _launcher_says_it():
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        if as_json:
-            _json_line({"error": str(e), "exit": worker_exit_code(e)})
-        sys.exit(worker_exit_code(e))
+        _failed(str(e), worker_exit_code(e), as_json)
     except ModuleNotFoundError as e:
         extra = OPTIONAL_EXTRAS.get((e.name or "").split(".")[0])
         if extra is None:
@@ -191,15 +187,20 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             traceback.print_exc()
         record_worker_error(TrainingFailed(lost))
-        if not _launcher_says_it():
-            print(f"error: {lost}", file=sys.stderr, flush=True)
-        if as_json:
-            _json_line({"error": lost, "exit": EXIT_FAILURE})
-        sys.exit(EXIT_FAILURE)
+        _failed(lost, EXIT_FAILURE, as_json)
     except Exception as e:  # a bug: keep the traceback, and tell the elastic launcher which rank failed
         record_worker_error(e)
         _bug(e, as_json)
         raise
+
+
+def _failed(message: str, code: int, as_json: bool) -> NoReturn:
+    """The one `error:` line (a worker under the launcher leaves it to the launcher), --json's object, the exit."""
+    if not _launcher_says_it():
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    if as_json:
+        _json_line({"error": message, "exit": code})
+    sys.exit(code)
 
 
 def _launcher_says_it() -> bool:

@@ -20,6 +20,7 @@ from kubetrain.k8s.render.network import network_policy
 from kubetrain.k8s.render.objects import claims, config_map
 from kubetrain.k8s.render.podsecurity import level_note
 from kubetrain.k8s.render.renderers import RENDERERS
+from kubetrain.k8s.render.spec_hash import pod_templates
 
 
 def render(cfg: Config, workload: str | None = None, measured: MeasuredSave | None = None, *,
@@ -83,21 +84,3 @@ def write_files(objects: list[dict[str, Any]], folder: Path) -> list[Path]:
         path.write_text(to_yaml([obj]), encoding="utf-8")
         paths.append(path)
     return paths
-
-
-def pod_templates(obj: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """(role, PodTemplateSpec) of a rendered workload; the TrainJob's is the patch kubetrain applies."""
-    kind, spec = obj["kind"], obj.get("spec", {})
-    if kind in ("Job", "StatefulSet"):
-        return [("node", spec["template"])]
-    if kind == "JobSet":
-        return [(rj["name"], rj["template"]["spec"]["template"]) for rj in spec["replicatedJobs"]]
-    if kind == "PyTorchJob":
-        return [(role.lower(), r["template"]) for role, r in spec["pytorchReplicaSpecs"].items()]
-    if kind == "TrainJob":
-        return [
-            (rj["name"], rj["template"]["spec"]["template"])
-            for patch in spec.get("runtimePatches", [])
-            for rj in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
-        ]
-    return []

@@ -35,7 +35,6 @@ def spec_hash(objects: list[dict[str, Any]]) -> str:
 
 def stamp(objects: list[dict[str, Any]]) -> None:
     """Put the hash on the workload (the last object) and on its pod templates."""
-    from kubetrain.k8s.render.manifest import pod_templates
 
     workload = objects[-1]
     metas = [workload["metadata"], *(t.setdefault("metadata", {}) for _, t in pod_templates(workload))]
@@ -85,3 +84,21 @@ def _go_float(number: float) -> str:
         return f"{mantissa}e{sign}{digits.zfill(2) if sign == '+' else digits}"
     shortest = decimal.Decimal(repr(number)).normalize()
     return format(shortest, "f")
+
+
+def pod_templates(obj: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(role, PodTemplateSpec) of a rendered workload; the TrainJob's is the patch kubetrain applies."""
+    kind, spec = obj["kind"], obj.get("spec", {})
+    if kind in ("Job", "StatefulSet"):
+        return [("node", spec["template"])]
+    if kind == "JobSet":
+        return [(rj["name"], rj["template"]["spec"]["template"]) for rj in spec["replicatedJobs"]]
+    if kind == "PyTorchJob":
+        return [(role.lower(), r["template"]) for role, r in spec["pytorchReplicaSpecs"].items()]
+    if kind == "TrainJob":
+        return [
+            (rj["name"], rj["template"]["spec"]["template"])
+            for patch in spec.get("runtimePatches", [])
+            for rj in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+        ]
+    return []
