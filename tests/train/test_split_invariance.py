@@ -59,7 +59,7 @@ def _config(root: Path, name: str, micro: int, accum: int, strategy: str = "ddp"
         "data": {"sources": [{"kind": "chat", "path": str(root / "chat.jsonl")}],
                  "chat": {"template": "chatml", "packing": True},
                  "cache_dir": str(root / "cache"), "val_fraction": 0.1},
-        "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
+        "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 128},
         "train": {"max_steps": STEPS, "micro_batch_size": micro, "grad_accum_steps": accum, "warmup_steps": 0,
                   "lr": 1e-2, "grad_clip": 0.0, "log_every_steps": 1},
         "eval": {"every_steps": 100, "windows": 1, "sample_prompt": None},
