@@ -320,7 +320,7 @@ def _marked_text(text: str, exprs: dict[FieldPath, str], mark: Callable[[str], s
             key = prefix.rstrip(" ")
             token = "".join(lines[at:end])[len(key):-1]
             # the block's lines go into the ConfigMap's block scalar: _templates puts the scalar's indentation for
-            # the placeholder, from the line the key lands on and the key's own indentation here
+            # the indentation marker, from the line the key lands on and the key's own indentation here
             depth = len(key) - len(key.lstrip(" "))
             action = (f'{{{{ include "kubetrain.block" (list {expr} {default} {json.dumps(token)} '
                       f'"{_INDENT}{depth:03d}") }}}}')
