@@ -32,6 +32,7 @@ def pip_env(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "PIP_CACHE_DIR": str(tmp_path / "pip-cache"), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 
 
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_the_default_bundle_is_small_and_holds_what_the_gpu_image_lacks(tmp_path: Path) -> None:
     out = tmp_path / "bundle"
     proc = bundle(out, env=pip_env(tmp_path))

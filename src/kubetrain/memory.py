@@ -349,16 +349,13 @@ def model_shape(cfg: Config) -> dict[str, Any]:
     if cfg.model.kind == "hf":
         return _hf_shape(cfg)
     from kubetrain.models import gpt_config
-    from kubetrain.models.gpt import GPT
 
     vocab = _tokenizer_vocab(cfg)
     if vocab is None and cfg.model.vocab_size is None:
         return {"error": f"the vocabulary of the {cfg.data.tokenizer.kind} tokenizer is known after prepare; "
                          "set model.vocab_size for an estimate"}
     gc = gpt_config(cfg.model, vocab or cfg.model.vocab_size or 0)
-    with torch.device("meta"):
-        params = sum(p.numel() for p in GPT(gc).parameters())
-    return {"params": params, "n_layer": gc.n_layer, "hidden": gc.n_embd, "n_head": gc.n_head,
+    return {"params": gc.parameters, "n_layer": gc.n_layer, "hidden": gc.n_embd, "n_head": gc.n_head,
             "head_dim": gc.head_dim, "vocab": gc.vocab_size, "weight_bytes": 4, "tied": gc.tie_embeddings,
             "mlp_hidden": gc.hidden}
 

@@ -72,6 +72,7 @@ def _complete_in_bucket(bucket: Bucket, folder: str) -> bool:
     return all(sizes.get(f) == info["bytes"] for f, info in meta["files"].items())
 
 
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_sigterm_uploads_and_an_empty_folder_resumes_from_the_bucket_bitwise(
     reference: tuple[Path, Path], bucket: Bucket, tmp_path: Path
 ) -> None:
@@ -95,6 +96,7 @@ def test_sigterm_uploads_and_an_empty_folder_resumes_from_the_bucket_bitwise(
     assert _pointer(bucket, "s3/checkpoints/latest") == f"step-{STEPS:06d}"
 
 
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_sigkill_during_an_upload_never_leaves_latest_on_a_partial_checkpoint(
     reference: tuple[Path, Path], bucket: Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -59,6 +59,7 @@ def _rewind(run: Path, to: Path, step: int) -> None:
     (to / "checkpoints" / "best").write_text(checkpoint.step_name(step) + "\n")
 
 
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_shards_written_by_every_rank_resume_exactly_and_export(tmp_path: Path) -> None:
     cache = f"data.cache_dir={tmp_path}/c"
     watch = tmp_path / "watch"

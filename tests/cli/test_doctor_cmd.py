@@ -57,6 +57,7 @@ def test_doctor_quick_needs_check(run_main: RunMain) -> None:
 
 
 @pytest.mark.slow  # the memory group trains on the CPU too (about a minute)
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_doctor_check_only_runs_the_groups_named(run_main: RunMain, tmp_path: Path) -> None:
     code, _, err = run_main("doctor", "--check", "--only", "speed,nosuch")
     assert code == 2 and err.startswith("error: --only: no such group nosuch (groups: correctness, speed")

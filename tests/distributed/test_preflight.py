@@ -130,6 +130,7 @@ def _scrape(run: Path) -> dict[str, dict[str, float]]:
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_a_healthy_four_process_job_prints_its_table_before_step_1_and_keeps_it(tmp_path: Path) -> None:
     proc = _train(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

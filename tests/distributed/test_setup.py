@@ -153,6 +153,7 @@ atexit.register(_threads)
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the threads of a process from /proc")
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_an_fsdp_run_ends_with_its_gloo_backends_gone(tmp_path: Path) -> None:
     """destroy_process_group alone left each rank's gloo worker and TCP threads (and rank 0's TCPStore thread) to
     interpreter finalization, where gloo can abort the process (torch_compat.release_destroyed_groups); the

@@ -121,6 +121,7 @@ def finished_meta(s: Simulation) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_indexed_job_of_two_pods_trains_to_the_end(tmp_path: Path) -> None:
     sets = [a for item in [*TINY, "train.max_steps=12", "checkpoint.every_steps=4"] for a in ("--set", item)]
     done = subprocess.run(
@@ -147,6 +148,7 @@ def test_pytorchjob_of_two_pods_trains_to_the_end(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_a_lost_pod_is_replaced_and_the_run_resumes_from_the_shared_checkpoint(tmp_path: Path) -> None:
     steps = 200
     s = sim(tmp_path, "indexed-job", f"train.max_steps={steps}", "checkpoint.every_steps=20",
@@ -172,6 +174,7 @@ def test_a_lost_pod_is_replaced_and_the_run_resumes_from_the_shared_checkpoint(t
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_a_simulated_job_is_fetched_and_works_here(tmp_path: Path) -> None:
     """`k8s fetch`'s copy of a whole 2-pod job, then runs/generate/export and MLflow on it and a local resume from it.
 

@@ -66,6 +66,7 @@ def _weights(run: Path, step: int) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path: Path) -> None:
     common = ("train.max_steps=8", "eval.every_steps=100", "checkpoint.every_steps=100", f"data.cache_dir={tmp_path}/c")
     kubetrain("train", *sets("run.name=one", "train.grad_accum_steps=2", *common), cwd=tmp_path)
@@ -113,6 +114,7 @@ def _workers(launcher_pid: int) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_killed_worker_is_restarted_and_the_run_ends_like_an_uninterrupted_one(tmp_path: Path) -> None:
     common = ("train.max_steps=30", "eval.every_steps=10", "checkpoint.every_steps=5", "model.n_embd=64",
               f"data.cache_dir={tmp_path}/c")
@@ -188,6 +190,7 @@ def test_sigterm_while_waiting_in_the_rendezvous_exits_resumable_with_its_line(t
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_resume_with_another_world_size_continues_the_data_without_replay(tmp_path: Path) -> None:
     common = ("train.max_steps=12", "eval.every_steps=100", "checkpoint.every_steps=100", "train.log_every_steps=1",
               f"data.cache_dir={tmp_path}/c")

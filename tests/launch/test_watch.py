@@ -240,6 +240,7 @@ def test_no_heartbeat_without_a_launcher(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_a_stopped_worker_is_detected_dumped_restarted_and_the_run_completes(tmp_path: Path) -> None:
     # One setting scales every clock (config/clocks.py): the watch at 8 s acts before the collective timeout
     # (23 s), so the one incident names the stopped rank 1, not rank 0 that noticed.

@@ -33,6 +33,7 @@ def test_parameter_count_matches_a_count_by_hand(tied: bool) -> None:
     c = small(tie_embeddings=tied)
     model = GPT(c)
     assert model.num_params() == expected_params(c)
+    assert c.parameters == model.num_params()  # what the memory estimate counts without building the model
     assert model.num_params(non_embedding=True) == expected_params(c) - c.vocab_size * c.n_embd
     assert (model.lm_head.weight is model.embed.weight) == tied
 

@@ -135,6 +135,7 @@ def test_load_trained_rebuilds_a_gpt_lora_run_exactly(gpt_lora_run: Path) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_lora_on_an_hf_model_under_ddp(
     make_lora_config: Callable[..., Config], llama_dir: Path, chat_file: Path, tmp_path: Path
 ) -> None:

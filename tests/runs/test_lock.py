@@ -144,6 +144,7 @@ def _rank0_worker(launcher: int) -> int | None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["launcher", "rank0"])
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_the_elastic_agent_restarts_rank_0_under_the_lock(tmp_path: Path, how: str) -> None:
     # "launcher": `--nproc` on one node, whose launcher holds the lock; "rank0": a rendezvous endpoint, as pods
     # use, where global rank 0 holds it and its restarted successor takes it over from the killed one.

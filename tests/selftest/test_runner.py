@@ -18,6 +18,7 @@ ITEM_KEYS = {"name", "status", "why", "figures", "tolerance", "seconds"}
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # about 70 s of CPU; a loaded shared machine stretches it past the suite's default limit
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_quick_check_on_the_cpu_reports_every_item(cli: Cli, tmp_path: Path) -> None:
     out = tmp_path / "check.json"
     proc = cli("doctor", "--check", "--quick", "--json", "-o", str(out), timeout=900)

@@ -51,6 +51,7 @@ def background(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return cwd / "runs" / "async", cwd / "cache"
 
 
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_background_fsdp_checkpoints_are_the_files_a_synchronous_save_writes(
     background: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -76,6 +77,7 @@ def test_background_fsdp_checkpoints_are_the_files_a_synchronous_save_writes(
     assert _losses(run) == _losses(sync)
 
 
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_sigkill_during_a_background_fsdp_save_keeps_the_previous_checkpoint_and_resumes_exactly(
     background: tuple[Path, Path], tmp_path: Path
 ) -> None:

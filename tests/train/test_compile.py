@@ -51,6 +51,7 @@ def _train(tmp_path: Path, data_cache: Path, name: str, *overrides: str) -> list
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_train_compile_runs_compiled_training_steps_through_the_trainer(tmp_path: Path) -> None:
     # Inductor on the CPU: real C++ code generation and compilation (the machine's C compiler), forward and backward
     reset_compiled()

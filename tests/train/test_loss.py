@@ -182,6 +182,7 @@ def _ddp_worker(rank: int, world: int, root: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_ddp_compiled_step_is_the_models_graph_split_at_the_buckets_with_eagers_gradients(tmp_path: Path) -> None:
     import json
 

@@ -68,6 +68,7 @@ def test_single_phase_and_unknown_phase(tmp_path: Path) -> None:
     assert bad.stderr.strip() == "error: --phase pretrian: no such phase (phases: pretrain, code, instruct)"
 
 
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_generate_and_export_a_run_of_phases_use_the_last_finished_phase(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     kubetrain("train", str(cfg), *sets("train.max_steps=2"), "--phase", "pretrain", cwd=tmp_path)

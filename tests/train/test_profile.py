@@ -48,6 +48,7 @@ def test_a_run_traces_the_steps_asked_for(workdir: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_a_run_that_ends_first_writes_the_steps_it_traced_and_none_is_off(tmp_path: Path) -> None:
     kubetrain("train", *sets("run.name=short", "train.max_steps=2", "train.profile={start: 2, steps: 5}",
                              "eval.every_steps=2"), cwd=tmp_path)

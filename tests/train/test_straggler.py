@@ -61,6 +61,7 @@ def test_the_timer_counts_data_wait_and_forward_not_the_rest(monkeypatch: pytest
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_a_worker_stopped_and_continued_in_a_loop_is_named_the_slowest_rank(tmp_path: Path) -> None:
     proc = start("train", *sets("run.name=slow", "train.max_steps=100000", "checkpoint.every_steps=100000",
                                 "eval.every_steps=100000", "train.log_every_steps=5", "train.grad_accum_steps=4"),

@@ -208,7 +208,12 @@ def _build(cfg: Config, key: str, folder: Path, log: Log | None, first: int) -> 
     meta_file = folder / "meta.json"
     if meta_file.is_file():  # finished by another process since this one looked
         return Prepared(folder, json.loads(meta_file.read_text()))
-    claims = Claims(work / "claims")
+    try:
+        claims = Claims(work / "claims")
+    except OSError:  # the work was finished and moved into place while this process made its claims folder
+        if not meta_file.is_file():
+            raise
+        return Prepared(folder, json.loads(meta_file.read_text()))
     try:
         tok, info = _shared_tokenizer(cfg, work, meta_file, claims, log)
         parts = plan(cfg)

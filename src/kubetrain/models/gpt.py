@@ -45,6 +45,15 @@ class GPTConfig:
         # SwiGLU keeps the parameter count of a 4x MLP with 2/3 of the width; round up for fast matmuls.
         return self.mlp_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)
 
+    @property
+    def parameters(self) -> int:
+        """How many parameters GPT(self) has, without building it (a model on the meta device is initialised
+        through torch._refs, which imports Dynamo: a second of the start of every process that estimates)."""
+        d = self.n_embd
+        block = 4 * d * d + 3 * d * self.hidden + 2 * d  # q, k, v, o; gate, up, down; two norms
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.n_layer * block + d + head
+
 
 def rope_cache(cfg: GPTConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sign-folded sin of shape (block_size, head_dim), laid out for `apply_rope`'s rotate-halves.

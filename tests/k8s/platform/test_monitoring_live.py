@@ -200,6 +200,7 @@ def test_a_straggler_among_two_and_among_four_ranks_fires_and_is_named(
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_a_launcher_killed_from_outside_alerts_and_one_that_finished_does_not(
         prometheus: Callable[[list[str]], Prometheus], tmp_path: Path) -> None:
     """kill -9 of a launcher (what the OOM killer and a lost node do to it): its scrape fails, its series vanish, and

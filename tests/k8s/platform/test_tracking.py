@@ -154,6 +154,7 @@ def mlflow_server(postgres_uri: str, tmp_path: Path) -> Iterator[tuple[str, Path
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_training_logs_through_the_rendered_server(mlflow_server: tuple[str, Path], train_tiny: TrainTiny,  # noqa: F811
                                                    tmp_path: Path) -> None:
     url, artifacts = mlflow_server
@@ -333,6 +334,7 @@ def _post(url: str, body: dict[str, Any], auth: tuple[str, str]) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_a_job_with_its_own_credentials_logs_a_run_and_a_reader_cannot_write(
         tmp_path: Path, train_tiny: TrainTiny, cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """docs/platform.md's recipe, against the rendered server with auth on: a user made with users/create alone got

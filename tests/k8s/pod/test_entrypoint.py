@@ -162,6 +162,7 @@ def test_a_pod_stopped_before_its_first_checkpoint_exits_75_and_says_it_lost_not
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_a_pod_that_lost_its_rendezvous_host_exits_69_which_the_job_ignores(tmp_path: Path) -> None:
     """Node rank 0's pod is lost (it hosts the c10d store): the other pod exits 69, which the rendered
     podFailurePolicy ignores, so with backoffLimit 1 the job survives (the lost pod is its one failure)."""

@@ -36,6 +36,7 @@ def _wait(condition: object, what: str, sim: Simulation) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_a_frozen_rank_in_a_pod_is_named_with_stacks_while_the_liveness_probe_stays_alive(tmp_path: Path) -> None:
     """Rank 0 SIGSTOPped, then (after the restart) rank 1: one pod, both rounds, every probe answered 200."""
     cfg = load_config(None, "tiny", [*TINY, "dist.hang_timeout_seconds=8"])
