@@ -152,9 +152,9 @@ def _ddp_worker(rank: int, world: int, root: str) -> None:
     import torch.distributed as td
     from torch.nn.parallel import DistributedDataParallel
 
+    from kubetrain.data.loader import counted_tokens
     from kubetrain.distributed.setup import teardown
     from kubetrain.models.gpt import GPT, GPTConfig
-    from kubetrain.models.loss import counted_tokens
 
     torch.set_num_threads(1)
     td.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank, world_size=world,

@@ -238,12 +238,7 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def counted_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """The positions a loss counts (at least 1, so a window of prompt only gives 0, not NaN)."""
-    return (labels != IGNORE_INDEX).sum().clamp(min=1)
-
-
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over the positions that count; 0 for a batch with none (a prompt-only chat
     window), not NaN."""
-    return lm_loss_sum(logits, labels) / counted_tokens(labels)
+    return lm_loss_sum(logits, labels) / (labels != IGNORE_INDEX).sum().clamp(min=1)

@@ -114,8 +114,8 @@ def bare_loop_speed(ctx: Context, compiled: bool) -> dict[str, Any]:
     already on the device, the loss never read. What the trainer adds to that is its overhead."""
     import torch
 
+    from kubetrain.data.loader import counted_tokens
     from kubetrain.models import build_model
-    from kubetrain.models.loss import counted_tokens
     from kubetrain.train.loss import loss_step
     from kubetrain.train.optim import build_optimizer
 
@@ -131,7 +131,7 @@ def bare_loop_speed(ctx: Context, compiled: bool) -> dict[str, Any]:
 
     def step() -> None:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = forward_loss(x, y) / counted_tokens(y)
+            loss = forward_loss(x, y) / counted_tokens(y).clamp(min=1)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         optimizer.step()

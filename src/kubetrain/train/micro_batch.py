@@ -24,11 +24,10 @@ import torch
 from torch import nn
 
 from kubetrain.config.schema import Config
-from kubetrain.data.loader import TokenWindows, TrainLoader
+from kubetrain.data.loader import TokenWindows, TrainLoader, counted_tokens
 from kubetrain.distributed import setup as dist
 from kubetrain.errors import TrainingFailed, UserInputError
 from kubetrain.memory import Layout, estimate_on
-from kubetrain.models.loss import counted_tokens
 from kubetrain.train.device import is_out_of_memory
 from kubetrain.train.loss import LossStep, loss_step
 from kubetrain.train.micro_batch_choice import (
@@ -188,7 +187,7 @@ def training_step(model: nn.Module, batch: Callable[[int], Any], device: torch.d
                             p.grad = torch.zeros_like(p)
                     b = batch(size).to(device)
                     with autocast_ctx():
-                        loss = loss_of(b.input_ids, b.labels, b.position_ids) / counted_tokens(b.labels)
+                        loss = loss_of(b.input_ids, b.labels, b.position_ids) / counted_tokens(b.labels).clamp(min=1)
                     loss.backward()
                     del held, loss
                 except (torch.OutOfMemoryError, RuntimeError) as e:
