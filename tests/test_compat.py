@@ -43,6 +43,7 @@ def test_today_trains_the_old_config_to_the_same_weights(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_an_old_run_resumes_lists_exports_and_generates(old_run: Path, tmp_path: Path) -> None:
     resumed = kubetrain("train", str(old_run / "config.yaml"), "--set", "train.max_steps=6", "--json", cwd=tmp_path)
     result = json.loads(resumed.stdout.splitlines()[-1])

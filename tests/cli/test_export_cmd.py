@@ -90,7 +90,7 @@ def test_a_run_that_is_not_there_or_not_lora(
     assert code == 2 and "is not a run directory" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+@pytest.mark.parametrize("fmt", ["hf", pytest.param("gguf", marks=pytest.mark.ci)])  # gguf: CI's stage
 def test_an_export_to_a_full_disk_is_one_line_and_leaves_nothing(gpt_lora_run: Path, tmp_path: Path, fmt: str) -> None:
     # A full disk for real: a 16 KiB tmpfs, mounted in a user and mount namespace of its own (unshare)
     unshare = shutil.which("unshare")

@@ -105,6 +105,7 @@ def _ports() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_rank_0s_gauges_come_from_the_launcher_of_the_node_that_holds_it(tmp_path: Path) -> None:
     """Node rank 1 starts first, so c10d may give it global rank 0: whichever node holds it, its
     launcher passes rank 0's gauges on, and each launcher serves its own ranks' heartbeats."""

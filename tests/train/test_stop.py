@@ -21,6 +21,7 @@ from tests.train.conftest import kubetrain, sets, start, wait_until
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_sigterm_during_a_save_longer_than_the_grace_period_exits_resumable_and_names_the_step(
     tmp_path: Path,
 ) -> None:

@@ -13,6 +13,7 @@ from tests.train.conftest import kubetrain, sets
 
 
 @pytest.mark.slow
+@pytest.mark.ci  # a heavy end-to-end proof (many processes): .ci/run runs it, not the README's test command
 def test_three_ranks_train_when_preparing_takes_longer_than_the_collective_timeout(tmp_path: Path) -> None:
     # Training a BPE tokenizer on a few MB takes several seconds on one rank, and the collective timeout is
     # 3 s: before, ranks 1 and 2 waited for rank 0 in a barrier and the job failed ("Timed out waiting").
