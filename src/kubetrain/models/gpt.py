@@ -47,8 +47,9 @@ class GPTConfig:
 
     @property
     def parameters(self) -> int:
-        """How many parameters GPT(self) has, without building it (a model on the meta device is initialised
-        through torch._refs, which imports Dynamo: a second of the start of every process that estimates)."""
+        """How many parameters GPT(self) has, without building it: the memory estimate of a launcher or `doctor`,
+        which trains nothing, builds no model (on the meta device it is initialised through torch._refs, which
+        imports Dynamo: a second or more of such a process's start on a CPU)."""
         d = self.n_embd
         block = 4 * d * d + 3 * d * self.hidden + 2 * d  # q, k, v, o; gate, up, down; two norms
         head = 0 if self.tie_embeddings else self.vocab_size * d
