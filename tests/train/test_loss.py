@@ -210,14 +210,16 @@ def test_ddp_compiled_step_is_the_models_graph_split_at_the_buckets_with_eagers_
 @pytest.mark.timeout(3600)  # two steps of a 128k-vocabulary head on one thread of a shared machine: minutes
 def test_a_llama_3_2_1b_shaped_lora_step_peaks_at_least_1_5_gib_lower_with_the_same_loss() -> None:
     # The target, measured as bench/bench_head_loss.py does (each variant in a fresh process, one after the
-    # other): vocabulary 128,256, hidden 2048, 2 layers, LoRA r16, 1 x 2048 tokens. Minutes: the head alone is three
-    # 2048 x 2048 x 128,256 matmuls per variant on one thread.
+    # other): vocabulary 128,256, hidden 2048, LoRA r16, 1 x 2048 tokens; one layer (the drop is the head's, which
+    # the layers do not change: 1.77 GiB with one here). Minutes: the head alone is three 2048 x 2048 x 128,256
+    # matmuls per variant on one thread.
     import json
     import subprocess
     import sys
 
     bench = Path(__file__).resolve().parents[2] / "bench" / "bench_head_loss.py"
-    out = subprocess.run([sys.executable, str(bench)], capture_output=True, text=True, check=True, timeout=3600)
+    out = subprocess.run([sys.executable, str(bench), "--layers", "1"], capture_output=True, text=True, check=True,
+                         timeout=3600)
     found = json.loads(out.stdout)
     assert found["drop_bytes"] >= 1.5 * 2**30, (found["before"], found["fused"])
     assert found["loss_rel_diff"] <= 1e-5
