@@ -87,10 +87,9 @@ def run_variant(root: Path, model: str, packing: bool, block: int, warmup: int, 
     import torch
 
     from kubetrain.data.chat import pad_id
-    from kubetrain.data.loader import TokenWindows, TrainLoader
+    from kubetrain.data.loader import TokenWindows, TrainLoader, counted_tokens
     from kubetrain.data.shards import prepare
     from kubetrain.models import build_model
-    from kubetrain.train.accumulation import counted
     from kubetrain.train.loss import loss_step
 
     cfg = config(root, model, packing, block)
@@ -110,13 +109,13 @@ def run_variant(root: Path, model: str, packing: bool, block: int, warmup: int, 
         if step == warmup:
             start = time.perf_counter()
         batch = loader.next_batch()
-        loss = loss_of(batch.input_ids, batch.labels, batch.position_ids) / counted(batch).clamp(min=1)
+        loss = loss_of(batch.input_ids, batch.labels, batch.position_ids) / counted_tokens(batch.labels).clamp(min=1)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step >= warmup:
             real += int((batch.input_ids != pad).sum())
-            losses += int(counted(batch))
+            losses += int(counted_tokens(batch.labels))
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     packed = prepared.meta.get("packing")

@@ -293,3 +293,14 @@ def test_the_lora_estimate_is_within_15_percent_of_the_measured_peak(
             "data.val_fraction=0.1", "data.tokenizer.kind=hf", f"data.tokenizer.path={llama_dir}",
             "train.micro_batch_size=4"]
     _within_15_percent(tmp_path, lora, None)
+
+
+@pytest.mark.ci  # a real packed run in its own process: .ci/run runs it, not the README's test command
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_packed_chat_run_s_estimate_is_within_15_percent_of_the_measured_peak(tmp_path: Path,
+                                                                                 chat_file: Path) -> None:
+    """Packed windows carry a block-causal mask the estimate counts (`document_mask`): with it, the same ±15%."""
+    packed = [*SMALL_GPT, "data.sources.0.kind=chat", f"data.sources.0.path={chat_file}", "data.chat.template=chatml",
+              "data.chat.packing=true", "data.val_fraction=0.1"]
+    _within_15_percent(tmp_path, packed, None)
