@@ -93,3 +93,43 @@ def test_an_attention_that_gets_no_packed_mask_is_refused_in_one_line(llama_dir:
         update={"packing": False})})})
     assert keeps_sequences_apart(model, unpacked) is model
     assert keeps_sequences_apart(llama(llama_dir, "sdpa"), cfg) is not None
+
+
+def test_every_layer_shares_one_additive_mask_in_the_weights_dtype(llama_dir: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' boolean mask would be turned into a float one by SDPA in every layer, each backward keeping its
+    copy; the packed window hands it one additive mask, made once, which every layer gets as it is."""
+    model = llama(llama_dir, "sdpa")
+    _, ids, pos, labels = packed_window()
+    masks: list[torch.Tensor | None] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        masks.append(kwargs.get("attn_mask"))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    model(ids, labels=labels, position_ids=pos).backward()
+    layers = len(model.blocks)
+    assert len(masks) == layers and all(m is masks[0] for m in masks)
+    assert masks[0] is not None and masks[0].dtype == torch.float32 and masks[0].shape == (1, 1, WINDOW, WINDOW)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_sliding_window_model_keeps_its_window_in_a_packed_window(attention: str) -> None:
+    """A model with sliding-window layers gets transformers' own masks (which hold the window), not the shared one."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=330, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, sliding_window=4)
+    lm = MistralForCausalLM(cfg)
+    lm.set_attn_implementation(attention)
+    model = HFCausalLM(lm, 64).eval()
+    seqs, ids, pos, _ = packed_window()
+    with torch.no_grad():
+        packed = model(ids, position_ids=pos)[0]
+        at = 0
+        for s in seqs:  # each longer than the window of 4: a mask without the window would change every logit
+            torch.testing.assert_close(packed[at : at + len(s)], model(s[None])[0], atol=1e-5, rtol=1e-5)
+            at += len(s)

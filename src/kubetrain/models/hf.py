@@ -2,8 +2,10 @@
 
 A packed window passes `position_ids` that restart at 0 at each sequence: the rotary positions restart, and
 transformers' masking_utils (`find_packed_sequence_indices`) builds its sdpa, eager and flex masks so that each
-sequence attends only to itself (flash attention takes them as variable-length sequences). A model whose attention
-would not (remote code, another kernel, a transformers without that function) is refused for packed data.
+sequence attends only to itself (flash attention takes them as variable-length sequences); for sdpa and eager,
+where that is safe, kubetrain hands one additive mask of its own to every layer instead (`HFCausalLM._packed`). A
+model whose attention would not (remote code, another kernel, a transformers without that function) is refused for
+packed data.
 
 The model comes from a local folder (offline by default) or a hub id when the config allows it; the token
 for gated models is read from the environment or from a mounted Secret file, and is never logged.
@@ -23,6 +25,7 @@ from torch import nn
 
 from kubetrain.config.schema import ModelConfig
 from kubetrain.errors import ConfigError, UserInputError
+from kubetrain.models.documents import block_causal_mask
 from kubetrain.models.loss import linear_loss_sum, lm_loss_sum
 from kubetrain.secrets import redact_text
 
@@ -71,7 +74,7 @@ class HFCausalLM(nn.Module):
         `labels` (B, T) instead the summed cross-entropy of those logits (fp32), made with the head chunk by chunk
         where the head is a plain linear (models/loss.py `linear_loss_sum`). `position_ids` (B, T), restarting at 0
         where a sequence starts, make a packed window (see the module's docstring)."""
-        packed = {} if position_ids is None else {"position_ids": position_ids}
+        packed = self._packed(position_ids)
         if labels is not None:
             return self._loss_sum(input_ids, labels, packed)
         if kv_cache is None:
@@ -79,6 +82,37 @@ class HFCausalLM(nn.Module):
             return logits
         cached: torch.Tensor = self.lm(input_ids=input_ids, past_key_values=kv_cache, use_cache=True).logits
         return cached
+
+    def _packed(self, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """What a packed window hands the transformers model: its `position_ids`, and, where transformers would
+        build a boolean mask that SDPA's CPU kernel turns into a float one in every layer (each backward keeping its
+        copy: +15% of a small Llama's step, measured), one additive mask for every layer, which transformers passes
+        on as it is (a 4D `attention_mask`, masking_utils `_preprocess_mask_arguments`)."""
+        if position_ids is None:
+            return {}
+        dtype = self._shared_mask_dtype(position_ids.device)
+        if dtype is None:
+            return {"position_ids": position_ids}
+        allowed = block_causal_mask(position_ids)
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        return {"position_ids": position_ids, "attention_mask": additive}
+
+    def _shared_mask_dtype(self, device: torch.device) -> torch.dtype | None:
+        """The dtype the attention computes in where one additive mask may replace transformers' own, else None:
+        sdpa and eager only (flash and flex take the sequences their own way), never under autocast (the compute
+        dtype is not the weights'), never a model with sliding-window layers (its own masks hold the window)."""
+        base = self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+        config = base.config
+        if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+            return None
+        if torch.is_autocast_enabled(device.type):
+            return None
+        kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None) \
+                or kinds != {"full_attention"}:
+            return None
+        dtype: torch.dtype = base.get_input_embeddings().weight.dtype
+        return dtype
 
     def _loss_sum(self, input_ids: torch.Tensor, labels: torch.Tensor, packed: dict[str, torch.Tensor]
                   ) -> torch.Tensor:
