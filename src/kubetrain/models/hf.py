@@ -25,7 +25,7 @@ from torch import nn
 
 from kubetrain.config.schema import ModelConfig
 from kubetrain.errors import ConfigError, UserInputError
-from kubetrain.models.documents import block_causal_mask
+from kubetrain.models.documents import additive_mask, block_causal_mask
 from kubetrain.models.loss import linear_loss_sum, lm_loss_sum
 from kubetrain.secrets import redact_text
 
@@ -93,9 +93,7 @@ class HFCausalLM(nn.Module):
         dtype = self._shared_mask_dtype(position_ids.device)
         if dtype is None:
             return {"position_ids": position_ids}
-        allowed = block_causal_mask(position_ids)
-        additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-        return {"position_ids": position_ids, "attention_mask": additive}
+        return {"position_ids": position_ids, "attention_mask": additive_mask(block_causal_mask(position_ids), dtype)}
 
     def _shared_mask_dtype(self, device: torch.device) -> torch.dtype | None:
         """The dtype the attention computes in where one additive mask may replace transformers' own, else None:
