@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kubetrain.config import SourceConfig, load_config, validate
-from kubetrain.config.schema import local_file_path
+from kubetrain.config.names import local_file_path
 from kubetrain.errors import ConfigError
 from tests.conftest import RunMain
 

@@ -14,7 +14,7 @@ import posixpath
 from pathlib import Path
 from typing import Any
 
-from kubetrain.config.schema import local_file_path, store_uri_problem
+from kubetrain.config.names import local_file_path, store_uri_problem
 from kubetrain.errors import UserInputError
 
 LOCAL_PROTOCOLS = (None, "file", "local")

@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 from kubetrain.checkpoint import BEST, CHECKSUM, LATEST, META_FILE, file_digest
 from kubetrain.checkpoint.store import Store, describe, is_remote, open_store
 from kubetrain.checkpoint.verdict import VERDICTS
-from kubetrain.config.schema import local_file_path, store_uri_problem
+from kubetrain.config.names import local_file_path, store_uri_problem
 from kubetrain.errors import CheckpointError, KubetrainError, UserInputError
 from kubetrain.outside_names import OutsideName, join_inside
 
